@@ -1,0 +1,176 @@
+"""Build the embedded demo base model: examples/model/ (~1M-param Qwen2, char tokenizer, ~4 MB).
+
+What it makes
+  - a character-level tokenizer (`tokenizers` BPE with no merges = one token per character):
+    ids 0 <pad>, 1 <eos>, 2 <unk>, then "\\t", "\\n" and printable ASCII (100 tokens), saved as a
+    PreTrainedTokenizerFast with eos/pad/unk set and a plain-text chat template (messages are
+    concatenated, an assistant turn ends with <eos>, so the user message "12+7=" renders as "12+7=");
+  - a random-init Qwen2 (hidden 128, 4 layers, 4 heads / 2 KV heads, MLP 512, 64 positions,
+    tied embeddings), supervised on the train split of examples/arith.py (loss on answer + EOS)
+    only until it *half-knows* the task: held-out greedy accuracy in [TARGET_ACC, MAX_ACC].
+    RL sharpens what a base half-knows; a base that knows nothing or everything gives no signal;
+  - examples/data/{train,eval}_prompts.jsonl with rows {"input": "12+7=", "answer": "19"}.
+
+Rerun (deterministic, ~1 minute on 2 CPU cores), from the repo root:
+    .venv/bin/python examples/make_base_model.py
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+import arith
+
+HERE = Path(__file__).resolve().parent
+SEED = 1234
+SPECIALS = ["<pad>", "<eos>", "<unk>"]
+# Plain-text chat: contents concatenated; an assistant turn is closed by EOS like an SFT target.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+)
+MAX_POSITIONS = 64
+MAX_NEW_TOKENS = 4  # longest answer "38" + EOS is 3 tokens
+TARGET_ACC, MAX_ACC = 0.20, 0.40  # stop at the first eval inside this held-out accuracy band
+MIN_STEPS, MAX_STEPS, EVAL_EVERY = 100, 600, 10
+LR, BATCH_SIZE = 1e-3, 32
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character: a BPE model with an empty merge list never joins characters."""
+    chars = ["\t", "\n"] + [chr(i) for i in range(32, 127)]
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()  # join characters back without spaces
+    tok.add_special_tokens(SPECIALS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+        model_max_length=MAX_POSITIONS, chat_template=CHAT_TEMPLATE,
+    )
+
+
+def save_tokenizer(tok: PreTrainedTokenizerFast, out: Path) -> None:
+    """save_pretrained, then keep the chat template inside tokenizer_config.json and name the
+    generic fast-tokenizer class, so transformers 4.x and 5.x both load it."""
+    tok.save_pretrained(out)
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("backend", None)
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+
+
+def build_model(tok: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
+    """Random-init ~1M-parameter Qwen2 sized for a 100-token vocabulary."""
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=512, max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        bos_token_id=None, dtype="float32",
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def sft_batch(tok, rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Right-padded batch of prompt+answer+EOS; labels mask the prompt and the padding (-100)."""
+    seqs, labels = [], []
+    for row in rows:
+        p = tok(row["input"])["input_ids"]
+        a = tok(row["answer"])["input_ids"] + [tok.eos_token_id]
+        seqs.append(p + a)
+        labels.append([-100] * len(p) + a)
+    width = max(len(s) for s in seqs)
+    pad = tok.pad_token_id
+    ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])  # (B, T)
+    lab = torch.tensor([l + [-100] * (width - len(l)) for l in labels])  # (B, T)
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])  # (B, T)
+    return {"input_ids": ids, "attention_mask": mask, "labels": lab}
+
+
+@torch.no_grad()
+def greedy_completions(model, tok, prompts: list[str], max_new_tokens: int = MAX_NEW_TOKENS) -> list[str]:
+    """Greedy continuations (left-padded batch), decoded with special tokens kept so the
+    scorer can cut at the first <eos>."""
+    was_training = model.training
+    model.eval()
+    tok.padding_side = "left"
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    out = model.generate(
+        **enc, max_new_tokens=max_new_tokens, do_sample=False,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+    )  # (B, T + new)
+    model.train(was_training)
+    new = out[:, enc["input_ids"].shape[1]:]  # (B, new)
+    return tok.batch_decode(new, skip_special_tokens=False)
+
+
+def greedy_accuracy(model, tok, rows: list[dict]) -> float:
+    """Mean 0/1 correctness of greedy completions on `rows`."""
+    comps = greedy_completions(model, tok, [r["input"] for r in rows])
+    return sum(arith.score(c, r["answer"]) for c, r in zip(comps, rows)) / len(rows)
+
+
+def sft_until_band(model, tok, train: list[dict], evals: list[dict], seed: int = SEED) -> tuple[int, float]:
+    """AdamW on answer+EOS tokens; every EVAL_EVERY steps past MIN_STEPS, stop once held-out greedy
+    accuracy is in [TARGET_ACC, MAX_ACC]. Returns (steps, accuracy)."""
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    model.train()
+    for step in range(1, MAX_STEPS + 1):
+        loss = model(**sft_batch(tok, rng.sample(train, BATCH_SIZE))).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % EVAL_EVERY:
+            continue
+        acc = greedy_accuracy(model, tok, evals)
+        print(f"step {step:4d}  loss {loss.item():.3f}  held-out greedy acc {acc:.2f}", flush=True)
+        if step >= MIN_STEPS and TARGET_ACC <= acc <= MAX_ACC:
+            return step, acc
+        if step >= MIN_STEPS and acc > MAX_ACC:
+            break
+    sys.exit(f"SFT never stopped inside the band [{TARGET_ACC}, {MAX_ACC}]; retune LR/steps")
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=HERE / "model")
+    ap.add_argument("--data", type=Path, default=HERE / "data")
+    args = ap.parse_args()
+
+    torch.manual_seed(SEED)
+    train, evals = arith.make_split()
+    write_jsonl(args.data / "train_prompts.jsonl", train)
+    write_jsonl(args.data / "eval_prompts.jsonl", evals)
+
+    tok = build_tokenizer()
+    model = build_model(tok)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"params: {n_params:,}  vocab: {len(tok)}  train/eval: {len(train)}/{len(evals)}")
+    steps, acc = sft_until_band(model, tok, train, evals)
+
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(args.out, safe_serialization=True)
+    tok.padding_side = "right"
+    save_tokenizer(tok, args.out)
+    print(f"saved {args.out}: {steps} SFT steps, held-out greedy accuracy {acc:.2f}, "
+          f"train greedy accuracy {greedy_accuracy(model, tok, train):.2f}")
+
+
+if __name__ == "__main__":
+    main()

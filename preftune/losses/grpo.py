@@ -1,0 +1,279 @@
+"""GRPO-family policy-gradient losses: GRPO, DAPO, Dr. GRPO, BNPO, GSPO, CISPO, SAPO.
+
+One function, `grpo_loss`, built from three independent pieces so each choice can be read
+(and tested) on its own:
+
+1. the importance ratio and the surrogate (`importance_log_ratio`, `policy_surrogate`),
+2. the KL penalty (`k3_kl`),
+3. the aggregation of per-token terms into one scalar (`aggregate`).
+
+`microbatch_weight` tells a training loop how to weight the loss of each micro-batch so that
+summed gradients equal one pass over the whole generation batch.
+"""
+from __future__ import annotations
+
+import torch
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# Losses with PPO-style hard clipping of the ratio (the others gate it differently).
+_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; expected one of {', '.join(choices)}")
+
+
+def importance_log_ratio(
+    logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: str
+) -> torch.Tensor:
+    """Log importance weight log w.
+
+    token:    log w_{i,t} = log pi(o_t) - log pi_old(o_t)                      -> (B, T)
+    sequence: log s_i = (1/|o_i|) sum_t m_{i,t} (log pi - log pi_old)           -> (B, 1)
+              (GSPO, arXiv:2507.18071: length-normalised sequence likelihood ratio;
+              |o_i| is clamped to >= 1 so an all-padding row gives s_i = 1).
+    """
+    log_ratio = logps - old_logps  # (B, T)
+    if level == "token":
+        return log_ratio
+    seq = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # (B,)
+    return seq.unsqueeze(-1)  # (B, 1)
+
+
+def policy_surrogate(
+    log_w: torch.Tensor,
+    logps: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_type: str,
+    *,
+    epsilon_low: float,
+    epsilon_high: float,
+    delta: float | None,
+    sapo_temperature_pos: float,
+    sapo_temperature_neg: float,
+) -> torch.Tensor:
+    """Per-token policy loss (to be minimised), before KL and aggregation. r = exp(log_w).
+
+    clip family (grpo, bnpo, dr_grpo, dapo), PPO clip with DAPO's decoupled "clip-higher" bounds
+    (arXiv:2503.14476) and INTELLECT-2's two-sided clip delta (arXiv:2505.07291):
+        l = -min(min(r, delta) * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
+    cispo (MiniMax-M1, arXiv:2506.13585), a truncated, stop-gradient IS weight on REINFORCE:
+        l = -sg[min(r, eps_high)] * A * log pi      (eps_high is the absolute cap eps_max here)
+    sapo (arXiv:2511.20347), a smooth gate instead of a hard clip, tau by the sign of A:
+        l = -(4 / tau) * sigmoid(tau * (r - 1)) * A,  tau = tau_pos if A > 0 else tau_neg
+    Shapes: log_w (B, T) or (B, 1); advantages (B, 1); result broadcasts to log_w's shape.
+    """
+    ratio = torch.exp(log_w)  # (B, T) or (B, 1)
+    if loss_type == "cispo":
+        weight = torch.clamp(ratio, max=epsilon_high).detach()
+        return -weight * advantages * logps  # (B, T)
+    if loss_type == "sapo":
+        pos, neg = (advantages.new_tensor(t) for t in (sapo_temperature_pos, sapo_temperature_neg))
+        tau = torch.where(advantages > 0, pos, neg)  # (B, 1)
+        return -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * advantages
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    return -torch.min(unclipped * advantages, clipped * advantages)
+
+
+def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi || pi_ref) (Schulman 2020; GRPO eq. 4, arXiv:2402.03300):
+
+        k3 = exp(ref - logp) - (ref - logp) - 1  >= 0, unbiased for samples from pi.
+    """
+    d = ref_logps - logps  # (B, T)
+    return torch.exp(d) - d - 1
+
+
+def aggregate(
+    per_token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: str,
+    *,
+    max_completion_length: int | None,
+    num_items: float | torch.Tensor | None,
+) -> torch.Tensor:
+    """Reduce masked per-token terms l_{i,t} (m = mask, B rows) to a scalar.
+
+    grpo, sapo   (DeepSeekMath GRPO, arXiv:2402.03300): (1/B) sum_i sum_t m l / max(|o_i|, 1)
+    bnpo:        sum m l / max(sum m, 1)  (token mean over this batch)
+    dr_grpo      (arXiv:2503.20783): sum m l / (B * L_max), L_max = max_completion_length
+                 (default T: pass the configured maximum so micro-batches agree)
+    dapo, cispo  (arXiv:2503.14476): sum m l / max(num_items, 1), num_items = completion tokens
+                 of the whole generation batch (default: sum m)
+    """
+    masked = per_token_loss * mask  # (B, T)
+    if loss_type in ("grpo", "sapo"):
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":
+        return masked.sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        length = mask.shape[-1] if max_completion_length is None else max_completion_length
+        return masked.sum() / (mask.shape[0] * length)
+    total = mask.sum() if num_items is None else torch.as_tensor(num_items, dtype=mask.dtype, device=mask.device)
+    return masked.sum() / total.clamp(min=1.0)
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token mean for (B, T) values; for (B, 1) sequence values, the mean over all B rows."""
+    if x.shape[-1] == 1:
+        return x.to(mask.dtype).mean()
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _row_fractions(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence fraction of flagged tokens (NaN for an all-padding row)."""
+    if x.shape[-1] == 1:
+        return x.squeeze(-1).to(mask.dtype)  # (B,)
+    return (x * mask).sum(-1) / mask.sum(-1)  # (B,)
+
+
+def _nan_extreme(x: torch.Tensor, largest: bool) -> torch.Tensor:
+    """Max (or min) ignoring NaN; NaN if all are NaN. No boolean indexing, so no device sync."""
+    fill = -torch.inf if largest else torch.inf
+    out = torch.where(torch.isnan(x), fill, x)
+    out = out.max() if largest else out.min()
+    return torch.where(torch.isinf(out), torch.nan, out)
+
+
+_CLIP_KEYS = ("low_mean", "high_mean", "region_mean", "low_min", "high_max")
+
+
+@torch.no_grad()
+def _clip_metrics(
+    log_w: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, loss_type: str,
+    epsilon_low: float, epsilon_high: float,
+) -> dict[str, torch.Tensor]:
+    """Fraction of tokens (sequences under GSPO) whose ratio sits where the clip has zero gradient.
+
+    low: r < 1 - eps_low with A < 0; high: r > 1 + eps_high with A > 0 (for cispo: r > eps_max
+    with A > 0, as TRL's cispo_clip_ratio); region: either. Means are over unmasked tokens;
+    low_min / high_max are the extreme per-sequence fractions. sapo never hard-clips: zeros.
+    The raw ratio is used (TRL 1.16 tests it after the delta cap, which differs only if
+    delta < 1 + eps_high, against the recommended setting).
+    """
+    ratio = torch.exp(log_w)  # (B, T) or (B, 1)
+    if loss_type in _CLIPPED:
+        low = (ratio < 1 - epsilon_low) & (advantages < 0)
+        high = (ratio > 1 + epsilon_high) & (advantages > 0)
+    elif loss_type == "cispo":
+        high = (ratio > epsilon_high) & (advantages > 0)
+        low = torch.zeros_like(high)
+    else:
+        zero = mask.new_zeros(())
+        return {f"clip_ratio/{k}": zero for k in _CLIP_KEYS}
+    low, high = low.to(mask.dtype), high.to(mask.dtype)
+    values = (
+        _masked_mean(low, mask),
+        _masked_mean(high, mask),
+        _masked_mean(torch.maximum(low, high), mask),
+        _nan_extreme(_row_fractions(low, mask), largest=False),
+        _nan_extreme(_row_fractions(high, mask), largest=True),
+    )
+    return {f"clip_ratio/{k}": v for k, v in zip(_CLIP_KEYS, values)}
+
+
+def _validate(loss_type, importance_sampling_level, beta, ref_logps, epsilon_high, logps, advantages, mask):
+    _check_choice("loss_type", loss_type, LOSS_TYPES)
+    _check_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
+    if beta > 0 and ref_logps is None:
+        raise ValueError("beta > 0 needs ref_logps (the reference model's per-token log-probs)")
+    if loss_type == "cispo" and epsilon_high is None:
+        # For cispo epsilon_high is an absolute cap on r, so defaulting it to epsilon (0.2) would
+        # silently scale every update down 5x. ScaleRL (arXiv:2510.13786) recommends 5.0.
+        raise ValueError("loss_type 'cispo' needs epsilon_high (the cap eps_max on the ratio, e.g. 5.0)")
+    if logps.dim() != 2 or mask.shape != logps.shape:
+        raise ValueError(f"logps and mask must both be (B, T); got {tuple(logps.shape)} and {tuple(mask.shape)}")
+    if advantages.shape != logps.shape[:1]:
+        raise ValueError(f"advantages must be (B,) = ({logps.shape[0]},); got {tuple(advantages.shape)}")
+
+
+def grpo_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_type: str = "dapo",
+    beta: float = 0.0,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    importance_sampling_level: str = "token",
+    max_completion_length: int | None = None,
+    num_items: float | torch.Tensor | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    kl_ratio_correction: bool = False,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO-family loss of one (micro-)batch and its metrics.
+
+    logps, old_logps, ref_logps: (B, T) per-token log-probs of the completion tokens under the
+    policy (with grad), the sampling policy (None = on-policy: logps.detach(), so r == 1 but
+    grad r = grad log pi) and the reference model (needed only when beta > 0).
+    advantages: (B,); mask: (B, T), 1 for completion tokens that count.
+
+    loss = aggregate(policy_surrogate(r, A) + beta * k3), see `policy_surrogate` (clip, DAPO
+    clip-higher with epsilon_high (default epsilon), two-sided `delta`, CISPO, SAPO),
+    `importance_log_ratio` (token ratio, or GSPO's sequence ratio, arXiv:2507.18071, broadcast
+    over tokens), `k3_kl` and `aggregate` (grpo / bnpo / dr_grpo / dapo / cispo / sapo).
+    kl_ratio_correction: multiply k3 by r (DeepSeek-V3.2, arXiv:2512.02556; TRL 1.16's
+    use_bias_correction_kl, on by default there) so its gradient is the unbiased reverse-KL one.
+
+    Metrics (python floats): kl (masked mean of the KL term actually used, 0.0 when beta == 0)
+    and clip_ratio/{low_mean, high_mean, region_mean, low_min, high_max}, see `_clip_metrics`.
+    """
+    _validate(loss_type, importance_sampling_level, beta, ref_logps, epsilon_high, logps, advantages, mask)
+    # At least float32: a bf16 mask cannot count past 256 tokens exactly, nor hold ratios near 1.
+    dtype = torch.promote_types(logps.dtype, torch.float32)
+    logps, mask = logps.to(dtype), mask.to(dtype)
+    old_logps = logps.detach() if old_logps is None else old_logps.to(dtype)
+    ref_logps = None if ref_logps is None else ref_logps.to(dtype)
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    adv = advantages.to(dtype).unsqueeze(-1)  # (B, 1)
+
+    log_w = importance_log_ratio(logps, old_logps, mask, importance_sampling_level)  # (B, T) or (B, 1)
+    per_token = policy_surrogate(
+        log_w, logps, adv, loss_type, epsilon_low=epsilon, epsilon_high=eps_high, delta=delta,
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+    )
+    kl_metric = mask.new_zeros(())
+    if beta > 0:
+        kl = k3_kl(logps, ref_logps)  # (B, T)
+        if kl_ratio_correction:
+            kl = kl * torch.exp(log_w)
+        per_token = per_token + beta * kl  # (B, T)
+        kl_metric = _masked_mean(kl.detach(), mask)
+    loss = aggregate(
+        per_token, mask, loss_type,
+        max_completion_length=max_completion_length, num_items=num_items,
+    )
+    metrics = {"kl": kl_metric, **_clip_metrics(log_w.detach(), adv, mask, loss_type, epsilon, eps_high)}
+    values = torch.stack(list(metrics.values())).tolist()  # one device sync for all metrics
+    return loss, dict(zip(metrics, values))
+
+
+def microbatch_weight(loss_type: str, mask_mb: torch.Tensor, *, batch_seqs: int, batch_tokens: float) -> float:
+    """Factor for `grpo_loss` of one micro-batch so that summing over micro-batches (and ranks)
+    gives the loss and gradient of one pass over the whole generation batch.
+
+    batch_seqs / batch_tokens: sequences / unmasked completion tokens of the whole generation
+    batch (across ranks; ranks must then SUM gradients, not average them). With b = rows and
+    n = unmasked tokens of the micro-batch:
+        grpo, sapo, dr_grpo: b / batch_seqs   (per-batch mean over sequences; dr_grpo also
+                                               needs a fixed max_completion_length)
+        bnpo:                max(n, 1) / max(batch_tokens, 1)  (undoes the local token mean)
+        dapo, cispo:         1, provided grpo_loss got num_items=batch_tokens
+    GSPO changes only the ratio, not the aggregation, so the same weights hold for both levels.
+    """
+    _check_choice("loss_type", loss_type, LOSS_TYPES)
+    if loss_type in ("dapo", "cispo"):
+        return 1.0
+    if loss_type == "bnpo":
+        return max(float(mask_mb.sum()), 1.0) / max(float(batch_tokens), 1.0)
+    return mask_mb.shape[0] / batch_seqs

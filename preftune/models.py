@@ -1,0 +1,80 @@
+"""Load the policy, the reference model and the tokenizer from a local Hugging Face folder."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from preftune.config import ModelConfig
+from preftune.errors import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+log = logging.getLogger(__name__)
+
+
+def resolve_model_path(cfg: ModelConfig, config_dir: str = ".") -> str:
+    """A relative model path is looked up from the working directory, then beside the config file."""
+    path = cfg.name_or_path
+    if os.path.isabs(path) or os.path.exists(path):
+        return path
+    beside = Path(config_dir) / path
+    if beside.exists():
+        return str(beside)
+    raise UserError(f"model folder not found: {path} (no model hub here: give a local folder)",
+                    where="model.name_or_path")
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tok.pad_token_id is None:
+        if tok.eos_token_id is None:
+            raise UserError("tokenizer has neither a pad nor an eos token", where=path)
+        tok.pad_token = tok.eos_token  # padding is masked everywhere, so reusing eos is safe
+    return tok
+
+
+def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True):
+    """The policy (trainable, optionally LoRA-wrapped) or a frozen copy for the reference."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
+        )
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load model: {str(e).splitlines()[0]}", where=path) from None
+    if not trainable:
+        model.eval().requires_grad_(False)
+        return model
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if cfg.lora.enabled:
+        model = _wrap_lora(model, cfg)
+    model.train()
+    return model
+
+
+def _wrap_lora(model, cfg: ModelConfig):
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise UserError("model.lora.enabled needs peft: pip install 'preftune[lora]'", where="model.lora") from None
+    lcfg = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                      target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM")
+    return get_peft_model(model, lcfg)
+
+
+def save_pretrained(model, tokenizer, out: str | Path) -> None:
+    """Hugging Face format (safetensors + config + tokenizer); LoRA adapters are merged first."""
+    to_save = model
+    if hasattr(model, "merge_and_unload") and hasattr(model, "peft_config"):
+        import copy
+
+        to_save = copy.deepcopy(model).merge_and_unload()
+    to_save.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))

@@ -1,0 +1,300 @@
+"""Loading reward functions and scoring completions with them (TRL's reward contract).
+
+A reward function is called as
+
+    f(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_extra=...,
+      log_metric=..., **columns) -> list[float | None]
+
+exactly like TRL 1.16's `GRPOTrainer._calculate_rewards`, so a TRL reward function runs unchanged.
+`None` means "not applicable to this row" and becomes NaN in the per-function table.
+"""
+from __future__ import annotations
+
+import asyncio
+import difflib
+import functools
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import numbers
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from preftune.errors import UserError
+from preftune.rewards.builtin import BUILTINS
+
+# Dataset columns TRL never forwards (they are passed positionally-named instead).
+_DROPPED_COLUMNS = ("prompt", "completion", "completion_ids")
+_RESERVED_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+
+
+@dataclass
+class RewardState:
+    """Stand-in for TRL's `TrainerState`, passed as `trainer_state` for progress-dependent shaping."""
+
+    global_step: int = 0
+    max_steps: int = 0
+    epoch: float = 0.0
+
+
+@dataclass
+class RewardResult:
+    per_func: torch.Tensor  # (N, F) float32, NaN where a function returned None
+    total: torch.Tensor  # (N,) weighted nansum over functions, NaN where every function returned None
+    names: list[str]  # F metric names, unique
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else ""
+    line = line if len(line) <= 200 else line[:197] + "..."
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def load_reward_function(spec: str, *, base_dir: str | Path = ".", **builtin_options: Any) -> Callable:
+    """Resolve `spec` to a reward function.
+
+    `spec` is a builtin name (see `preftune.rewards.builtin.BUILTINS`), `module:function` (an
+    importable module; `base_dir` is searched first), or `path/to/file.py:function` (relative to
+    `base_dir`, the config file's folder, or absolute). `builtin_options` configure builtins
+    (e.g. `max_completion_length`, `overlong_buffer_len`) and are ignored for custom functions.
+    """
+    where = f"reward '{spec}'"
+    spec = str(spec).strip()
+    if not spec:
+        raise UserError("empty reward spec", where=where)
+    if ":" not in spec:
+        if spec not in BUILTINS:
+            near = difflib.get_close_matches(spec, list(BUILTINS), n=1)
+            hint = f"did you mean '{near[0]}'? " if near else ""
+            raise UserError(
+                f"unknown built-in reward; {hint}built-ins: {', '.join(sorted(BUILTINS))}; "
+                "custom rewards are 'module:function' or 'file.py:function'",
+                where=where,
+            )
+        return BUILTINS[spec](builtin_options)
+    target, attr = spec.rsplit(":", 1)  # rsplit keeps a Windows drive letter in the path
+    if not target or not attr:
+        raise UserError("expected 'module:function' or 'file.py:function'", where=where)
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        module = _load_file(target, Path(base_dir), where)
+    else:
+        module = _import_module(target, Path(base_dir), where)
+    return _get_callable(module, attr, where)
+
+
+def _import_module(name: str, base_dir: Path, where: str):
+    # A module sitting next to the config should import without the user editing PYTHONPATH.
+    with _on_sys_path(base_dir):
+        try:
+            return importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 -- any import-time failure is the user's module
+            raise UserError(f"cannot import module '{name}': {_one_line(exc)}", where=where) from exc
+
+
+def _load_file(target: str, base_dir: Path, where: str):
+    path = Path(target).expanduser()
+    path = path if path.is_absolute() else base_dir / path
+    path = path.resolve()
+    if not path.is_file():
+        raise UserError(f"file not found: {path}", where=where)
+    # A unique, stable module name per file so two `rewards.py` in different folders don't collide,
+    # and registering it in sys.modules lets pickling and dataclasses in the file work.
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
+    mod_name = f"preftune_user_rewards.{path.stem}_{digest}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    module_spec = importlib.util.spec_from_file_location(mod_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise UserError(f"cannot load {path} as a Python module", where=where)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[mod_name] = module
+    with _on_sys_path(path.parent):  # so the file can import its sibling modules
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:  # noqa: BLE001
+            del sys.modules[mod_name]
+            raise UserError(f"error importing {path}: {_one_line(exc)}", where=where) from exc
+    return module
+
+
+class _on_sys_path:
+    def __init__(self, folder: Path):
+        self.folder = str(Path(folder).resolve())
+
+    def __enter__(self):
+        self.added = self.folder not in sys.path
+        if self.added:
+            sys.path.insert(0, self.folder)
+
+    def __exit__(self, *exc):
+        if self.added and self.folder in sys.path:
+            sys.path.remove(self.folder)
+
+
+def _get_callable(module, attr: str, where: str) -> Callable:
+    if not hasattr(module, attr):
+        names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None))]
+        near = difflib.get_close_matches(attr, names, n=1)
+        hint = f"; did you mean '{near[0]}'?" if near else ""
+        raise UserError(f"module '{module.__name__}' has no attribute '{attr}'{hint}", where=where)
+    func = getattr(module, attr)
+    if not callable(func):
+        raise UserError(f"'{attr}' is a {type(func).__name__}, not a callable", where=where)
+    return func
+
+
+def reward_name(func: Callable) -> str:
+    """Metric name of a reward function (`reward/<name>`): its `__name__` like TRL; a
+    `functools.partial` without its own `__name__` uses the wrapped function's; a callable object
+    without one uses its class name."""
+    while isinstance(func, functools.partial) and "__name__" not in getattr(func, "__dict__", {}):
+        func = func.func
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
+def _unique(names: list[str]) -> list[str]:
+    # Two rewards with one name would overwrite each other's metrics: suffix the later ones.
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# scoring
+
+
+def is_conversational(prompt: Any) -> bool:
+    """A chat prompt: a list of {role, content} message dicts."""
+    return (
+        isinstance(prompt, (list, tuple))
+        and len(prompt) > 0
+        and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in prompt)
+    )
+
+
+def as_completions(prompts: Sequence[Any], texts: Sequence[str]) -> list[Any]:
+    """Completions in the form TRL passes to rewards: the decoded string for text prompts, or
+    `[{"role": "assistant", "content": text}]` when the prompts are chat messages."""
+    if prompts and is_conversational(prompts[0]):
+        return [[{"role": "assistant", "content": t}] for t in texts]
+    return list(texts)
+
+
+def _noop(*args, **kwargs) -> None:
+    return None
+
+
+def _reward_kwargs(columns: Mapping[str, Sequence[Any]], n: int, extra_kwargs: Mapping[str, Any] | None) -> dict:
+    kwargs: dict[str, Any] = {}
+    for key, values in columns.items():
+        if key in _DROPPED_COLUMNS:
+            continue
+        if key in _RESERVED_KWARGS:
+            raise UserError(f"dataset column '{key}' clashes with a reward-function argument; rename it")
+        if len(values) != n:
+            raise ValueError(f"column '{key}' has {len(values)} values for {n} completions")
+        kwargs[key] = list(values)
+    # TRL passes these on every call; defaults keep TRL reward functions that use them working.
+    kwargs.update(trainer_state=RewardState(), log_extra=_noop, log_metric=_noop)
+    kwargs.update(extra_kwargs or {})
+    return kwargs
+
+
+def _call_reward(func: Callable, name: str, args: dict) -> Any:
+    try:
+        out = func(**args)
+        if inspect.isawaitable(out):  # async rewards (e.g. an LLM judge), run to completion
+            out = asyncio.run(_await(out))
+        return out
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- a failing reward is reported as the user's error
+        raise UserError(f"raised {_one_line(exc)}", where=f"reward '{name}'") from exc
+
+
+async def _await(awaitable):
+    return await awaitable
+
+
+def _to_column(out: Any, name: str, n: int) -> list[float]:
+    """Validate one function's output and turn it into n floats (NaN for None)."""
+    where = f"reward '{name}'"
+    if isinstance(out, torch.Tensor) or type(out).__module__ == "numpy":  # 1-D arrays work in TRL too
+        out = out.tolist() if getattr(out, "ndim", None) == 1 else out
+    if not isinstance(out, (list, tuple)):
+        raise UserError(f"returned a {type(out).__name__}, expected a list of {n} floats", where=where)
+    if len(out) != n:
+        raise UserError(f"returned {len(out)} values, expected {n} (one per completion)", where=where)
+    column = []
+    for row, value in enumerate(out):
+        if value is None:
+            column.append(float("nan"))
+            continue
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if not isinstance(value, numbers.Real):
+            raise UserError(f"returned a non-numeric value {value!r} at row {row}; use None to skip a row", where=where)
+        value = float(value)
+        if value != value or value in (float("inf"), float("-inf")):
+            raise UserError(f"returned non-finite value {value} at row {row}; use None to skip a row", where=where)
+        column.append(value)
+    return column
+
+
+def _weights_tensor(weights: Sequence[float] | None, num_funcs: int) -> torch.Tensor:
+    if weights is None:
+        return torch.ones(num_funcs, dtype=torch.float32)
+    weights = list(weights)
+    if len(weights) != num_funcs:
+        raise UserError(f"got {len(weights)} reward weights for {num_funcs} reward functions", where="reward_weights")
+    w = torch.tensor([float(x) for x in weights], dtype=torch.float32)  # (F,)
+    if not torch.isfinite(w).all():
+        raise UserError(f"reward weights must be finite, got {weights}", where="reward_weights")
+    return w
+
+
+def compute_rewards(
+    funcs: Sequence[Callable],
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Sequence[Sequence[int]],
+    columns: Mapping[str, Sequence[Any]],
+    *,
+    weights: Sequence[float] | None = None,
+    extra_kwargs: Mapping[str, Any] | None = None,
+) -> RewardResult:
+    """Score N completions with F reward functions.
+
+    per_func[i, k] = f_k(...)[i] (NaN for None); total[i] = sum_k w_k * per_func[i, k] over the
+    non-NaN entries (TRL's weighted `nansum`), and NaN when every function returned None for row i
+    (TRL 1.16 marks such rows unscorable). `columns` hold one value per completion; `extra_kwargs`
+    (e.g. `trainer_state`, `log_metric`) override the defaults passed to every function.
+    """
+    n = len(completions)
+    if not funcs:
+        raise ValueError("compute_rewards needs at least one reward function")
+    if len(prompts) != n or len(completion_ids) != n:
+        raise ValueError(f"got {len(prompts)} prompts, {n} completions, {len(completion_ids)} completion_ids")
+    w = _weights_tensor(weights, len(funcs))  # (F,)
+    kwargs = _reward_kwargs(columns, n, extra_kwargs)
+    names = _unique([reward_name(f) for f in funcs])
+    args = dict(prompts=list(prompts), completions=list(completions), completion_ids=list(completion_ids), **kwargs)
+    cols = [_to_column(_call_reward(f, name, args), name, n) for f, name in zip(funcs, names)]
+    per_func = torch.tensor(cols, dtype=torch.float32).reshape(len(funcs), n).T.contiguous()  # (N, F)
+    total = (per_func * w.unsqueeze(0)).nansum(dim=1)  # (N,)
+    total[torch.isnan(per_func).all(dim=1)] = torch.nan
+    return RewardResult(per_func=per_func, total=total, names=names)

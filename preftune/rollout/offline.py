@@ -1,0 +1,64 @@
+"""Offline GRPO batches: the labeled responses of one prompt form its group; no generation.
+
+The importance ratio is taken against the current policy (old log-probs = logps.detach()), so the
+clipped surrogate reduces to an advantage-weighted log-likelihood of the logged responses.
+"""
+from __future__ import annotations
+
+import torch
+
+from preftune.config import GRPOConfig
+from preftune.data.stream import IndexStream
+from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response
+from preftune.rollout.sampler import Rollout, left_pad, right_pad
+from preftune.rollout.scored import Scored
+
+
+class OfflineSource:
+    def __init__(self, cfg: GRPOConfig, tokenizer, groups: list, *, seed: int, shuffle: bool,
+                 truncation: PromptTruncation, reward_name: str):
+        self.cfg, self.tok, self.groups, self.truncation = cfg, tokenizer, groups, truncation
+        self.stream = IndexStream(len(groups), seed, shuffle)
+        self.reward_name = reward_name
+        self.responses_truncated = 0
+
+    def _encode(self, idx: int):
+        g = self.groups[idx]
+        p = self.truncation.apply(encode_prompt(self.tok, g.prompt), where=f"group {idx}")
+        if p is None:
+            return None
+        limit = self.cfg.max_completion_length
+        comps, cut = [], []
+        for r in g.responses:
+            ids = encode_response(self.tok, r)
+            cut.append(len(ids) > limit)
+            comps.append(ids[:limit])
+        self.responses_truncated += sum(cut)
+        return p, comps, cut, list(g.rewards)
+
+    def make_batch(self, model, step: int) -> Scored:
+        prompts, comps, cut, rewards, sizes = [], [], [], [], []
+        for idx in self.stream.take(self.cfg.prompts_per_step):
+            enc = self._encode(idx)
+            if enc is None:
+                continue
+            p, c, t, r = enc
+            prompts += [p] * len(c)
+            comps += c
+            cut += t
+            rewards += r
+            sizes.append(len(c))
+        if not sizes:
+            raise RuntimeError("no group survived data.prompt_truncation")
+        p_ids, p_mask = left_pad(prompts, self.tok.pad_token_id)
+        c_ids, c_mask = right_pad(comps, self.tok.pad_token_id)
+        ro = Rollout(prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids, completion_mask=c_mask,
+                     truncated=torch.tensor(cut, dtype=torch.bool))
+        total = torch.tensor(rewards, dtype=torch.float32)  # (N,)
+        return Scored(ro, total[:, None].clone(), total, [self.reward_name], sizes)
+
+    def state_dict(self) -> dict:
+        return {"stream": self.stream.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state["stream"])

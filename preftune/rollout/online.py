@@ -1,0 +1,107 @@
+"""Online generation batches: sample G completions per prompt from the policy and score them."""
+from __future__ import annotations
+
+import torch
+
+from preftune.config import GRPOConfig
+from preftune.data.stream import IndexStream
+from preftune.data.tokenize import PromptTruncation, encode_prompt, is_messages
+from preftune.rewards.registry import RewardState, compute_rewards
+from preftune.rollout.sampler import Rollout, concat, left_pad, sample, select
+from preftune.rollout.scored import Scored, group_spread
+
+
+def completion_texts(tokenizer, rollout: Rollout, prompts: list) -> tuple[list, list[list[int]]]:
+    """Decoded completions (chat form for chat prompts, as TRL passes them) and their ids up to EOS."""
+    ids = [row[m.bool()].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    out = [[{"role": "assistant", "content": t}] if is_messages(p) else t for t, p in zip(texts, prompts)]
+    return out, ids
+
+
+def encode_prompts(tokenizer, prompt_set, indices: list[int], truncation: PromptTruncation):
+    """Tokenise prompts[indices]; prompts the truncation policy drops are left out (and counted there)."""
+    prompts, columns = prompt_set.select(indices)
+    keep, ids = [], []
+    for j, (i, p) in enumerate(zip(indices, prompts)):
+        enc = truncation.apply(encode_prompt(tokenizer, p), where=f"prompt {i}")
+        if enc is not None:
+            keep.append(j)
+            ids.append(enc)
+    prompts = [prompts[j] for j in keep]
+    columns = {k: [v[j] for j in keep] for k, v in columns.items()}
+    return prompts, columns, ids
+
+
+def score(tokenizer, reward_funcs, ro: Rollout, prompts: list, columns: dict, G: int, weights, state) -> Scored:
+    rep_prompts = [p for p in prompts for _ in range(G)]
+    rep_cols = {k: [x for x in v for _ in range(G)] for k, v in columns.items()}
+    completions, comp_ids = completion_texts(tokenizer, ro, rep_prompts)
+    res = compute_rewards(reward_funcs, rep_prompts, completions, comp_ids, rep_cols, weights=weights,
+                          extra_kwargs={"trainer_state": state})
+    return Scored(ro, res.per_func, res.total, list(res.names), [G] * len(prompts))
+
+
+class OnlineSource:
+    def __init__(self, cfg: GRPOConfig, tokenizer, prompt_set, reward_funcs, *, seed: int, shuffle: bool,
+                 truncation: PromptTruncation, device: torch.device):
+        self.cfg, self.tok, self.prompt_set, self.reward_funcs = cfg, tokenizer, prompt_set, reward_funcs
+        self.stream = IndexStream(len(prompt_set), seed, shuffle)
+        self.truncation = truncation
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.state = RewardState()
+
+    def _round(self, model, n_prompts: int) -> Scored | None:
+        prompts, columns, ids = encode_prompts(self.tok, self.prompt_set, self.stream.take(n_prompts),
+                                               self.truncation)
+        if not ids:
+            return None
+        p_ids, p_mask = left_pad(ids, self.tok.pad_token_id)
+        c = self.cfg
+        ro = sample(model, p_ids, p_mask, num_generations=c.num_generations, max_new_tokens=c.max_completion_length,
+                    eos_id=self.tok.eos_token_id, pad_id=self.tok.pad_token_id, temperature=c.temperature,
+                    top_p=c.top_p, top_k=c.top_k, generator=self.generator)
+        return score(self.tok, self.reward_funcs, ro, prompts, columns, c.num_generations, c.reward_weights,
+                     self.state)
+
+    def make_batch(self, model, step: int) -> Scored:
+        """One generation batch. With dynamic sampling (DAPO), groups whose rewards are all equal are
+        dropped and new prompts sampled until the batch is full or `max_resample_rounds` is spent."""
+        self.state.global_step = step
+        G, want = self.cfg.num_generations, self.cfg.prompts_per_step
+        kept: list[Scored] = []
+        n_groups, rounds, dropped, last = 0, 0, 0, None
+        while n_groups < want:
+            s = self._round(model, want - n_groups)
+            if s is None:
+                break
+            last = s
+            if self.cfg.dynamic_sampling:
+                spread = group_spread(s.total, s.group_sizes) > 0  # (b,)
+                dropped += int((~spread).sum())
+                rows = torch.nonzero(spread.repeat_interleave(G)).squeeze(-1)
+                s = Scored(select(s.rollout, rows), s.per_func[rows], s.total[rows], s.names,
+                           [G] * int(spread.sum()))
+            if s.group_sizes:
+                kept.append(s)
+                n_groups += len(s.group_sizes)
+            if not self.cfg.dynamic_sampling or rounds >= self.cfg.max_resample_rounds:
+                break
+            rounds += 1
+        if last is None:
+            raise RuntimeError("no prompt survived data.prompt_truncation; nothing to sample")
+        kept = kept or [last]  # every group was flat: train on the last round (all advantages are 0)
+        n = min(want, sum(len(k.group_sizes) for k in kept)) * G
+        ro = select(concat([k.rollout for k in kept], self.tok.pad_token_id), list(range(n)))
+        out = Scored(ro, torch.cat([k.per_func for k in kept])[:n], torch.cat([k.total for k in kept])[:n],
+                     last.names, [G] * (n // G))
+        if self.cfg.dynamic_sampling:
+            out.extra = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/dropped_groups": dropped}
+        return out
+
+    def state_dict(self) -> dict:
+        return {"stream": self.stream.state_dict(), "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state["stream"])
+        self.generator.set_state(state["generator"])

@@ -1,0 +1,166 @@
+"""The DPO task: pairs from labeled traces (or a pairs file), cached reference log-probs, one step.
+
+Reference log-probs are computed once, before the first step, with the initial policy (which *is*
+the reference), and cached in OUTPUT_DIR/ref_logps.pt keyed by a fingerprint of the model and the
+tokenised pairs; no reference model is held during training.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from preftune.config import Config
+from preftune.data.stream import IndexStream
+from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response
+from preftune.errors import UserError
+from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
+from preftune.rollout.sampler import left_pad, right_pad
+from preftune.train.logps import completion_logps, microbatches
+
+log = logging.getLogger("preftune")
+
+
+@dataclass
+class EncodedPair:
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+
+
+def load_pairs(cfg: Config) -> tuple[list, dict]:
+    """A pairs file (prompt/chosen/rejected columns, TRL's format) or labeled traces paired on the fly."""
+    from preftune.data.pairs import build_pairs, read_pairs
+    from preftune.data.traces import read_rows, resolve_files
+
+    fs, files = resolve_files(cfg.data.train)
+    rows, columns = read_rows(fs, files[0])
+    if {"prompt", "chosen", "rejected"} <= set(columns):
+        pairs = read_pairs(cfg.data.train)
+        return pairs, {"pairs_file": len(pairs)}
+    from preftune.train.grpo_task import trace_options
+
+    from preftune.data.traces import load_traces
+
+    traces, drops = load_traces(cfg.data.train, trace_options(cfg))
+    d = cfg.data
+    pairs, report = build_pairs(traces, chosen_min=d.chosen_min, rejected_max=d.rejected_max,
+                                strategy=d.pair_strategy, max_pairs_per_prompt=d.max_pairs_per_prompt,
+                                min_margin=d.min_margin)
+    return pairs, {"traces": drops.as_dict(), "pairs": report.as_dict()}
+
+
+def encode_pairs(pairs, tokenizer, cfg: Config) -> tuple[list[EncodedPair], dict]:
+    """Prompt and response form one sequence; over max_length, the response is cut (prompt kept)."""
+    trunc = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
+    out, cut = [], 0
+    for i, p in enumerate(pairs):
+        prompt = trunc.apply(encode_prompt(tokenizer, p.prompt), where=f"pair {i}")
+        if prompt is None:
+            continue
+        room = max(1, cfg.dpo.max_length - len(prompt))
+        chosen, rejected = encode_response(tokenizer, p.chosen), encode_response(tokenizer, p.rejected)
+        cut += (len(chosen) > room) + (len(rejected) > room)
+        out.append(EncodedPair(prompt, chosen[:room], rejected[:room]))
+    stats = {"pairs": len(out), "prompts_truncated": trunc.truncated, "prompts_dropped": trunc.dropped,
+             "responses_truncated": cut}
+    return out, stats
+
+
+def pair_tensors(batch: list[EncodedPair], pad_id: int):
+    """2b rows: the b chosen sequences, then the b rejected ones (one forward for both)."""
+    p_ids, p_mask = left_pad([e.prompt for e in batch] * 2, pad_id)  # (2b, P)
+    c_ids, c_mask = right_pad([e.chosen for e in batch] + [e.rejected for e in batch], pad_id)  # (2b, T)
+    return p_ids, p_mask, c_ids, c_mask
+
+
+def sequence_logps(model, batch: list[EncodedPair], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed completion log-probs (2b,) and completion lengths (2b,)."""
+    p_ids, p_mask, c_ids, c_mask = (t.to(device) for t in pair_tensors(batch, pad_id))
+    logps, _ = completion_logps(model, p_ids, p_mask, c_ids, c_mask)  # (2b, T)
+    return (logps * c_mask).sum(-1), c_mask.sum(-1)
+
+
+def _fingerprint(cfg: Config, encoded: list[EncodedPair]) -> str:
+    h = hashlib.sha256(f"{cfg.model.name_or_path}|{cfg.model.dtype}".encode())
+    for e in encoded:
+        h.update(repr((e.prompt, e.chosen, e.rejected)).encode())
+    return h.hexdigest()
+
+
+@torch.no_grad()
+def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int, device) -> torch.Tensor:
+    """(n, 2) reference [chosen, rejected] log-probs, cached in the output folder."""
+    cache = Path(cfg.output_dir) / "ref_logps.pt"
+    key = _fingerprint(cfg, encoded)
+    if cache.exists():
+        saved = torch.load(cache, weights_only=True)
+        if saved.get("fingerprint") == key:
+            return saved["logps"]
+    was_training = model.training
+    model.eval()
+    out = []
+    for sl in microbatches(len(encoded), cfg.dpo.micro_batch_size):
+        lp, _ = sequence_logps(model, encoded[sl], pad_id, device)
+        b = len(encoded[sl])
+        out.append(torch.stack([lp[:b], lp[b:]], dim=1).cpu())
+    model.train(was_training)
+    logps = torch.cat(out)  # (n, 2)
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(".tmp")
+    torch.save({"fingerprint": key, "logps": logps}, tmp)
+    tmp.replace(cache)
+    return logps
+
+
+class DPOTask:
+    def __init__(self, cfg: Config, model, tokenizer, device: torch.device):
+        from preftune.train.grpo_task import write_data_report
+
+        self.cfg, self.d, self.device = cfg, cfg.dpo, device
+        self.loss_types = [self.d.loss_type] if isinstance(self.d.loss_type, str) else list(self.d.loss_type)
+        check_dpo_options(self.loss_types, self.d.loss_weights, self.d.beta, self.d.label_smoothing)
+        pairs, report = load_pairs(cfg)
+        self.encoded, stats = encode_pairs(pairs, tokenizer, cfg)
+        write_data_report(cfg.output_dir, report | {"encoded": stats})
+        if not self.encoded:
+            raise UserError("no DPO pairs to train on (see data_report.json)", where=cfg.data.train)
+        self.pad_id = tokenizer.pad_token_id
+        self.ref = None
+        if not self.d.reference_free:
+            self.ref = reference_logps(model, self.encoded, cfg, self.pad_id, device)
+        self.stream = IndexStream(len(self.encoded), cfg.seed, cfg.data.shuffle)
+
+    def step(self, model, step: int, stop) -> dict:
+        idx = self.stream.take(self.d.batch_size)
+        B, totals, tokens = len(idx), {}, 0
+        for sl in microbatches(B, self.d.micro_batch_size):
+            stop.check()
+            part = idx[sl]
+            batch = [self.encoded[i] for i in part]
+            lp, lengths = sequence_logps(model, batch, self.pad_id, self.device)  # (2b,), (2b,)
+            b = len(part)
+            ref_c = ref_r = None
+            if self.ref is not None:
+                ref = self.ref[part].to(lp.device)  # (b, 2)
+                ref_c, ref_r = ref[:, 0], ref[:, 1]
+            loss, m = dpo_loss_multi(lp[:b], lp[b:], ref_c, ref_r, loss_types=self.loss_types,
+                                     loss_weights=self.d.loss_weights, beta=self.d.beta,
+                                     label_smoothing=self.d.label_smoothing, chosen_lengths=lengths[:b],
+                                     rejected_lengths=lengths[b:])
+            (loss * (b / B)).backward()  # per-pair means: a micro-batch of b pairs weighs b/B
+            m["loss"] = loss.item()
+            for k, v in m.items():
+                totals[k] = totals.get(k, 0.0) + v * b / B
+            tokens += int(lengths.sum()) + 2 * sum(len(e.prompt) for e in batch)
+        totals["num_tokens"] = tokens
+        return totals
+
+    def state_dict(self) -> dict:
+        return {"stream": self.stream.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state["stream"])

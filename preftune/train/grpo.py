@@ -1,0 +1,132 @@
+"""One GRPO step: build a generation batch (online sampling or offline trace groups), then train on it.
+
+A generation batch (`GRPOBatch`) holds the rollout, the advantages and the reference log-probs; it
+is reused for `num_iterations` optimiser steps and is part of the checkpoint while pending.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from preftune.config import GRPOConfig
+from preftune.losses import grpo_loss
+from preftune.losses.advantages import group_advantages
+from preftune.losses.grpo import microbatch_weight
+from preftune.rollout.sampler import Rollout
+from preftune.rollout.scored import Scored, group_spread
+from preftune.train.logps import completion_logps, microbatches
+
+
+@dataclass
+class GRPOBatch:
+    rollout: Rollout
+    advantages: torch.Tensor  # (N,)
+    ref_logps: torch.Tensor | None  # (N, T)
+    metrics: dict = field(default_factory=dict)
+
+    def state_dict(self) -> dict:
+        ro = self.rollout
+        tensors = {k: getattr(ro, k) for k in Rollout.__slots__ if getattr(ro, k) is not None}
+        tensors["advantages"] = self.advantages
+        if self.ref_logps is not None:
+            tensors["ref_logps"] = self.ref_logps
+        return {"tensors": {k: v.cpu() for k, v in tensors.items()}, "metrics": dict(self.metrics)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "GRPOBatch":
+        t = state["tensors"]
+        ro = Rollout(**{k: t.get(k) for k in Rollout.__slots__})
+        return cls(rollout=ro, advantages=t["advantages"], ref_logps=t.get("ref_logps"), metrics=state["metrics"])
+
+
+def reward_metrics(s: Scored) -> dict:
+    spread = group_spread(s.total, s.group_sizes)  # (n_groups,)
+    m = {"reward": _nanmean(s.total), "reward_std": spread.mean().item() if spread.numel() else 0.0}
+    for j, name in enumerate(s.names):
+        m[f"reward/{name}"] = _nanmean(s.per_func[:, j])
+    m["frac_reward_zero_std"] = (spread == 0).float().mean().item() if spread.numel() else 0.0
+    m["completion_length"] = s.rollout.completion_mask.sum(-1).float().mean().item()
+    m["completions/clipped_ratio"] = s.rollout.truncated.float().mean().item()
+    return m | s.extra
+
+
+def _nanmean(x: torch.Tensor) -> float:
+    v = x[~x.isnan()]
+    return v.mean().item() if v.numel() else float("nan")
+
+
+def advantages(s: Scored, scale: str) -> torch.Tensor:
+    """Group-relative advantages; groups of unequal size (offline traces) are normalised one by one."""
+    sizes = s.group_sizes
+    if len(set(sizes)) == 1:
+        return group_advantages(s.total, sizes[0], scale_rewards=scale)
+    if scale == "batch":  # one std over the batch, means per group: normalise each, then rescale
+        valid = s.total[~s.total.isnan()]
+        std = valid.std() if valid.numel() >= 2 else torch.zeros(())
+        parts = [group_advantages(g, len(g), scale_rewards="none") for g in torch.split(s.total, sizes)]
+        return torch.cat(parts) / (std + 1e-4)
+    return torch.cat([group_advantages(g, len(g), scale_rewards=scale) for g in torch.split(s.total, sizes)])
+
+
+def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig) -> GRPOBatch:
+    """Advantages, old log-probs (only when the batch is reused) and reference log-probs."""
+    ro = s.rollout
+    if cfg.num_iterations > 1:
+        ro.old_logps = reference_logps(model, ro, cfg)
+    ref = reference_logps(ref_model, ro, cfg) if cfg.beta > 0 else None
+    return GRPOBatch(rollout=ro, advantages=advantages(s, cfg.scale_rewards), ref_logps=ref,
+                     metrics=reward_metrics(s))
+
+
+@torch.no_grad()
+def reference_logps(model, rollout: Rollout, cfg: GRPOConfig) -> torch.Tensor:
+    """Log-probs of a rollout under a frozen model (reference, or the policy for old log-probs)."""
+    out = []
+    for sl in microbatches(rollout.completion_ids.size(0), cfg.micro_batch_size):
+        lp, _ = completion_logps(model, rollout.prompt_ids[sl], rollout.prompt_mask[sl], rollout.completion_ids[sl],
+                                 rollout.completion_mask[sl], temperature=cfg.temperature)
+        out.append(lp)
+    return torch.cat(out)  # (N, T)
+
+
+def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None) -> dict:
+    """Forward/backward over micro-batches of one generation batch; the caller steps the optimizer.
+
+    Each micro-batch loss is weighted so the summed gradient equals one pass over the whole batch
+    (`microbatch_weight`), and dapo's normaliser is the whole batch's token count.
+    """
+    ro = batch.rollout
+    mask = ro.completion_mask.float()  # (N, T)
+    if cfg.mask_truncated_completions:
+        mask = mask * (~ro.truncated).float()[:, None]
+    N = mask.size(0)
+    batch_tokens = mask.sum().item()
+    totals: dict[str, float] = {}
+    ent_sum = 0.0
+    for sl in microbatches(N, cfg.micro_batch_size):
+        check()  # preemption: may abandon the step between micro-batches
+        logps, entropy = completion_logps(model, ro.prompt_ids[sl], ro.prompt_mask[sl], ro.completion_ids[sl],
+                                          ro.completion_mask[sl], temperature=cfg.temperature, with_entropy=True)
+        old = None if ro.old_logps is None else ro.old_logps[sl]
+        ref = None if batch.ref_logps is None else batch.ref_logps[sl]
+        loss, m = grpo_loss(logps, old, ref, batch.advantages[sl], mask[sl], loss_type=cfg.loss_type,
+                            beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, delta=cfg.delta,
+                            importance_sampling_level=cfg.importance_sampling_level,
+                            max_completion_length=cfg.max_completion_length, num_items=batch_tokens)
+        w = microbatch_weight(cfg.loss_type, mask[sl], batch_seqs=N, batch_tokens=batch_tokens)
+        (loss * w).backward()
+        share = mask[sl].sum().item() / max(batch_tokens, 1.0)  # token share, for averaging metrics
+        totals["loss"] = totals.get("loss", 0.0) + loss.item() * w
+        for k, v in m.items():
+            if isinstance(v, float) and math.isnan(v):
+                continue
+            if k.endswith("_min") or k.endswith("_max"):  # extremes combine by min/max, not by averaging
+                pick = min if k.endswith("_min") else max
+                totals[k] = pick(totals[k], v) if k in totals else v
+            else:
+                totals[k] = totals.get(k, 0.0) + v * share
+        ent_sum += (entropy * mask[sl]).sum().item()
+    totals["entropy"] = ent_sum / max(batch_tokens, 1.0)
+    return totals

@@ -1,0 +1,46 @@
+"""AdamW and the learning-rate schedule (a pure function of the step: nothing to checkpoint but the step)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from preftune.config import OptimConfig
+
+
+def build_optimizer(params, cfg: OptimConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
+                             weight_decay=cfg.weight_decay)
+
+
+def lr_at(step: int, max_steps: int, cfg: OptimConfig) -> float:
+    """LR for optimiser step `step` (1-based): linear warmup from 0, then constant, linear or cosine to 0
+    (the Hugging Face schedules' shapes, so TRL users' warmup_ratio / lr_scheduler_type carry over)."""
+    warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * max_steps)
+    s = step - 1  # HF schedules evaluate at the number of steps already taken
+    if warmup and s < warmup:
+        return cfg.lr * s / warmup
+    if cfg.lr_scheduler == "constant":
+        return cfg.lr
+    progress = (s - warmup) / max(1, max_steps - warmup)
+    if cfg.lr_scheduler == "linear":
+        return cfg.lr * max(0.0, 1.0 - progress)
+    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_and_step(model, optimizer, max_grad_norm: float) -> float:
+    """Clip (when max_grad_norm > 0), step, zero grads; returns the pre-clip global grad norm."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_grad_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params])) if params \
+            else torch.zeros(())
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)

@@ -1,0 +1,127 @@
+"""group_advantages / group_stats: hand values, NaN rows, and parity with TRL 1.16's trainer code."""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from preftune.losses.advantages import group_advantages, group_stats
+
+NAN = float("nan")
+F64 = torch.float64
+
+
+def test_hand_values_group_scale():
+    # Group 0 = [1, 0, 0, 1]: mean 0.5, Bessel std = sqrt(4 * 0.25 / 3) = sqrt(1/3).
+    # A = +-0.5 / (sqrt(1/3) + 1e-4). Group 1 = [2, 2, 2, 2]: zero std -> A = 0 / 1e-4 = 0.
+    r = torch.tensor([1.0, 0, 0, 1, 2, 2, 2, 2], dtype=F64)
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    expected = torch.tensor([a, -a, -a, a, 0, 0, 0, 0], dtype=F64)
+    torch.testing.assert_close(group_advantages(r, 4), expected, rtol=0, atol=1e-12)
+    stats = group_stats(r, 4)
+    torch.testing.assert_close(stats.mean, torch.tensor([0.5] * 4 + [2.0] * 4, dtype=F64))
+    assert torch.isclose(stats.std, torch.zeros_like(stats.std)).tolist() == [False] * 4 + [True] * 4
+
+
+def test_hand_values_batch_and_none_scale():
+    # Groups [0, 2] and [4, 8]: means 1 and 6, centred [-1, 1, -2, 2].
+    # Batch std of [0, 2, 4, 8] (mean 3.5): sqrt((12.25 + 2.25 + 0.25 + 20.25) / 3) = sqrt(35/3).
+    r = torch.tensor([0.0, 2, 4, 8], dtype=F64)
+    centred = torch.tensor([-1.0, 1, -2, 2], dtype=F64)
+    torch.testing.assert_close(group_advantages(r, 2, scale_rewards="none"), centred)
+    batch = group_advantages(r, 2, scale_rewards="batch")
+    torch.testing.assert_close(batch, centred / (math.sqrt(35 / 3) + 1e-4), rtol=0, atol=1e-12)
+    # Per-group scaling would give both groups the same +-1/sqrt(2)-ish magnitude instead.
+    group = group_advantages(r, 2, scale_rewards="group")
+    assert group[0].item() == pytest.approx(group[2].item(), rel=1e-3)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_nan_rows_get_zero_and_do_not_shift_their_group(scale):
+    r = torch.tensor([1.0, NAN, 3.0, 8.0, 0.0, 5.0, 1.0, 2.0], dtype=F64)
+    adv = group_advantages(r, 4, scale_rewards=scale)
+    assert adv[1].item() == 0.0 and not torch.isnan(adv).any()
+    if scale != "batch":  # batch std spans groups, so dropping the row from group 0 alone differs
+        alone = group_advantages(torch.tensor([1.0, 3.0, 8.0], dtype=F64), 3, scale_rewards=scale)
+        torch.testing.assert_close(adv[[0, 2, 3]], alone)
+    stats = group_stats(r, 4)
+    assert stats.mean[0].item() == pytest.approx(4.0)  # (1 + 3 + 8) / 3, NaN left out
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_single_valid_row_and_all_nan_groups_give_zero(scale):
+    r = torch.tensor([NAN, 5.0, NAN, NAN, NAN, NAN, 1.0, 2.0], dtype=F64)
+    adv = group_advantages(r, 2, scale_rewards=scale)
+    assert adv[:6].tolist() == [0.0] * 6
+    assert adv[6].item() < 0 < adv[7].item()
+    assert torch.isnan(group_stats(r, 2).std[:2]).all()  # std undefined with < 2 rewards
+
+
+def test_one_generation_per_prompt_gives_zero():
+    assert group_advantages(torch.tensor([1.0, 7.0]), 1).tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    "rewards, g, kwargs, match",
+    [
+        (torch.zeros(5), 2, {}, "groups"),
+        (torch.zeros(2, 2), 2, {}, "1-D"),
+        (torch.tensor([1.0, math.inf]), 2, {}, "finite"),
+        (torch.zeros(4), 2, {"scale_rewards": "global"}, "group, batch, none"),
+    ],
+)
+def test_bad_inputs_raise(rewards, g, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        group_advantages(rewards, g, **kwargs)
+
+
+# ---------------------------------------------------------------- parity with TRL 1.16
+
+
+def _trl_advantages(rewards: torch.Tensor, num_generations: int, scale: str):
+    """Run GRPOTrainer._generate_and_score_completions on a stand-in trainer: generation is faked,
+    the single reward function returns `rewards` (NaN = None), and we read TRL's advantages."""
+    from trl import GRPOTrainer
+
+    n = rewards.numel()
+    metrics = defaultdict(lambda: defaultdict(list))
+    stub = SimpleNamespace(
+        accelerator=SimpleNamespace(device="cpu", process_index=0, gather=lambda t: t),
+        model=SimpleNamespace(training=True, is_gradient_checkpointing=False),
+        environment_factories=None, environments=None, tools=None, use_vllm=False,
+        vllm_importance_sampling_correction=False, mask_truncated_completions=False, beta=0.0,
+        pad_to_multiple_of=None, _tokenizer=SimpleNamespace(pad_token_id=0), num_iterations=1,
+        args=SimpleNamespace(per_device_train_batch_size=n, steps_per_generation=1, gradient_accumulation_steps=1,
+                             gradient_checkpointing_kwargs=None),
+        _generate=lambda prompts: ([[1]] * n, [[2, 3]] * n, None, ["c"] * n, None, {}, None, None),
+        _calculate_rewards=lambda *a: rewards.unsqueeze(1).clone(),  # (N, 1): one reward function
+        num_generations=num_generations, multi_objective_aggregation="sum_then_normalize",
+        reward_weights=torch.ones(1, dtype=rewards.dtype), scale_rewards=scale, reward_func_names=["r"],
+        _metrics=metrics, _pending_extra_logs={}, _pending_metrics={},
+        _logs={"prompt": [], "completion": [], "advantages": [], "rewards": defaultdict(list),
+               "extra": defaultdict(list)},
+    )
+    out = GRPOTrainer._generate_and_score_completions(stub, [{"prompt": "p"}] * n)
+    return out["advantages"], metrics["train"]["frac_reward_zero_std"][-1]
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_matches_trl(scale):
+    pytest.importorskip("trl")
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randn(24, generator=g, dtype=F64)  # 6 groups of 4
+    rewards[4:8] = 0.5  # a zero-std group
+    rewards[[1, 9, 10]] = NAN  # unscorable rows, two in one group
+    rewards[13:16] = NAN  # a group with one valid reward
+    ours = group_advantages(rewards, 4, scale_rewards=scale)
+    theirs, frac_zero_std = _trl_advantages(rewards, 4, scale)
+    # TRL's nanstd forms the Bessel factor n / (n - 1) from integer counts in float32, so
+    # float64 results agree to ~1e-8 relative, not to float64 precision.
+    torch.testing.assert_close(ours, theirs.to(F64), rtol=1e-7, atol=1e-7)
+    assert (ours != 0).sum() >= 12  # the comparison is not vacuous
+    if scale != "batch":  # TRL's batch mode logs whether the single batch std is zero instead
+        std = group_stats(rewards, 4).std
+        assert torch.isclose(std, torch.zeros_like(std)).float().mean().item() == pytest.approx(frac_zero_std)
