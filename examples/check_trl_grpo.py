@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 import arith
@@ -36,12 +36,28 @@ def correctness(completions: list[str], answer: list[str], **_: object) -> list[
     return arith.correctness_reward(completions, answer)
 
 
+class HeldOutEval(TrainerCallback):
+    """Print held-out greedy accuracy every `every` optimizer steps (the demo's eval cadence)."""
+
+    def __init__(self, tok, rows: list[dict], every: int):
+        self.tok, self.rows, self.every = tok, rows, every
+
+    def on_step_end(self, args, state, control, model=None, **_):
+        if state.global_step % self.every == 0:
+            acc = greedy_accuracy(model, self.tok, self.rows)
+            print(f"step {state.global_step}: held-out greedy accuracy {acc:.2f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=HERE / "model")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--lr-schedule", default="linear", help="TRL/transformers lr_scheduler_type")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: no spin-wait thrash)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
 
     train = read_jsonl(HERE / "data" / "train_prompts.jsonl")
     evals = read_jsonl(HERE / "data" / "eval_prompts.jsonl")
@@ -55,12 +71,13 @@ def main() -> None:
         cfg = GRPOConfig(
             output_dir=out, max_steps=args.steps, per_device_train_batch_size=256,
             num_generations=16, max_completion_length=4, temperature=1.0, learning_rate=3e-4,
-            beta=0.0, lr_scheduler_type="constant", warmup_steps=0, use_cpu=True, bf16=False,
+            beta=0.0, lr_scheduler_type=args.lr_schedule, warmup_steps=0, use_cpu=True, bf16=False,
             gradient_checkpointing=False, report_to="none", save_strategy="no",
             logging_steps=20, seed=args.seed, dataloader_num_workers=0, disable_tqdm=True,
         )
         trainer = GRPOTrainer(model=model, reward_funcs=correctness, args=cfg,
-                              train_dataset=ds, processing_class=tok)
+                              train_dataset=ds, processing_class=tok,
+                              callbacks=[HeldOutEval(tok, evals, args.eval_every)])
         t0 = time.time()
         trainer.train()
         dt = time.time() - t0

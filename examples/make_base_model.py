@@ -1,10 +1,11 @@
 """Build the embedded demo base model: examples/model/ (~1M-param Qwen2, char tokenizer, ~4 MB).
 
 What it makes
-  - a character-level tokenizer (`tokenizers` BPE with no merges = one token per character):
-    ids 0 <pad>, 1 <eos>, 2 <unk>, then "\\t", "\\n" and printable ASCII (100 tokens), saved as a
-    PreTrainedTokenizerFast with eos/pad/unk set and a plain-text chat template (messages are
-    concatenated, an assistant turn ends with <eos>, so the user message "12+7=" renders as "12+7=");
+  - a character-level tokenizer: byte-level BPE with no merges, so every ASCII character is one
+    token (other UTF-8 characters are one token per byte, lossless). Ids: 0 <pad>, 1 <eos>, 2 <unk>,
+    then 3 + byte value (259 tokens). Saved as a PreTrainedTokenizerFast with eos/pad/unk set and a
+    plain-text chat template (messages are concatenated, an assistant turn ends with <eos>, so the
+    user message "12+7=" renders as "12+7=");
   - a random-init Qwen2 (hidden 128, 4 layers, 4 heads / 2 KV heads, MLP 512, 64 positions,
     tied embeddings), supervised on the train split of examples/arith.py (loss on answer + EOS)
     only until it *half-knows* the task: held-out greedy accuracy in [TARGET_ACC, MAX_ACC].
@@ -23,7 +24,7 @@ import sys
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 import arith
@@ -43,12 +44,32 @@ MIN_STEPS, MAX_STEPS, EVAL_EVERY = 100, 600, 10
 LR, BATCH_SIZE = 1e-3, 32
 
 
+def byte_symbols() -> list[str]:
+    """The 256 printable stand-ins a ByteLevel pre-tokenizer uses for bytes 0..255, in byte order:
+    visible Latin-1 bytes stand for themselves, the rest map to chr(256 + k) in order."""
+    visible = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
+    out, k = [], 0
+    for b in range(256):
+        if b in visible:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + k))
+            k += 1
+    return out
+
+
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per character: a BPE model with an empty merge list never joins characters."""
-    chars = ["\t", "\n"] + [chr(i) for i in range(32, 127)]
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
+    """One token per byte (so per ASCII character): a byte-level BPE with an empty merge list.
+
+    Why byte-level rather than a raw character vocabulary: transformers 5 loads any qwen2 checkpoint
+    through Qwen2Tokenizer, which rebuilds the pipeline as NFC + ByteLevel around tokenizer.json's
+    vocab. Using that same pipeline here makes AutoTokenizer and the raw tokenizer.json agree.
+    """
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + byte_symbols())}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.decoder = decoders.Fuse()  # join characters back without spaces
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
@@ -70,7 +91,7 @@ def save_tokenizer(tok: PreTrainedTokenizerFast, out: Path) -> None:
 
 
 def build_model(tok: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
-    """Random-init ~1M-parameter Qwen2 sized for a 100-token vocabulary."""
+    """Random-init ~1M-parameter Qwen2 sized for the 259-token vocabulary."""
     config = Qwen2Config(
         vocab_size=len(tok), hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=512, max_position_embeddings=MAX_POSITIONS,
@@ -152,6 +173,9 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=HERE / "data")
     args = ap.parse_args()
 
+    # One thread: the same bits on any machine (reduction order depends on the thread count), and
+    # no spin-wait slowdown when the 2 cores are shared; the model is too small to gain from more.
+    torch.set_num_threads(1)
     torch.manual_seed(SEED)
     train, evals = arith.make_split()
     write_jsonl(args.data / "train_prompts.jsonl", train)

@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "data" / "traces.parquet")
     args = ap.parse_args()
 
+    torch.set_num_threads(1)  # machine-independent samples, as in make_base_model.py
     train = [json.loads(l) for l in (HERE / "data" / "train_prompts.jsonl").read_text().splitlines() if l]
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)

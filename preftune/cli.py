@@ -66,7 +66,15 @@ def _train(args) -> None:
 
     cfg = load_config(args.config, args.overrides)
     final = train(cfg)
+    evals = _eval_rewards(final.parent / "metrics.jsonl")
+    if len(evals) >= 2:
+        print(f"eval/reward: {evals[0]:.3f} (step 0) -> {evals[-1]:.3f} (last step)")
     print(f"done. model: {final}\n      metrics: {final.parent / 'metrics.jsonl'}")
+
+
+def _eval_rewards(path) -> list[float]:
+    records = [json.loads(line) for line in open(path) if line.strip()]
+    return [r["eval/reward"] for r in records if r.get("eval/reward") is not None]
 
 
 def _data(args) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -170,6 +171,9 @@ def _field_types(cls) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
 
 
+_SCI_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check/convert one YAML value against a type annotation; raise UserError naming the key."""
     origin = typing.get_origin(tp)
@@ -182,8 +186,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             try:
                 return _coerce(value, arg, key)
             except UserError as e:
-                errors.append(str(e))
-        raise UserError(errors[0] if len(errors) == 1 else f"{value!r} is not a valid value", where=key)
+                errors.append(e)
+        if len(errors) == 1:  # already names the key (or the list item)
+            raise errors[0]
+        raise UserError(f"{value!r} is not a valid value", where=key)
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
@@ -199,6 +205,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise UserError(f"expected an integer, got {value!r}", where=key)
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and _SCI_FLOAT.fullmatch(value.strip()):  # YAML 1.1 reads 1e-5 as a string
             return float(value)
         raise UserError(f"expected a number, got {value!r}", where=key)
     if tp is str:
@@ -261,22 +269,44 @@ def apply_override(data: dict, assignment: str) -> None:
     node[parts[-1]] = value
 
 
+def _get(cfg: Config, dotted: str) -> Any:
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def validate(cfg: Config) -> None:
     for key, allowed in CHOICES.items():
-        value = cfg
-        for part in key.split("."):
-            value = getattr(value, part)
+        value = _get(cfg, key)
         if value not in allowed:
             raise UserError(f"'{value}' is not one of {', '.join(allowed)}", where=key)
     positive = ["max_steps", "grpo.num_generations", "grpo.prompts_per_step", "grpo.micro_batch_size",
-                "grpo.max_completion_length", "grpo.num_iterations", "dpo.batch_size", "dpo.micro_batch_size"]
+                "grpo.max_completion_length", "grpo.num_iterations", "dpo.batch_size", "dpo.micro_batch_size",
+                "dpo.max_length", "data.max_prompt_length", "log.logging_steps", "eval.batch_size"]
     for key in positive:
-        value = cfg
-        for part in key.split("."):
-            value = getattr(value, part)
+        value = _get(cfg, key)
         if value < 1:
             raise UserError(f"must be >= 1, got {value}", where=key)
-    if cfg.algorithm == "grpo" and cfg.grpo.rollout == "online" and cfg.grpo.num_generations < 2:
+    # values the training code would otherwise crash on (division by zero, NaN sampling, optimizer checks)
+    for key in ("grpo.beta", "grpo.epsilon", "grpo.top_k", "optim.lr", "eval.eval_steps"):
+        if _get(cfg, key) < 0:
+            raise UserError(f"must be >= 0, got {_get(cfg, key)}", where=key)
+    if not cfg.grpo.temperature > 0:
+        raise UserError(f"must be > 0, got {cfg.grpo.temperature}", where="grpo.temperature")
+    if not 0 < cfg.grpo.top_p <= 1:
+        raise UserError(f"must be in (0, 1], got {cfg.grpo.top_p}", where="grpo.top_p")
+    if cfg.eval.max_new_tokens is not None and cfg.eval.max_new_tokens < 1:
+        raise UserError(f"must be >= 1 (or null), got {cfg.eval.max_new_tokens}", where="eval.max_new_tokens")
+    if cfg.grpo.loss_type == "cispo" and cfg.grpo.epsilon_high is None:
+        raise UserError("cispo needs epsilon_high, the cap on the importance ratio (e.g. 5.0)",
+                        where="grpo.epsilon_high")
+    if len(cfg.data.reward_range) != 2 or cfg.data.reward_range[0] > cfg.data.reward_range[1]:
+        raise UserError(f"expected [low, high], got {cfg.data.reward_range}", where="data.reward_range")
+    online = cfg.algorithm == "grpo" and cfg.grpo.rollout == "online"
+    if not cfg.grpo.reward_funcs and (online or cfg.data.eval and not cfg.eval.reward_funcs):
+        raise UserError("no reward function: list at least one", where="grpo.reward_funcs")
+    if online and cfg.grpo.num_generations < 2:
         raise UserError("GRPO needs at least 2 generations per prompt", where="grpo.num_generations")
     if cfg.grpo.reward_weights is not None and len(cfg.grpo.reward_weights) != len(cfg.grpo.reward_funcs):
         raise UserError(f"{len(cfg.grpo.reward_weights)} weights for {len(cfg.grpo.reward_funcs)} reward functions",
@@ -307,8 +337,21 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     cfg.data.train = resolve_local(cfg.data.train, config_dir)
     if cfg.data.eval:
         cfg.data.eval = resolve_local(cfg.data.eval, config_dir)
+    cfg.grpo.reward_funcs = [resolve_reward_file(s, config_dir) for s in cfg.grpo.reward_funcs]
+    if cfg.eval.reward_funcs:
+        cfg.eval.reward_funcs = [resolve_reward_file(s, config_dir) for s in cfg.eval.reward_funcs]
     validate(cfg)
     return cfg
+
+
+def resolve_reward_file(spec: str, config_dir: str) -> str:
+    """`file.py:function` with a relative path is read beside the config file; make it absolute so the
+    resolved config (OUTPUT_DIR/config.yaml) still finds the file when loaded from another folder."""
+    target, _, attr = spec.rpartition(":")
+    if not target or not (target.endswith(".py") or "/" in target or "\\" in target):
+        return spec  # a builtin name or an importable module
+    path = Path(target).expanduser()
+    return spec if path.is_absolute() else f"{(Path(config_dir) / path).resolve()}:{attr}"
 
 
 def resolve_local(path: str, config_dir: str) -> str:

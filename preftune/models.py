@@ -51,7 +51,11 @@ def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True):
         model.eval().requires_grad_(False)
         return model
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24 renamed it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.config.use_cache = False
     if cfg.lora.enabled:
         model = _wrap_lora(model, cfg)

@@ -10,6 +10,7 @@ import torch
 from preftune.config import GRPOConfig
 from preftune.data.stream import IndexStream
 from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response
+from preftune.errors import UserError
 from preftune.rollout.sampler import Rollout, left_pad, right_pad
 from preftune.rollout.scored import Scored
 
@@ -36,20 +37,27 @@ class OfflineSource:
         self.responses_truncated += sum(cut)
         return p, comps, cut, list(g.rewards)
 
+    def _draw(self) -> list:
+        """Encoded groups for one step; when data.prompt_truncation=drop leaves none, draw again
+        (2 * len consecutive draws cover a whole epoch)."""
+        drawn = 0
+        while drawn < 2 * len(self.groups):
+            encoded = [e for e in map(self._encode, self.stream.take(self.cfg.prompts_per_step)) if e is not None]
+            if encoded:
+                return encoded
+            drawn += self.cfg.prompts_per_step
+        raise UserError(f"every prompt is longer than data.max_prompt_length={self.truncation.max_length} "
+                        "and data.prompt_truncation=drop", where="data.max_prompt_length")
+
     def make_batch(self, model, step: int) -> Scored:
         prompts, comps, cut, rewards, sizes = [], [], [], [], []
-        for idx in self.stream.take(self.cfg.prompts_per_step):
-            enc = self._encode(idx)
-            if enc is None:
-                continue
+        for enc in self._draw():
             p, c, t, r = enc
             prompts += [p] * len(c)
             comps += c
             cut += t
             rewards += r
             sizes.append(len(c))
-        if not sizes:
-            raise RuntimeError("no group survived data.prompt_truncation")
         p_ids, p_mask = left_pad(prompts, self.tok.pad_token_id)
         c_ids, c_mask = right_pad(comps, self.tok.pad_token_id)
         ro = Rollout(prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids, completion_mask=c_mask,

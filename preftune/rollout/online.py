@@ -6,6 +6,7 @@ import torch
 from preftune.config import GRPOConfig
 from preftune.data.stream import IndexStream
 from preftune.data.tokenize import PromptTruncation, encode_prompt, is_messages
+from preftune.errors import UserError
 from preftune.rewards.registry import RewardState, compute_rewards
 from preftune.rollout.sampler import Rollout, concat, left_pad, sample, select
 from preftune.rollout.scored import Scored, group_spread
@@ -51,11 +52,21 @@ class OnlineSource:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.state = RewardState()
 
-    def _round(self, model, n_prompts: int) -> Scored | None:
-        prompts, columns, ids = encode_prompts(self.tok, self.prompt_set, self.stream.take(n_prompts),
-                                               self.truncation)
-        if not ids:
-            return None
+    def _draw(self, n_prompts: int):
+        """Prompts for one round. When data.prompt_truncation=drop leaves none, draw again: 2 * len
+        consecutive draws cover a whole epoch, so after that no prompt fits and the run cannot go on."""
+        drawn = 0
+        while drawn < 2 * len(self.prompt_set):
+            prompts, columns, ids = encode_prompts(self.tok, self.prompt_set, self.stream.take(n_prompts),
+                                                   self.truncation)
+            if ids:
+                return prompts, columns, ids
+            drawn += n_prompts
+        raise UserError(f"every prompt is longer than data.max_prompt_length={self.truncation.max_length} "
+                        "and data.prompt_truncation=drop", where="data.max_prompt_length")
+
+    def _round(self, model, n_prompts: int) -> Scored:
+        prompts, columns, ids = self._draw(n_prompts)
         p_ids, p_mask = left_pad(ids, self.tok.pad_token_id)
         c = self.cfg
         ro = sample(model, p_ids, p_mask, num_generations=c.num_generations, max_new_tokens=c.max_completion_length,
@@ -73,9 +84,7 @@ class OnlineSource:
         n_groups, rounds, dropped, last = 0, 0, 0, None
         while n_groups < want:
             s = self._round(model, want - n_groups)
-            if s is None:
-                break
-            last = s
+            last, rounds = s, rounds + 1  # rounds: generation rounds done (1 = no resampling)
             if self.cfg.dynamic_sampling:
                 spread = group_spread(s.total, s.group_sizes) > 0  # (b,)
                 dropped += int((~spread).sum())
@@ -85,11 +94,8 @@ class OnlineSource:
             if s.group_sizes:
                 kept.append(s)
                 n_groups += len(s.group_sizes)
-            if not self.cfg.dynamic_sampling or rounds >= self.cfg.max_resample_rounds:
+            if not self.cfg.dynamic_sampling or rounds > self.cfg.max_resample_rounds:
                 break
-            rounds += 1
-        if last is None:
-            raise RuntimeError("no prompt survived data.prompt_truncation; nothing to sample")
         kept = kept or [last]  # every group was flat: train on the last round (all advantages are 0)
         n = min(want, sum(len(k.group_sizes) for k in kept)) * G
         ro = select(concat([k.rollout for k in kept], self.tok.pad_token_id), list(range(n)))

@@ -8,6 +8,7 @@ unpadded one, here and in the training forward pass (`train/grpo.py` uses the sa
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,12 @@ class Rollout:
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """Position ids that skip left padding: (B, L) mask -> (B, L) positions."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
+
+
+def cache_kwarg(model) -> str:
+    """transformers renamed `past_key_values` to `cache` in 5.x; use whichever the model takes."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,10 +87,10 @@ def sample(
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     G = num_generations
-    cache = DynamicCache()
+    cache = DynamicCache()  # filled in place by each forward
+    kw = cache_kwarg(model)
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions_from_mask(prompt_mask),
-                past_key_values=cache, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
+                use_cache=True, logits_to_keep=1, **{kw: cache})
     logits = out.logits[:, -1].float()  # (B, V)
     if G > 1:  # prefill once per distinct prompt, then copy
         cache.batch_repeat_interleave(G)
@@ -105,9 +112,8 @@ def sample(
         if bool(done.all()) or t == max_new_tokens - 1:
             break
         mask = torch.cat([mask, (~done | (tok == eos_id)).long()[:, None]], dim=1)  # (N, P+t+1)
-        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, past_key_values=cache,
-                    use_cache=True)
-        cache = out.past_key_values
+        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, use_cache=True,
+                    **{kw: cache})
         logits = out.logits[:, -1].float()
         next_pos = next_pos + 1
     model.train(was_training)

@@ -2,15 +2,18 @@
 
 A checkpoint folder `checkpoints/step-N/` holds the model in Hugging Face format (loadable by
 `from_pretrained`), `trainer_state.pt` (plain tensors/containers only, read with weights_only=True),
-and `MANIFEST.json` (every file's size and sha256), written last. The folder is built under a
-temporary name, fsync'd, then renamed, so a SIGKILL at any moment leaves only complete checkpoints.
+the run config, the metrics so far, and `MANIFEST.json` (every file's size and sha256), written
+last. The folder is built under a temporary name, fsync'd, then renamed, so a SIGKILL at any moment
+leaves only complete checkpoints; a folder that does not match its manifest is never resumed from.
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import threading
@@ -18,9 +21,14 @@ from pathlib import Path
 
 import torch
 
+from preftune.errors import UserError
+
 log = logging.getLogger("preftune")
 MANIFEST = "MANIFEST.json"
+STATE = "trainer_state.pt"
 STEP_RE = re.compile(r"^step-(\d+)$")
+TMP_PREFIX = ".tmp-"  # everything under checkpoints/ with this prefix is scratch, removed at start-up
+_counter = itertools.count()
 
 
 def _sha256(path: Path) -> str:
@@ -31,21 +39,25 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_tree(root: Path) -> None:
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
     for p in sorted(root.rglob("*")):
         if p.is_file():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
     for d in [root, *[p for p in root.rglob("*") if p.is_dir()]]:
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_dir(d)
 
 
 def write_manifest(folder: Path, step: int) -> None:
-    files = {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+    files = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
              for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
     tmp = folder / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
@@ -54,137 +66,256 @@ def write_manifest(folder: Path, step: int) -> None:
     os.replace(tmp, folder / MANIFEST)
 
 
+def _safe_rel(name: str) -> bool:
+    """A manifest entry must stay inside its folder (a remote manifest is untrusted input)."""
+    parts = Path(name).parts
+    return bool(parts) and not Path(name).is_absolute() and ".." not in parts
+
+
+def read_manifest(text: str) -> dict:
+    """Parsed manifest, or ValueError when it is not one."""
+    m = json.loads(text)
+    files = m.get("files") if isinstance(m, dict) else None
+    if not isinstance(files, dict) or not all(_safe_rel(k) and isinstance(v, dict) for k, v in files.items()):
+        raise ValueError("not a preftune manifest")
+    return m
+
+
 def verify(folder: Path) -> str | None:
     """None when the folder matches its manifest, else what is wrong (one line)."""
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
+        manifest = read_manifest((folder / MANIFEST).read_text())
     except (OSError, ValueError):
         return "no readable MANIFEST.json"
     for name, meta in manifest["files"].items():
         p = folder / name
         if not p.is_file():
             return f"{name} is missing"
-        if p.stat().st_size != meta["size"]:
-            return f"{name} has {p.stat().st_size} bytes, manifest says {meta['size']}"
-        if _sha256(p) != meta["sha256"]:
+        if p.stat().st_size != meta.get("size"):
+            return f"{name} has {p.stat().st_size} bytes, manifest says {meta.get('size')}"
+        if _sha256(p) != meta.get("sha256"):
             return f"{name} checksum does not match the manifest"
     return None
 
 
 def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
-    """Finished checkpoint folders (by name), newest first; temporary folders are not listed."""
+    """Published checkpoint folders (by name), newest first; temporary folders are not listed."""
     if not ckpt_root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in ckpt_root.iterdir() if p.is_dir() and (m := STEP_RE.match(p.name))]
     return sorted(found, reverse=True)
 
 
-def newest_valid(ckpt_root: Path) -> Path | None:
-    """The newest checkpoint whose files match its manifest; damaged ones are skipped with a warning."""
-    for _, path in list_checkpoints(ckpt_root):
-        problem = verify(path)
-        if problem is None:
-            return path
-        log.warning("skipping damaged checkpoint %s: %s", path, problem)
-    return None
-
-
 def clean_stale(ckpt_root: Path) -> None:
-    """Remove temporary folders left by a save that was killed."""
+    """Remove scratch folders (half-built checkpoints, upload snapshots) left by a killed run."""
     if ckpt_root.is_dir():
-        for p in ckpt_root.glob(".tmp-*"):
+        for p in ckpt_root.glob(TMP_PREFIX + "*"):
             shutil.rmtree(p, ignore_errors=True)
 
 
+def scratch(ckpt_root: Path, what: str) -> Path:
+    """A fresh scratch folder name under checkpoints/ (unique within and across processes)."""
+    return ckpt_root / f"{TMP_PREFIX}{what}-{os.getpid()}-{next(_counter)}"
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Rename a finished folder to its final name. A folder already there (a re-save of the same
+    step, or a damaged copy) is moved aside first: directories cannot be replaced in one rename."""
+    old = None
+    if final.exists():
+        old = scratch(final.parent, f"replaced-{final.name}")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def save(ckpt_root: Path, step: int, write_files, *, keep: int | None = None) -> Path:
-    """Build a checkpoint with `write_files(tmp_folder)`, then publish it atomically as step-N."""
+    """Build a checkpoint with `write_files(tmp_folder)`, then publish it atomically as step-N,
+    and keep only the newest `keep` checkpoints (by step)."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step-{step}"
-    tmp = ckpt_root / f".tmp-step-{step}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = scratch(ckpt_root, f"step-{step}")
     tmp.mkdir()
     write_files(tmp)
     write_manifest(tmp, step)
-    _fsync_tree(tmp)
-    if final.exists():  # a re-save of the same step (e.g. preempted right after a scheduled save)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    fd = os.open(ckpt_root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_tree(tmp)
+    publish(tmp, final)
     if keep:
         for _, old in list_checkpoints(ckpt_root)[keep:]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
     return final
 
 
 def save_state(folder: Path, state: dict) -> None:
-    torch.save(state, folder / "trainer_state.pt")
+    torch.save(state, folder / STATE)
 
 
 def load_state(folder: Path) -> dict:
-    return torch.load(folder / "trainer_state.pt", weights_only=True, map_location="cpu")
+    """Trainer state, read with weights_only=True: tensors and plain containers, never arbitrary objects."""
+    try:
+        return torch.load(folder / STATE, weights_only=True, map_location="cpu")
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{STATE} is not plain trainer state (refusing to unpickle it): {first[:200]}",
+                        where=str(folder)) from None
+
+
+def snapshot(folder: Path, dest: Path) -> Path:
+    """A frozen copy of a finished folder: hard links (instant, no extra space) where the filesystem
+    allows, else copies. Deleting the original later (retention) leaves the snapshot whole."""
+    for p in sorted(folder.rglob("*")):
+        target = dest / p.relative_to(folder)
+        if p.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(p, target)
+        except OSError:
+            shutil.copy2(p, target)
+    return dest
 
 
 class RemoteMirror:
-    """Copies each completed local checkpoint to an fsspec URL in a background thread, manifest last,
-    so a remote folder with a manifest is complete. The training step only waits for the previous
-    upload when the next one is due."""
+    """Copies each completed local checkpoint to an fsspec URL (s3://, gs://, file://, ...).
 
-    def __init__(self, uri: str):
-        import fsspec
+    `upload()` only takes a hard-link snapshot of the folder and returns; one background thread
+    uploads snapshots in order, the manifest last, so a remote folder with a manifest is complete.
+    When saves outpace the upload, a queued snapshot is replaced by the newer one. After an upload,
+    remote checkpoints beyond the newest `keep` are deleted (manifest first).
+    """
 
-        self.uri = uri.rstrip("/")
-        self.fs, self.root = fsspec.core.url_to_fs(self.uri)
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-
-    def upload(self, folder: Path) -> None:
-        self.wait()
-        self.thread = threading.Thread(target=self._upload, args=(folder,), daemon=True)
-        self.thread.start()
-
-    def _upload(self, folder: Path) -> None:
+    def __init__(self, uri: str, keep: int | None = None):
         try:
-            dest = f"{self.root}/{folder.name}"
-            files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
-            for p in files + [folder / MANIFEST]:
-                self.fs.put_file(str(p), f"{dest}/{p.relative_to(folder).as_posix()}")
-        except BaseException as e:  # noqa: BLE001 - reported by wait()
-            self.error = e
+            import fsspec
 
-    def wait(self) -> None:
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-        if self.error is not None:
-            err, self.error = self.error, None
-            log.warning("checkpoint upload to %s failed: %s", self.uri, err)
+            self.fs, self.root = fsspec.core.url_to_fs(uri.rstrip("/"))
+        except (ImportError, ValueError) as e:
+            raise UserError(f"cannot use {uri}: {e}", where="checkpoint_uri") from None
+        self.uri, self.keep = uri.rstrip("/"), keep
+        self.root = self.root.rstrip("/")
+        self._cond = threading.Condition()
+        self._queued: tuple[Path, str] | None = None
+        self._running = False
+        self.failures = 0
 
-    def download_newest(self, ckpt_root: Path) -> Path | None:
-        """Fetch the newest remote checkpoint that has a manifest and verifies locally."""
+    # ---------------------------------------------------------------- upload
+
+    def upload(self, folder: Path, *, scratch_root: Path | None = None) -> None:
+        """Queue `folder` for upload as URL/<folder name>; the snapshot goes under `scratch_root`
+        (default: beside the folder; it must be on the same filesystem for hard links)."""
+        name = folder.name
+        snap = snapshot(folder, scratch(scratch_root or folder.parent, f"upload-{name}"))
+        with self._cond:
+            if self._queued is not None:
+                log.info("upload of %s superseded by %s", self._queued[1], name)
+                shutil.rmtree(self._queued[0], ignore_errors=True)
+            self._queued = (snap, name)
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._work, name="preftune-upload", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                item, self._queued = self._queued, None
+                if item is None:
+                    self._running = False
+                    self._cond.notify_all()
+                    return
+            snap, name = item
+            try:
+                self._put(snap, name)
+                if STEP_RE.match(name):
+                    self._prune()
+                log.info("mirrored %s to %s/%s", name, self.uri, name)
+            except Exception as e:  # noqa: BLE001 - an upload failure must not stop training
+                self.failures += 1
+                log.warning("checkpoint upload of %s to %s failed: %s", name, self.uri, e)
+            finally:
+                shutil.rmtree(snap, ignore_errors=True)
+
+    def _put(self, snap: Path, name: str) -> None:
+        dest = f"{self.root}/{name}"
+        if self.fs.exists(f"{dest}/{MANIFEST}"):  # an older copy of this step: incomplete until re-finished
+            self.fs.rm_file(f"{dest}/{MANIFEST}")
+        files = sorted(p for p in snap.rglob("*") if p.is_file() and p.name != MANIFEST)
+        if (snap / MANIFEST).is_file():
+            files.append(snap / MANIFEST)
+        for p in files:
+            rel = p.relative_to(snap).as_posix()
+            self.fs.makedirs(f"{dest}/{rel}".rsplit("/", 1)[0], exist_ok=True)
+            self.fs.put_file(str(p), f"{dest}/{rel}")
+
+    def _prune(self) -> None:
+        """Keep the newest `keep` complete remote checkpoints; delete older complete ones and the
+        incomplete leftovers (failed uploads) older than the newest complete one."""
+        if not self.keep:
+            return
+        steps = self.remote_steps()
+        complete = [s for s, name in steps if self.fs.exists(f"{self.root}/{name}/{MANIFEST}")]
+        if not complete:
+            return
+        kept = set(complete[:self.keep])
+        for step, name in steps:
+            if step not in kept and step < complete[0]:
+                self._rm(f"{self.root}/{name}")
+
+    def _rm(self, path: str) -> None:
+        if self.fs.exists(f"{path}/{MANIFEST}"):
+            self.fs.rm_file(f"{path}/{MANIFEST}")
+        if self.fs.exists(path):
+            self.fs.rm(path, recursive=True)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every snapshot is uploaded (or `timeout` seconds pass); True when done."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._running, timeout)
+
+    # ---------------------------------------------------------------- listing, download
+
+    def remote_steps(self) -> list[tuple[int, str]]:
+        """step-N folders under the URL (complete or not), newest first."""
+        self.fs.invalidate_cache(self.root)
         try:
             names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
         except FileNotFoundError:
-            return None
-        steps = sorted(((int(m.group(1)), n) for n in names if (m := STEP_RE.match(n))), reverse=True)
-        for _, name in steps:
+            return []
+        except PermissionError as e:
+            raise UserError(f"cannot list {self.uri}: {e}", where="checkpoint_uri") from None
+        return sorted(((int(m.group(1)), n) for n in names if (m := STEP_RE.match(n))), reverse=True)
+
+    def clear(self) -> None:
+        """Delete every remote checkpoint (resume=never with overwrite_output_dir)."""
+        for _, name in self.remote_steps():
+            self._rm(f"{self.root}/{name}")
+
+    def download_newest(self, ckpt_root: Path) -> Path | None:
+        """Fetch the newest remote checkpoint that has a manifest and verifies locally."""
+        for _, name in self.remote_steps():
             src = f"{self.root}/{name}"
-            if not self.fs.exists(f"{src}/{MANIFEST}"):
-                continue
-            tmp = ckpt_root / f".tmp-download-{name}"
-            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                manifest = read_manifest(self.fs.cat_file(f"{src}/{MANIFEST}").decode())
+            except (FileNotFoundError, ValueError, UnicodeDecodeError):
+                continue  # an upload that never finished
+            tmp = scratch(ckpt_root, f"download-{name}")
             tmp.mkdir(parents=True)
-            manifest = json.loads(self.fs.cat_file(f"{src}/{MANIFEST}"))
-            for rel in manifest["files"]:
-                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                self.fs.get_file(f"{src}/{rel}", str(tmp / rel))
+            try:
+                for rel in manifest["files"]:
+                    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                    self.fs.get_file(f"{src}/{rel}", str(tmp / rel))
+            except FileNotFoundError as e:
+                log.warning("skipping incomplete remote checkpoint %s: %s", src, e)
+                shutil.rmtree(tmp, ignore_errors=True)
+                continue
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
             problem = verify(tmp)
             if problem is None:
-                os.replace(tmp, ckpt_root / name)
+                fsync_tree(tmp)
+                publish(tmp, ckpt_root / name)
                 return ckpt_root / name
             log.warning("skipping damaged remote checkpoint %s: %s", src, problem)
             shutil.rmtree(tmp, ignore_errors=True)

@@ -84,8 +84,17 @@ def sequence_logps(model, batch: list[EncodedPair], pad_id: int, device) -> tupl
     return (logps * c_mask).sum(-1), c_mask.sum(-1)
 
 
+def _weights_signature(path: str) -> str:
+    """Name, size and mtime of the model's weight files: a folder whose weights were replaced (same path)
+    must not reuse reference log-probs cached for the old weights."""
+    folder = Path(path)
+    files = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")) if folder.is_dir() else []
+    return ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+
+
 def _fingerprint(cfg: Config, encoded: list[EncodedPair]) -> str:
-    h = hashlib.sha256(f"{cfg.model.name_or_path}|{cfg.model.dtype}".encode())
+    model = cfg.model.name_or_path
+    h = hashlib.sha256(f"{model}|{cfg.model.dtype}|{_weights_signature(model)}".encode())
     for e in encoded:
         h.update(repr((e.prompt, e.chosen, e.rejected)).encode())
     return h.hexdigest()

@@ -35,8 +35,8 @@ class GRPOBatch:
         return {"tensors": {k: v.cpu() for k, v in tensors.items()}, "metrics": dict(self.metrics)}
 
     @classmethod
-    def from_state_dict(cls, state: dict) -> "GRPOBatch":
-        t = state["tensors"]
+    def from_state_dict(cls, state: dict, device: torch.device | str = "cpu") -> "GRPOBatch":
+        t = {k: v.to(device) for k, v in state["tensors"].items()}
         ro = Rollout(**{k: t.get(k) for k in Rollout.__slots__})
         return cls(rollout=ro, advantages=t["advantages"], ref_logps=t.get("ref_logps"), metrics=state["metrics"])
 
@@ -118,6 +118,8 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None) -> d
         w = microbatch_weight(cfg.loss_type, mask[sl], batch_seqs=N, batch_tokens=batch_tokens)
         (loss * w).backward()
         share = mask[sl].sum().item() / max(batch_tokens, 1.0)  # token share, for averaging metrics
+        # GSPO's clip ratios are means over sequences, so they combine by row share instead
+        row_share = (sl.stop - sl.start) / N
         totals["loss"] = totals.get("loss", 0.0) + loss.item() * w
         for k, v in m.items():
             if isinstance(v, float) and math.isnan(v):
@@ -126,7 +128,8 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None) -> d
                 pick = min if k.endswith("_min") else max
                 totals[k] = pick(totals[k], v) if k in totals else v
             else:
-                totals[k] = totals.get(k, 0.0) + v * share
+                by_rows = cfg.importance_sampling_level == "sequence" and k.startswith("clip_ratio/")
+                totals[k] = totals.get(k, 0.0) + v * (row_share if by_rows else share)
         ent_sum += (entropy * mask[sl]).sum().item()
     totals["entropy"] = ent_sum / max(batch_tokens, 1.0)
     return totals

@@ -39,7 +39,7 @@ def write_data_report(out_dir: str, report: dict) -> None:
 
 class GRPOTask:
     def __init__(self, cfg: Config, model, tokenizer, device: torch.device):
-        self.cfg, self.g = cfg, cfg.grpo
+        self.cfg, self.g, self.device = cfg, cfg.grpo, device
         self.truncation = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
         common = dict(seed=cfg.seed, shuffle=cfg.data.shuffle, truncation=self.truncation)
         if self.g.rollout == "online":
@@ -49,6 +49,7 @@ class GRPOTask:
             prompts = load_prompts(cfg.data.train, prompt_column=cfg.data.prompt_column)
             self.source = OnlineSource(self.g, tokenizer, prompts, load_reward_funcs(cfg, self.g.reward_funcs),
                                        device=device, **common)
+            self.source.state.max_steps = cfg.max_steps  # what TRL's trainer_state.max_steps tells reward functions
             write_data_report(cfg.output_dir, {"prompts": len(prompts)})
         else:
             from preftune.data.groups import build_groups
@@ -89,6 +90,7 @@ class GRPOTask:
 
     def load_state_dict(self, state: dict) -> None:
         self.source.load_state_dict(state["source"])
-        self.pending = GRPOBatch.from_state_dict(state["pending"]) if state["pending"] is not None else None
+        pending = state["pending"]
+        self.pending = GRPOBatch.from_state_dict(pending, self.device) if pending is not None else None
         t, d, seen = state["truncation"]
         self.truncation.truncated, self.truncation.dropped, self.truncation.seen = t, d, set(seen)

@@ -2,10 +2,15 @@
 
 The loop owns the optimizer, the schedule, logging, checkpoints and the stop flag; a *task*
 (`GRPOTask`, `DPOTask`) owns its data order and does one step's forward/backward.
+
+Exact resume: a checkpoint at step N holds everything step N+1 reads (weights, optimizer moments,
+every RNG, the task's data position and pending batch, the metrics so far), and the LR is a pure
+function of the step, so a resumed run repeats the uninterrupted one bit for bit on the same device.
 """
 from __future__ import annotations
 
 import logging
+import os
 import random
 import shutil
 import time
@@ -22,9 +27,11 @@ from preftune.train.evaluate import build_evaluator
 from preftune.train.metrics import MetricsLog
 from preftune.train.optim import build_optimizer, clip_and_step, lr_at, set_lr
 from preftune.train.preemption import Preemption, StepAbandoned
-from preftune.train.resume import check_compatible, find_resume_point
+from preftune.train.resume import CONFIG_FILE, checkpoint_config, find_resume_point
 
 log = logging.getLogger("preftune")
+METRICS = "metrics.jsonl"
+UPLOAD_MARGIN_S = 5.0  # of the grace period, kept for exiting after the last upload wait
 
 
 def seed_everything(seed: int) -> None:
@@ -34,18 +41,21 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    np_state = np.random.get_state()
-    state = {"python": list(random.getstate()[1]), "python_pos": random.getstate()[2],
-             "numpy": torch.from_numpy(np_state[1].astype(np.int64)), "numpy_pos": int(np_state[2]),
-             "torch": torch.get_rng_state()}
+    """Every global RNG as plain tensors/ints/floats (loadable with weights_only=True)."""
+    _, py_state, py_gauss = random.getstate()
+    _, mt, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": list(py_state), "python_gauss": py_gauss,
+             "numpy": torch.from_numpy(mt.astype(np.int64)), "numpy_pos": int(pos),
+             "numpy_gauss": [int(has_gauss), float(gauss)], "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate((3, tuple(state["python"]), state["python_pos"]))
-    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
+    random.setstate((3, tuple(state["python"]), state["python_gauss"]))
+    has_gauss, gauss = state["numpy_gauss"]
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -61,26 +71,34 @@ def build_task(cfg: Config, model, tokenizer, device):
     return DPOTask(cfg, model, tokenizer, device)
 
 
+def _copy_atomic(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
 class Run:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.mirror = ckpt.RemoteMirror(cfg.checkpoint_uri) if cfg.checkpoint_uri else None
-        resume_from = find_resume_point(cfg, self.out, self.ckpt_root, self.mirror)
+        self.mirror = ckpt.RemoteMirror(cfg.checkpoint_uri, cfg.save_total_limit) if cfg.checkpoint_uri else None
+        self.resumed_from = find_resume_point(cfg, self.out, self.ckpt_root, self.mirror)
         self.out.mkdir(parents=True, exist_ok=True)
         ckpt.clean_stale(self.ckpt_root)
         seed_everything(cfg.seed)
         base_path = resolve_model_path(cfg.model, cfg.config_dir)
         self.tokenizer = load_tokenizer(base_path, cfg.model.trust_remote_code)
         self.model = load_model(cfg.model, base_path).to(self.device)
+        # built from the base weights, before the restore: DPO's cached reference log-probs need them
         self.task = build_task(cfg, self.model, self.tokenizer, self.device)
         self.evaluator = build_evaluator(cfg, self.tokenizer)
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optim)
         self.step = 0
-        if resume_from is not None:
-            self._restore(resume_from)
+        if self.resumed_from is not None:
+            self._restore(self.resumed_from)
+        self.saved_step = self.step  # the newest state that a resume would reproduce
         (self.out / "config.yaml").write_text(to_yaml(cfg))
         # a fresh start drops every old record; a resume keeps those up to its checkpoint
         self.metrics = MetricsLog(self.out, total_steps=cfg.max_steps, start_step=self.step if self.step else -1,
@@ -88,12 +106,13 @@ class Run:
 
     def _restore(self, folder: Path) -> None:
         state = ckpt.load_state(folder)
-        check_compatible(state["config"], self.cfg, folder)
         load_weights(self.model, folder)
         self.optimizer.load_state_dict(state["optimizer"])
         self.task.load_state_dict(state["task"])
         set_rng_state(state["rng"])
         self.step = int(state["step"])
+        if (folder / METRICS).is_file():  # the records as they were at the save, even into an empty output_dir
+            _copy_atomic(folder / METRICS, self.out / METRICS)
         log.info("resumed from %s (step %d)", folder, self.step)
 
     def _save(self) -> Path:
@@ -102,12 +121,15 @@ class Run:
             if hasattr(self.model, "peft_config"):
                 self.model.save_pretrained(str(tmp / "adapter"))
             ckpt.save_state(tmp, {"step": self.step, "optimizer": self.optimizer.state_dict(),
-                                  "task": self.task.state_dict(), "rng": rng_state(),
-                                  "config": ckpt_config(self.cfg)})
+                                  "task": self.task.state_dict(), "rng": rng_state()})
+            (tmp / CONFIG_FILE).write_text(checkpoint_config(self.cfg))
+            self.metrics.file.flush()
+            shutil.copyfile(self.metrics.path, tmp / METRICS)
 
         folder = ckpt.save(self.ckpt_root, self.step, write, keep=self.cfg.save_total_limit)
+        self.saved_step = self.step
         if self.mirror is not None:
-            self.mirror.upload(folder)
+            self.mirror.upload(folder)  # a snapshot; the upload runs in the background
         return folder
 
     def _eval(self) -> None:
@@ -126,52 +148,77 @@ class Run:
         m["tokens_per_second"] = m.pop("num_tokens", 0) / max(m["step_time"], 1e-9)
         return m
 
-    def run(self) -> Path:
+    def _try_step(self, stop: Preemption) -> dict | None:
+        """One step, or None when preemption abandoned it; then everything it touched (data
+        position, pending batch, RNG, gradients) is rolled back to the last finished step."""
+        task_state, rng = self.task.state_dict(), rng_state()
+        try:
+            return self._one_step(stop)
+        except StepAbandoned:
+            self.step -= 1
+            self.optimizer.zero_grad(set_to_none=True)
+            self.task.load_state_dict(task_state)
+            set_rng_state(rng)
+            log.warning("step %d abandoned: the grace period is too short to finish it", self.step + 1)
+            return None
+
+    def run(self, stop: Preemption | None = None) -> Path:
+        if stop is None:
+            with Preemption(self.cfg.preemption_grace_seconds) as stop:
+                return self.run(stop)
         cfg = self.cfg
-        if self.step == 0:
-            self._eval()
-        with Preemption(cfg.preemption_grace_seconds) as stop:
-            while self.step < cfg.max_steps and not stop.requested:
-                snapshot = self.task.state_dict()
-                try:
-                    m = self._one_step(stop)
-                except StepAbandoned:  # grace nearly spent: roll the data position back to the last step
-                    self.step -= 1
-                    self.optimizer.zero_grad(set_to_none=True)
-                    self.task.load_state_dict(snapshot)
-                    break
-                if self.step % cfg.log.logging_steps == 0 or self.step == cfg.max_steps:
-                    self.metrics.log(self.step, m, advance=True)
-                elif self.metrics.bar is not None:
-                    self.metrics.bar.update(1)
-                if cfg.eval.eval_steps and self.step % cfg.eval.eval_steps == 0 and self.step < cfg.max_steps:
-                    self._eval()
-                if cfg.save_steps and self.step % cfg.save_steps == 0:
-                    self._save()
-            if stop.requested and self.step < cfg.max_steps:
-                stop.saving = True
+        if self.resumed_from is None:
+            self._eval()  # step 0; a resumed run has this record already
+        stop.training()
+        while self.step < cfg.max_steps and not stop.requested:
+            m = self._try_step(stop)
+            if m is None:
+                break
+            if self.step % cfg.log.logging_steps == 0 or self.step == cfg.max_steps:
+                self.metrics.log(self.step, m, advance=True)
+            elif self.metrics.bar is not None:
+                self.metrics.bar.update(1)
+            if cfg.eval.eval_steps and self.step % cfg.eval.eval_steps == 0 and self.step < cfg.max_steps:
+                self._eval()
+            if cfg.save_steps and self.step % cfg.save_steps == 0:
                 self._save()
-                self._finish_uploads()
-                self.metrics.close()
-                raise Preempted(f"preempted at step {self.step}; checkpoint saved, resume to continue")
+        if stop.requested and self.step < cfg.max_steps:
+            self._stop(stop)
         self._eval()
+        final = self._write_final()
+        self._finish_uploads(None)
+        self.metrics.close()
+        return final
+
+    def _stop(self, stop: Preemption) -> None:
+        """Save (unless the newest checkpoint already is this state), flush uploads, raise Preempted."""
+        stop.saving = True
+        if self.step != self.saved_step:
+            folder = self._save()
+            what = f"checkpoint {folder.name} saved"
+        else:
+            what = "nothing new since the last checkpoint" if self.step else "nothing trained yet"
+        self._finish_uploads(max(0.0, stop.remaining() - UPLOAD_MARGIN_S))
+        self.metrics.close()
+        raise Preempted(f"preempted at step {self.step}; {what}; resume to continue")
+
+    def _write_final(self) -> Path:
         final = self.out / "final"
         tmp = self.out / ".tmp-final"
         shutil.rmtree(tmp, ignore_errors=True)
         save_pretrained(self.model, self.tokenizer, tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        self._finish_uploads()
-        self.metrics.close()
+        ckpt.write_manifest(tmp, self.step)
+        ckpt.fsync_tree(tmp)
+        ckpt.publish(tmp, final)
+        if self.mirror is not None:  # the remote also gets the final model, as URL/final
+            self.ckpt_root.mkdir(parents=True, exist_ok=True)
+            self.mirror.upload(final, scratch_root=self.ckpt_root)
         return final
 
-    def _finish_uploads(self) -> None:
-        if self.mirror is not None:
-            self.mirror.wait()
-
-
-def ckpt_config(cfg: Config) -> str:
-    return to_yaml(cfg)
+    def _finish_uploads(self, timeout: float | None) -> None:
+        if self.mirror is not None and not self.mirror.wait(timeout):
+            log.warning("checkpoint upload to %s still running after %.0f s; stopping anyway (the remote "
+                        "keeps its previous complete checkpoint)", self.cfg.checkpoint_uri, timeout or 0)
 
 
 def load_weights(model, folder: Path) -> None:
@@ -197,4 +244,7 @@ def load_weights(model, folder: Path) -> None:
 
 
 def train(cfg: Config) -> Path:
-    return Run(cfg).run()
+    """Set up and run under one signal handler: a signal during setup stops at once (exit 75,
+    nothing to save); during training it stops at the next step boundary with a checkpoint."""
+    with Preemption(cfg.preemption_grace_seconds) as stop:
+        return Run(cfg).run(stop)

@@ -44,7 +44,8 @@ class MetricsLog:
 
                 raise UserError("log.report_to has tensorboard but it is not installed: "
                                 "pip install 'preftune[tensorboard]'", where="log.report_to") from None
-            self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+            # a resumed run rewrites the events after its checkpoint instead of duplicating them
+            self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=start_step + 1 if start_step > 0 else None)
 
     def log(self, step: int, metrics: dict, *, advance: bool = False) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}

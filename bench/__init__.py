@@ -1,0 +1,1 @@
+"""Benchmarks: preftune vs TRL on the same work, in one run (see bench/README.md)."""

@@ -1,0 +1,88 @@
+"""Shared fixtures: the embedded tiny model (examples/model), its tokenizer, small data files and configs."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+MODEL_DIR = EXAMPLES / "model"
+TRAIN_PROMPTS = EXAMPLES / "data" / "train_prompts.jsonl"
+EVAL_PROMPTS = EXAMPLES / "data" / "eval_prompts.jsonl"
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def arith_traces(n_prompts: int = 6) -> list[dict]:
+    """Labeled traces for distinct prompts "i+(i+1)=": per prompt the right answer (reward 1.0) and three
+    wrong ones (rewards < 0.5, graded by distance), so DPO pairs and offline GRPO groups can be built."""
+    rows = []
+    for i in range(n_prompts):
+        a, b = i, i + 1
+        ans = a + b
+        rows.append({"input": f"{a}+{b}=", "output": str(ans), "final_reward": 1.0, "answer": str(ans)})
+        for wrong in (ans + 1, ans + 3, ans + 10):
+            rows.append({"input": f"{a}+{b}=", "output": str(wrong),
+                         "final_reward": round(0.4 * math.exp(-(wrong - ans) / 3), 6), "answer": str(ans)})
+    return rows
+
+
+def flat_grads(model):
+    """All parameter gradients as one flat vector (parameters without a gradient are skipped)."""
+    import torch
+
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from preftune.models import load_tokenizer
+
+    return load_tokenizer(str(MODEL_DIR))
+
+
+@pytest.fixture
+def model():
+    """A fresh float32 copy of the embedded ~1M-parameter Qwen2 (seconds to load, safe to train)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32)
+
+
+@pytest.fixture
+def traces_file(tmp_path) -> Path:
+    return write_parquet(tmp_path / "traces.parquet", arith_traces())
+
+
+@pytest.fixture
+def make_config(tmp_path):
+    """Factory: a validated Config for a tiny run in tmp_path/run, plus dotted overrides."""
+    from preftune.config import load_config
+
+    def make(*overrides: str):
+        base = [f"output_dir={tmp_path / 'run'}", f"model.name_or_path={MODEL_DIR}",
+                f"data.train={TRAIN_PROMPTS}", "max_steps=2", "save_steps=0", "log.progress_bar=false",
+                "data.max_prompt_length=16", "grpo.prompts_per_step=2", "grpo.num_generations=4",
+                "grpo.max_completion_length=4", "optim.lr=1e-3"]
+        return load_config(None, base + list(overrides))
+
+    return make

@@ -1,0 +1,193 @@
+"""The KV-cache sampler: shapes, EOS masking, truncation, parity with HF generate, filters, concat/select."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from preftune.rollout.sampler import Rollout, concat, filter_logits, left_pad, positions_from_mask, sample, select
+
+# Prompts of different lengths, so the batch is left-padded.
+PROMPTS = ["12+7=", "3+4=", "19+19=", "0+0=", "5+11="]
+
+
+def _encode(tokenizer, prompts=PROMPTS):
+    return left_pad([tokenizer(p).input_ids for p in prompts], tokenizer.pad_token_id)
+
+
+def _sample(model, tokenizer, prompts=PROMPTS, **kw):
+    ids, mask = _encode(tokenizer, prompts)
+    kw.setdefault("num_generations", 1)
+    kw.setdefault("max_new_tokens", 6)
+    return sample(model, ids, mask, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, **kw)
+
+
+def _check_eos_layout(ro: Rollout, eos: int, pad: int, max_new: int):
+    """completion_mask is 1 up to and including the first EOS, pad after it; no EOS = truncated."""
+    for ids, m, trunc in zip(ro.completion_ids.tolist(), ro.completion_mask.tolist(), ro.truncated.tolist()):
+        if eos in ids:
+            e = ids.index(eos)
+            assert m == [1] * (e + 1) + [0] * (len(ids) - e - 1)
+            assert all(t == pad for t in ids[e + 1:])
+            assert not trunc
+        else:
+            assert trunc and len(ids) == max_new and m == [1] * max_new
+
+
+def test_positions_skip_left_padding():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert positions_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+
+
+def test_shapes_and_group_contiguity(model, tokenizer):
+    B, G, T = len(PROMPTS), 3, 5
+    ids, mask = _encode(tokenizer)
+    gen = torch.Generator().manual_seed(0)
+    ro = sample(model, ids, mask, num_generations=G, max_new_tokens=T, eos_id=tokenizer.eos_token_id,
+                pad_id=tokenizer.pad_token_id, temperature=1.5, generator=gen)
+    N = B * G
+    assert ro.prompt_ids.shape == (N, ids.size(1)) and ro.prompt_mask.shape == (N, ids.size(1))
+    assert ro.completion_ids.shape == ro.completion_mask.shape and ro.completion_ids.size(0) == N
+    assert 1 <= ro.completion_ids.size(1) <= T and ro.truncated.shape == (N,) and ro.truncated.dtype == torch.bool
+    assert ro.old_logps is None
+    for k in range(B):  # rows [kG, (k+1)G) are the G completions of prompt k
+        for g in range(G):
+            assert torch.equal(ro.prompt_ids[k * G + g], ids[k]) and torch.equal(ro.prompt_mask[k * G + g], mask[k])
+    # width is the longest completion, not max_new_tokens, when every row ended early
+    assert ro.completion_ids.size(1) == int(ro.completion_mask.sum(-1).max())
+
+
+def test_mask_eos_pad_and_truncated_flags(model, tokenizer):
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    ro = _sample(model, tokenizer, num_generations=4, max_new_tokens=3, temperature=2.0,
+                 generator=torch.Generator().manual_seed(1))
+    _check_eos_layout(ro, eos, pad, 3)
+    # greedy decoding needs L tokens up to its EOS: with L - 1 it is truncated, with L it is not
+    free = _sample(model, tokenizer, ["12+7="], max_new_tokens=8, greedy=True)
+    assert not free.truncated[0], "the demo model should end '12+7=' within 8 tokens"
+    L = int(free.completion_mask.sum())
+    assert L >= 2
+    short = _sample(model, tokenizer, ["12+7="], max_new_tokens=L - 1, greedy=True)
+    assert short.truncated.tolist() == [True] and short.completion_mask.tolist() == [[1] * (L - 1)]
+    full = _sample(model, tokenizer, ["12+7="], max_new_tokens=L, greedy=True)
+    assert full.truncated.tolist() == [False] and full.completion_ids[0, -1].item() == eos
+    _check_eos_layout(full, eos, pad, L)
+
+
+def test_greedy_matches_hf_generate_per_prompt(model, tokenizer):
+    """Positions come from the mask, so a left-padded batch must decode like each prompt alone."""
+    eos, T = tokenizer.eos_token_id, 6
+    ro = _sample(model, tokenizer, max_new_tokens=T, greedy=True)
+    model.eval()
+    for i, p in enumerate(PROMPTS):
+        ids = torch.tensor([tokenizer(p).input_ids])
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=T,
+                                 eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)[0, ids.size(1):].tolist()
+        ref = ref[:ref.index(eos) + 1] if eos in ref else ref
+        ours = ro.completion_ids[i][ro.completion_mask[i].bool()].tolist()
+        assert ours == ref, p
+    assert not ro.truncated.all()  # the comparison covered EOS handling too
+
+
+def test_sampler_restores_train_mode(model, tokenizer):
+    model.train()
+    _sample(model, tokenizer, max_new_tokens=2, greedy=True)
+    assert model.training
+
+
+def test_fixed_generator_is_reproducible(model, tokenizer):
+    kw = dict(num_generations=4, max_new_tokens=5, temperature=1.5)
+    a = _sample(model, tokenizer, generator=torch.Generator().manual_seed(7), **kw)
+    b = _sample(model, tokenizer, generator=torch.Generator().manual_seed(7), **kw)
+    c = _sample(model, tokenizer, generator=torch.Generator().manual_seed(8), **kw)
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.completion_mask, b.completion_mask)
+    assert not torch.equal(a.completion_ids, c.completion_ids)  # 20 rows of 5 tokens at T=1.5: differs
+    # with G copies at high temperature the copies of one prompt are not all identical
+    rows = a.completion_ids.view(len(PROMPTS), 4, -1)
+    assert any(len({tuple(r.tolist()) for r in group}) > 1 for group in rows)
+
+
+def test_top_k_1_equals_greedy(model, tokenizer):
+    greedy = _sample(model, tokenizer, num_generations=2, greedy=True)
+    topk = _sample(model, tokenizer, num_generations=2, top_k=1, temperature=3.0,
+                   generator=torch.Generator().manual_seed(0))
+    assert torch.equal(greedy.completion_ids, topk.completion_ids)
+    assert torch.equal(greedy.completion_mask, topk.completion_mask)
+
+
+# ---------------------------------------------------------------- filter_logits
+
+
+def _nucleus_size(probs: list[float], top_p: float) -> int:
+    """Smallest k whose top-k probability mass reaches top_p."""
+    total = 0.0
+    for k, p in enumerate(sorted(probs, reverse=True), 1):
+        total += p
+        if total >= top_p:
+            return k
+    return len(probs)
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.4, 1), (0.75, 2), (0.85, 3), (0.99, 4)])
+def test_top_p_keeps_minimal_nucleus_hand(top_p, kept):
+    probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
+    out = filter_logits(probs.log(), top_p=top_p)
+    keep = torch.isfinite(out[0])
+    order = [1, 3, 2, 0]  # by probability
+    assert keep[order[:kept]].all() and not keep[order[kept:]].any()
+    assert torch.equal(out[0][keep], probs.log()[0][keep])  # survivors unchanged
+
+
+def test_top_p_matches_brute_force():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(32, 50, generator=g) * 2  # (B, V)
+    for top_p in (0.1, 0.5, 0.9):
+        out = filter_logits(logits, top_p=top_p)
+        for row, filt in zip(logits, out):
+            k = _nucleus_size(row.softmax(-1).tolist(), top_p)
+            kept = torch.isfinite(filt)
+            assert int(kept.sum()) == k
+            assert kept[row.topk(k).indices].all()  # and they are the k most likely tokens
+
+
+def test_top_k_and_off():
+    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0]])
+    assert torch.isfinite(filter_logits(logits, top_k=2)).tolist() == [[False, True, True, False]]
+    assert torch.equal(filter_logits(logits), logits)  # top_k=0, top_p=1: unchanged
+    assert torch.equal(filter_logits(logits, top_k=10), logits)
+    # top-k first, then top-p over the renormalised survivors: p = softmax([4, 3]) = [0.73, 0.27]
+    both = filter_logits(logits, top_k=2, top_p=0.7)
+    assert torch.isfinite(both).tolist() == [[False, True, False, False]]
+
+
+# ---------------------------------------------------------------- select / concat
+
+
+def _rollout(P, T, n, fill, with_old=False):
+    pids = torch.full((n, P), fill)
+    pmask = torch.ones(n, P, dtype=torch.long)
+    cids = torch.full((n, T), fill + 100)
+    cmask = torch.ones(n, T, dtype=torch.long)
+    old = torch.full((n, T), -float(fill)) if with_old else None
+    return Rollout(pids, pmask, cids, cmask, torch.tensor([fill % 2 == 0] * n), old)
+
+
+def test_select_rows():
+    ro = _rollout(2, 3, 4, 1, with_old=True)
+    ro.completion_ids[:, 0] = torch.arange(4)
+    out = select(ro, [3, 1])
+    assert out.completion_ids[:, 0].tolist() == [3, 1]
+    assert out.old_logps.shape == (2, 3) and out.prompt_ids.shape == (2, 2)
+    assert select(_rollout(2, 3, 4, 1), torch.tensor([0])).old_logps is None
+
+
+def test_concat_pads_prompts_left_completions_right():
+    a, b = _rollout(2, 4, 2, 1, with_old=True), _rollout(3, 2, 1, 2, with_old=True)
+    out = concat([a, b], pad_id=0)
+    assert out.prompt_ids.shape == (3, 3) and out.completion_ids.shape == (3, 4)
+    assert out.prompt_ids[0].tolist() == [0, 1, 1] and out.prompt_mask[0].tolist() == [0, 1, 1]  # left pad
+    assert out.completion_ids[2].tolist() == [102, 102, 0, 0]  # right pad
+    assert out.completion_mask[2].tolist() == [1, 1, 0, 0]
+    assert out.old_logps[2].tolist() == [-2.0, -2.0, 0.0, 0.0]
+    assert out.truncated.tolist() == [False, False, True]
+    assert concat([a, _rollout(3, 2, 1, 2)], pad_id=0).old_logps is None  # only when every part has them

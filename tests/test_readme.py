@@ -1,0 +1,28 @@
+"""The README's config reference lists every key with the default the dataclasses really have."""
+import json
+import re
+from pathlib import Path
+
+from preftune.config import Config, to_dict
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _flat(d, prefix=""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _flat(v, prefix + k + ".")
+        else:
+            yield prefix + k, v
+
+
+def test_every_config_key_is_documented_with_its_default():
+    rows = dict(re.findall(r"^\| `([a-z_.0-9]+)` \| `([^`]*)` \|", README.read_text(), flags=re.M))
+    for key, default in _flat(to_dict(Config())):
+        assert key in rows, f"README config reference lacks {key}"
+        assert json.loads(rows[key]) == default, f"README default of {key} is {rows[key]}, config says {default!r}"
+
+
+def test_readme_names_the_test_command_ci_runs():
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert "make test" in ci and "make test" in README.read_text()

@@ -1,0 +1,158 @@
+"""DPO task: micro-batch invariance, the reference log-prob cache, reference-free, weighted loss lists,
+and pairs from labeled traces vs a pairs file."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import preftune.train.dpo as dpo_mod
+from preftune.data.pairs import build_pairs, write_pairs
+from preftune.data.traces import load_traces
+from preftune.train.dpo import DPOTask, sequence_logps
+from tests.conftest import flat_grads, write_parquet
+
+CPU = torch.device("cpu")
+
+
+class _Stop:
+    def check(self):
+        pass
+
+
+def _cfg(make_config, traces_file, *overrides):
+    return make_config("algorithm=dpo", f"data.train={traces_file}", "data.pair_strategy=all_pairs",
+                       "dpo.batch_size=6", "dpo.micro_batch_size=6", "data.shuffle=false", *overrides)
+
+
+def _shift(model, scale=0.05, seed=0):
+    """Move the policy away from the reference so log-ratios are not all zero."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def _step(task, model, micro: int):
+    """One step from the start of the data order; returns (flat grads, metrics) and leaves grads zeroed."""
+    task.stream.load_state_dict({"epoch": 0, "offset": 0})
+    task.d.micro_batch_size = micro
+    model.zero_grad(set_to_none=True)
+    m = task.step(model, 1, _Stop())
+    g = flat_grads(model).clone()
+    model.zero_grad(set_to_none=True)
+    return g, m
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "[sigmoid, hinge, sigmoid_norm]"])
+def test_micro_batch_invariance(make_config, traces_file, model, tokenizer, loss):
+    cfg = _cfg(make_config, traces_file, f"dpo.loss_type={loss}")
+    task = DPOTask(cfg, model, tokenizer, CPU)
+    assert len(task.encoded) == 18  # 6 prompts x 1 chosen x 3 rejected (all_pairs)
+    _shift(model)
+    full, m_full = _step(task, model, 6)
+    assert full.abs().max() > 0
+    for micro in (1, 4):  # one pair at a time, and uneven (4 + 2)
+        part, m_part = _step(task, model, micro)
+        torch.testing.assert_close(part, full, rtol=0, atol=1e-5 * full.abs().max().item())
+        for k in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen"):
+            assert m_part[k] == pytest.approx(m_full[k], rel=1e-5, abs=1e-7), k
+        assert m_part["num_tokens"] == m_full["num_tokens"]
+
+
+def test_reference_logps_cached_and_reused(make_config, traces_file, model, tokenizer, monkeypatch, tmp_path):
+    import os
+    import shutil
+
+    from tests.conftest import MODEL_DIR
+
+    model_dir = shutil.copytree(MODEL_DIR, tmp_path / "model")  # a private copy whose weights we can "replace"
+    cfg = _cfg(make_config, traces_file, f"model.name_or_path={model_dir}")
+    task = DPOTask(cfg, model, tokenizer, CPU)
+    cache = Path(cfg.output_dir) / "ref_logps.pt"
+    saved = torch.load(cache, weights_only=True)
+    assert saved["logps"].shape == (18, 2) and torch.equal(saved["logps"], task.ref)
+    with torch.no_grad():  # [chosen, rejected] summed log-probs of the initial policy
+        lp, _ = sequence_logps(model.eval(), task.encoded[:3], tokenizer.pad_token_id, CPU)
+    torch.testing.assert_close(task.ref[:3], torch.stack([lp[:3], lp[3:]], 1), rtol=0, atol=1e-4)
+    assert torch.isfinite(task.ref).all()
+    # a second task with the same model and pairs reads the cache: no forward pass at all
+    calls = []
+    real = dpo_mod.sequence_logps
+    monkeypatch.setattr(dpo_mod, "sequence_logps", lambda *a, **k: calls.append(1) or real(*a, **k))
+    again = DPOTask(cfg, model, tokenizer, CPU)
+    assert calls == [] and torch.equal(again.ref, task.ref)
+    # new weights in the same folder change the fingerprint: recomputed
+    weights_file = model_dir / "model.safetensors"
+    st = weights_file.stat()
+    os.utime(weights_file, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    DPOTask(cfg, model, tokenizer, CPU)
+    assert len(calls) > 0
+    # other pairs (shorter max_length cuts the responses) change the fingerprint: recomputed and re-saved
+    calls.clear()
+    short = _cfg(make_config, traces_file, f"model.name_or_path={model_dir}", "dpo.max_length=5")
+    third = DPOTask(short, model, tokenizer, CPU)
+    assert calls and not torch.equal(third.ref, task.ref)
+    assert torch.equal(torch.load(cache, weights_only=True)["logps"], third.ref)
+
+
+def test_reference_at_start_gives_log2_and_reference_free_does_not(make_config, traces_file, model, tokenizer):
+    cfg = _cfg(make_config, traces_file)
+    task = DPOTask(cfg, model, tokenizer, CPU)
+    _, m = _step(task, model, 6)
+    assert m["loss"] == pytest.approx(math.log(2), abs=1e-5)  # policy == reference: -log sigmoid(0)
+    assert m["rewards/margins"] == pytest.approx(0.0, abs=1e-5)
+    free_cfg = _cfg(make_config, traces_file, "dpo.reference_free=true", f"output_dir={cfg.output_dir}-free")
+    free = DPOTask(free_cfg, model, tokenizer, CPU)
+    assert free.ref is None
+    assert not (Path(free_cfg.output_dir) / "ref_logps.pt").exists()  # no reference pass at all
+    _, m_free = _step(free, model, 6)
+    assert m_free["loss"] != pytest.approx(math.log(2), abs=1e-3)
+    # reference-free rewards are beta * log pi: the mean chosen reward is beta * mean chosen log-prob
+    assert m_free["rewards/chosen"] == pytest.approx(free_cfg.dpo.beta * m_free["logps/chosen"], rel=1e-5)
+
+
+def test_loss_list_is_the_weighted_sum(make_config, traces_file, model, tokenizer):
+    cfg = _cfg(make_config, traces_file, "dpo.loss_type=[sigmoid, ipo, sft]", "dpo.loss_weights=[1, 0.5, 0.2]")
+    task = DPOTask(cfg, model, tokenizer, CPU)
+    _shift(model)
+    g_mix, m_mix = _step(task, model, 6)
+    parts = []
+    for lt in ("sigmoid", "ipo", "sft"):
+        task.loss_types, task.d.loss_weights = [lt], None
+        parts.append(_step(task, model, 6))
+    want_loss = m_mix["loss"]
+    got = 1.0 * parts[0][1]["loss"] + 0.5 * parts[1][1]["loss"] + 0.2 * parts[2][1]["loss"]
+    assert want_loss == pytest.approx(got, rel=1e-5)
+    want_grad = 1.0 * parts[0][0] + 0.5 * parts[1][0] + 0.2 * parts[2][0]
+    torch.testing.assert_close(g_mix, want_grad, rtol=0, atol=1e-5 * want_grad.abs().max().item())
+
+
+def test_bad_dpo_options_are_user_errors(make_config, traces_file, model, tokenizer):
+    from preftune.errors import UserError
+
+    with pytest.raises(UserError, match="dpo.loss_type"):
+        DPOTask(_cfg(make_config, traces_file, "dpo.loss_type=sigmod"), model, tokenizer, CPU)
+    with pytest.raises(UserError, match="dpo.loss_weights"):
+        DPOTask(_cfg(make_config, traces_file, "dpo.loss_type=[sigmoid, sft]", "dpo.loss_weights=[1]"),
+                model, tokenizer, CPU)
+
+
+def test_pairs_file_equals_pairs_from_traces(make_config, traces_file, model, tokenizer, tmp_path):
+    cfg = _cfg(make_config, traces_file, "dpo.reference_free=true")
+    from_traces = DPOTask(cfg, model, tokenizer, CPU)
+    traces, _ = load_traces(str(traces_file))
+    pairs, _ = build_pairs(traces, strategy="all_pairs")
+    pairs_file = tmp_path / "pairs.parquet"
+    write_pairs(pairs, str(pairs_file))
+    from_file = DPOTask(_cfg(make_config, pairs_file, "dpo.reference_free=true"), model, tokenizer, CPU)
+    assert [vars(e) for e in from_file.encoded] == [vars(e) for e in from_traces.encoded]
+    # and a hand-written TRL-style pairs file (prompt / chosen / rejected only) works too
+    own = write_parquet(tmp_path / "own.parquet", [{"prompt": "1+2=", "chosen": "3", "rejected": "4"}])
+    task = DPOTask(_cfg(make_config, own, "dpo.reference_free=true"), model, tokenizer, CPU)
+    e = task.encoded[0]
+    eos = tokenizer.eos_token_id
+    assert e.prompt == tokenizer("1+2=").input_ids
+    assert e.chosen == tokenizer("3").input_ids + [eos] and e.rejected == tokenizer("4").input_ids + [eos]
