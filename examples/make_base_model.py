@@ -9,10 +9,11 @@ What it makes
   - a random-init Qwen2 (hidden 128, 4 layers, 4 heads / 2 KV heads, MLP 512, 64 positions,
     tied embeddings), supervised on the train split of examples/arith.py (loss on answer + EOS)
     only until it *half-knows* the task: held-out greedy accuracy in [TARGET_ACC, MAX_ACC].
-    RL sharpens what a base half-knows; a base that knows nothing or everything gives no signal;
+    RL sharpens what a base half-knows; a base that knows nothing or everything gives no signal.
+    Measured with check_trl_grpo.py: a 0.24 base gained ~0 held-out, this 0.33 one +0.2..0.4;
   - examples/data/{train,eval}_prompts.jsonl with rows {"input": "12+7=", "answer": "19"}.
 
-Rerun (deterministic, ~1 minute on 2 CPU cores), from the repo root:
+Rerun (deterministic, one thread, ~30 s on a CPU core), from the repo root, then make_traces.py:
     .venv/bin/python examples/make_base_model.py
 """
 from __future__ import annotations
@@ -39,7 +40,7 @@ CHAT_TEMPLATE = (
 )
 MAX_POSITIONS = 64
 MAX_NEW_TOKENS = 4  # longest answer "38" + EOS is 3 tokens
-TARGET_ACC, MAX_ACC = 0.20, 0.40  # stop at the first eval inside this held-out accuracy band
+TARGET_ACC, MAX_ACC = 0.30, 0.40  # stop at the first eval inside this held-out accuracy band
 MIN_STEPS, MAX_STEPS, EVAL_EVERY = 100, 600, 10
 LR, BATCH_SIZE = 1e-3, 32
 
@@ -142,7 +143,11 @@ def greedy_accuracy(model, tok, rows: list[dict]) -> float:
 
 def sft_until_band(model, tok, train: list[dict], evals: list[dict], seed: int = SEED) -> tuple[int, float]:
     """AdamW on answer+EOS tokens; every EVAL_EVERY steps past MIN_STEPS, stop once held-out greedy
-    accuracy is in [TARGET_ACC, MAX_ACC]. Returns (steps, accuracy)."""
+    accuracy is in [TARGET_ACC, MAX_ACC]. Returns (steps, accuracy).
+
+    Constant LR on purpose: at equal greedy accuracy, a cosine-decayed base had flatter sampling
+    (fewer correct samples at temperature 1), so GRPO got less signal and gained less.
+    """
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     model.train()

@@ -105,7 +105,7 @@ class OptimConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
-    lr_scheduler: str = "constant"  # constant | linear | cosine
+    lr_scheduler: str = "linear"  # constant | linear | cosine (TRL default: linear)
     warmup_steps: int = 0
     warmup_ratio: float = 0.0
     max_grad_norm: float = 1.0  # 0 = no clipping

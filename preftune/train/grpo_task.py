@@ -37,6 +37,17 @@ def write_data_report(out_dir: str, report: dict) -> None:
     log.info("data: %s", json.dumps(report))
 
 
+def check_prompt_lengths(tokenizer, prompts: list, limit: int, where: str) -> None:
+    from preftune.data.tokenize import encode_prompt
+    from preftune.errors import UserError
+
+    for i, p in enumerate(prompts):
+        n = len(encode_prompt(tokenizer, p))
+        if n > limit:
+            raise UserError(f"prompt {i} has {n} tokens > data.max_prompt_length={limit} "
+                            "(data.prompt_truncation=error)", where=where)
+
+
 class GRPOTask:
     def __init__(self, cfg: Config, model, tokenizer, device: torch.device):
         self.cfg, self.g, self.device = cfg, cfg.grpo, device
@@ -65,6 +76,9 @@ class GRPOTask:
                 raise UserError("no usable GRPO group (each needs >= 2 responses with different rewards)",
                                 where=cfg.data.train)
             self.source = OfflineSource(self.g, tokenizer, groups, reward_name=cfg.data.reward_column, **common)
+        if cfg.data.prompt_truncation == "error":  # fail now, not when the long prompt is drawn hours later
+            check_prompt_lengths(tokenizer, prompts.prompts if self.g.rollout == "online" else [g.prompt for g in groups],
+                                 cfg.data.max_prompt_length, cfg.data.train)
         self.ref_model = None
         if self.g.beta > 0:  # the reference is only needed for the KL term
             self.ref_model = load_model(cfg.model, resolve_model_path(cfg.model, cfg.config_dir),

@@ -34,7 +34,7 @@ class MetricsLog:
         if progress:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+            self.bar = tqdm(total=total_steps, initial=max(start_step, 0), desc="train", dynamic_ncols=True)
         self.tb = None
         if tensorboard:
             try:

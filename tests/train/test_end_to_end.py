@@ -169,8 +169,8 @@ def test_prompt_truncation_drop_and_error(make_config, mixed_prompts, model, tok
     assert len(task.pending.advantages) == 2 * 2  # two prompts survive, G=2 each
     err = make_config(f"data.train={mixed_prompts}", "data.max_prompt_length=5", "grpo.prompts_per_step=4",
                       "data.prompt_truncation=error", "grpo.num_generations=2")
-    with pytest.raises(UserError, match=r"prompt \d+: prompt has 6 tokens > data.max_prompt_length=5"):
-        GRPOTask(err, model, tokenizer, torch.device("cpu")).step(model, 1, _Stop())
+    with pytest.raises(UserError, match=r"prompt \d+ has 6 tokens > data.max_prompt_length=5"):
+        GRPOTask(err, model, tokenizer, torch.device("cpu"))  # at start-up, before any step
     # when no prompt fits at all, drop is a clear config error, not a crash
     none_fit = make_config(f"data.train={mixed_prompts}", "data.max_prompt_length=3", "grpo.prompts_per_step=2",
                            "data.prompt_truncation=drop", "grpo.num_generations=2")
