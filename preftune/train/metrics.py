@@ -6,7 +6,7 @@ import math
 import os
 from pathlib import Path
 
-TIMING_KEYS = ("step_time", "tokens_per_second", "generation_time")
+TIMING_KEYS = ("step_time", "tokens_per_second")
 
 
 def _clean(v):
