@@ -18,16 +18,24 @@ def completion_logps(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(y_t | x, y_<t) for each completion token -> (B, T) and optionally the entropy (B, T).
 
-    Logits are divided by the sampling temperature, so the ratio is taken against the distribution
-    the completions were drawn from (TRL does the same). Only the last T+1 positions are projected
-    to the vocabulary, and log-softmax is taken as logit - logsumexp to avoid a second (B, T, V) copy.
+    Each row is packed to the left (prompt tokens, then completion tokens, then all padding), so a
+    batch of short and long prompts costs the longest prompt+completion, not the longest prompt
+    plus the longest completion. Logits are projected only from the first completion position on,
+    divided by the sampling temperature (the ratio is taken against the distribution the
+    completions were drawn from, as TRL does), and log-softmax is logit - logsumexp.
     """
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P+T)
-    attn = torch.cat([prompt_mask, completion_mask], dim=1)  # (B, P+T)
+    ids, attn, start = pack_left(prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, L)
+    first = int(start.min())  # the earliest completion position over the batch
+    if first < 1:
+        raise ValueError("every prompt needs at least one token")
+    keep = ids.size(1) - first + 1  # logits for positions first-1 .. L-1
+    out = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
+                logits_to_keep=keep, use_cache=False)
     T = completion_ids.size(1)
-    out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions_from_mask(attn),
-                logits_to_keep=T + 1, use_cache=False)
-    logits = out.logits[:, :-1].float()  # (B, T, V): position t predicts completion token t
+    # completion token t of row b sits at start[b] + t and is predicted by the position before it
+    idx = ((start - first)[:, None] + torch.arange(T, device=ids.device)[None]).clamp(max=keep - 1)  # (B, T)
+    logits = out.logits.float()  # (B, keep, V)
+    logits = logits.gather(1, idx[..., None].expand(-1, -1, logits.size(-1)))  # (B, T, V)
     if temperature != 1.0:
         logits = logits / temperature
     token_logits = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)  # (B, T)
@@ -38,6 +46,17 @@ def completion_logps(
             p = logits.softmax(-1)
             entropy = logits.logsumexp(-1) - (p * logits).sum(-1)  # (B, T)
     return logps, entropy
+
+
+def pack_left(prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """Move each row's real tokens (prompt then completion) to the left, padding to the right.
+    Returns ids (B, L), mask (B, L) with L the longest real row, and prompt lengths (B,)."""
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P+T)
+    mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (B, P+T)
+    order = torch.sort((mask == 0).to(torch.int8), dim=1, stable=True).indices  # real first, order kept
+    ids, mask = ids.gather(1, order), mask.gather(1, order)
+    width = max(1, int(mask.sum(1).max()))
+    return ids[:, :width], mask[:, :width], prompt_mask.sum(1)
 
 
 def microbatches(n: int, size: int) -> list[slice]:
