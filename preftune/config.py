@@ -78,6 +78,7 @@ class GRPOConfig:
     epsilon: float = 0.2
     epsilon_high: float | None = None  # clip-higher (DAPO); None = epsilon
     delta: float | None = None  # two-sided clip bound
+    use_bias_correction_kl: bool = False  # k3 times the ratio (TRL 1.16's default is true); false = plain k3
     importance_sampling_level: str = "token"  # token | sequence (GSPO)
     num_iterations: int = 1  # optimisation passes over one generation batch
     mask_truncated_completions: bool = False

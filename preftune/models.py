@@ -1,6 +1,8 @@
 """Load the policy, the reference model and the tokenizer from a local Hugging Face folder."""
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -41,9 +43,12 @@ def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True):
     """The policy (trainable, optionally LoRA-wrapped) or a frozen copy for the reference."""
     from transformers import AutoModelForCausalLM
 
+    # Full fine-tuning in bfloat16 keeps float32 master weights and computes under autocast: AdamW
+    # steps on bf16 weights round most updates away. Frozen models and LoRA bases load as bf16.
+    mixed = trainable and cfg.dtype == "bfloat16" and not cfg.lora.enabled
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
+            path, dtype=torch.float32 if mixed else DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
         )
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load model: {str(e).splitlines()[0]}", where=path) from None
@@ -59,8 +64,18 @@ def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True):
         model.config.use_cache = False
     if cfg.lora.enabled:
         model = _wrap_lora(model, cfg)
+    if mixed:
+        model.preftune_autocast = torch.bfloat16
     model.train()
     return model
+
+
+def autocast(model):
+    """The compute-precision context for a forward pass of `model` (bf16 autocast for mixed precision)."""
+    dtype = getattr(model, "preftune_autocast", None)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=next(model.parameters()).device.type, dtype=dtype)
 
 
 def _wrap_lora(model, cfg: ModelConfig):
@@ -73,12 +88,22 @@ def _wrap_lora(model, cfg: ModelConfig):
     return get_peft_model(model, lcfg)
 
 
-def save_pretrained(model, tokenizer, out: str | Path) -> None:
-    """Hugging Face format (safetensors + config + tokenizer); LoRA adapters are merged first."""
+def save_pretrained(model, tokenizer, out: str | Path, *, dtype: str | None = None) -> None:
+    """Hugging Face format (safetensors + config + tokenizer); LoRA adapters are merged first.
+    `dtype` casts the saved weights (the final model of a bf16 run); checkpoints keep the master
+    weights as they are so a resume is exact."""
     to_save = model
     if hasattr(model, "merge_and_unload") and hasattr(model, "peft_config"):
         import copy
 
         to_save = copy.deepcopy(model).merge_and_unload()
-    to_save.save_pretrained(str(out), safe_serialization=True)
+    state = None
+    if dtype is not None and DTYPES[dtype] != next(to_save.parameters()).dtype:
+        state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in to_save.state_dict().items()}
+    to_save.save_pretrained(str(out), safe_serialization=True, state_dict=state)
+    if state is not None:  # transformers writes the in-memory dtype into config.json
+        cfg_file = Path(out) / "config.json"
+        cfg_json = json.loads(cfg_file.read_text())
+        cfg_json["dtype"] = dtype
+        cfg_file.write_text(json.dumps(cfg_json, indent=2) + "\n")
     tokenizer.save_pretrained(str(out))

@@ -11,12 +11,17 @@ class IndexStream:
     def __init__(self, n: int, seed: int, shuffle: bool = True):
         self.n, self.seed, self.shuffle = n, seed, shuffle
         self.epoch, self.offset = 0, 0
+        self._cached: tuple[int, list[int]] | None = None
 
     def _order(self) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.n))
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return torch.randperm(self.n, generator=g).tolist()
+        if self._cached is None or self._cached[0] != self.epoch:  # one permutation per epoch, not per take
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+                order = torch.randperm(self.n, generator=g).tolist()
+            else:
+                order = list(range(self.n))
+            self._cached = (self.epoch, order)
+        return self._cached[1]
 
     def take(self, k: int) -> list[int]:
         out: list[int] = []

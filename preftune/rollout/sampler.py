@@ -25,6 +25,10 @@ class Rollout:
     truncated: torch.Tensor  # (N,) bool: no EOS within max_new_tokens
     old_logps: torch.Tensor | None = None  # (N, T) recorded at generation time when reused
 
+    def to(self, device) -> "Rollout":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return Rollout(*(move(getattr(self, k)) for k in self.__slots__))
+
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """Position ids that skip left padding: (B, L) mask -> (B, L) positions."""
@@ -80,13 +84,24 @@ def sample(
     generator: torch.Generator | None = None,
 ) -> Rollout:
     """Sample `num_generations` completions for each of B prompts -> Rollout with N = B * G rows."""
-    from transformers import DynamicCache
+    from preftune.models import autocast
 
     was_training = model.training
     model.eval()  # dropout off, and HF keeps the cache on even with gradient checkpointing
+    try:
+        with autocast(model):
+            return _sample(model, prompt_ids, prompt_mask, num_generations, max_new_tokens, eos_id, pad_id,
+                           temperature, top_p, top_k, greedy, generator)
+    finally:
+        model.train(was_training)
+
+
+def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id, temperature, top_p, top_k, greedy,
+            generator) -> Rollout:
+    from transformers import DynamicCache
+
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-    G = num_generations
     cache = DynamicCache()  # filled in place by each forward
     kw = cache_kwarg(model)
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions_from_mask(prompt_mask),
@@ -116,7 +131,6 @@ def sample(
                     **{kw: cache})
         logits = out.logits[:, -1].float()
         next_pos = next_pos + 1
-    model.train(was_training)
     return _assemble(prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0), tokens, eos_id)
 
 

@@ -37,8 +37,8 @@ def load_pairs(cfg: Config) -> tuple[list, dict]:
     from preftune.data.traces import read_rows, resolve_files
 
     fs, files = resolve_files(cfg.data.train)
-    rows, columns = read_rows(fs, files[0])
-    if {"prompt", "chosen", "rejected"} <= set(columns):
+    columns = next((c for c in (read_rows(fs, f)[1] for f in files) if c), None)  # first non-empty file
+    if columns and {"prompt", "chosen", "rejected"} <= set(columns):
         pairs = read_pairs(cfg.data.train)
         return pairs, {"pairs_file": len(pairs)}
     from preftune.train.grpo_task import trace_options
@@ -61,7 +61,9 @@ def encode_pairs(pairs, tokenizer, cfg: Config) -> tuple[list[EncodedPair], dict
         prompt = trunc.apply(encode_prompt(tokenizer, p.prompt), where=f"pair {i}")
         if prompt is None:
             continue
-        room = max(1, cfg.dpo.max_length - len(prompt))
+        if len(prompt) >= cfg.dpo.max_length:  # leave room for at least one response token
+            prompt, trunc.truncated = prompt[-(cfg.dpo.max_length - 1):], trunc.truncated + 1
+        room = cfg.dpo.max_length - len(prompt)
         chosen, rejected = encode_response(tokenizer, p.chosen), encode_response(tokenizer, p.rejected)
         cut += (len(chosen) > room) + (len(rejected) > room)
         out.append(EncodedPair(prompt, chosen[:room], rejected[:room]))

@@ -5,6 +5,7 @@ is reused for `num_iterations` optimiser steps and is part of the checkpoint whi
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -71,23 +72,31 @@ def advantages(s: Scored, scale: str) -> torch.Tensor:
 
 
 def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig) -> GRPOBatch:
-    """Advantages, old log-probs (only when the batch is reused) and reference log-probs."""
-    ro = s.rollout
+    """Advantages, old log-probs (only when the batch is reused) and reference log-probs, all on
+    the policy's device (rewards are scored on the CPU; offline rollouts are built there).
+    `ref_model` is None without a KL term, or the policy itself for LoRA (adapters switched off)."""
+    device = next(model.parameters()).device
+    ro = s.rollout.to(device)
     if cfg.num_iterations > 1:
         ro.old_logps = reference_logps(model, ro, cfg)
-    ref = reference_logps(ref_model, ro, cfg) if cfg.beta > 0 else None
-    return GRPOBatch(rollout=ro, advantages=advantages(s, cfg.scale_rewards), ref_logps=ref,
+    ref = None
+    if cfg.beta > 0:
+        ref = reference_logps(ref_model, ro, cfg, without_adapter=ref_model is model)
+    return GRPOBatch(rollout=ro, advantages=advantages(s, cfg.scale_rewards).to(device), ref_logps=ref,
                      metrics=reward_metrics(s))
 
 
 @torch.no_grad()
-def reference_logps(model, rollout: Rollout, cfg: GRPOConfig) -> torch.Tensor:
-    """Log-probs of a rollout under a frozen model (reference, or the policy for old log-probs)."""
-    out = []
-    for sl in microbatches(rollout.completion_ids.size(0), cfg.micro_batch_size):
-        lp, _ = completion_logps(model, rollout.prompt_ids[sl], rollout.prompt_mask[sl], rollout.completion_ids[sl],
-                                 rollout.completion_mask[sl], temperature=cfg.temperature)
-        out.append(lp)
+def reference_logps(model, rollout: Rollout, cfg: GRPOConfig, *, without_adapter: bool = False) -> torch.Tensor:
+    """Log-probs of a rollout under a frozen model (the reference, or the policy for old log-probs).
+    With LoRA the reference is the policy with its adapters disabled: no second model in memory."""
+    with model.disable_adapter() if without_adapter else contextlib.nullcontext():
+        out = []
+        for sl in microbatches(rollout.completion_ids.size(0), cfg.micro_batch_size):
+            lp, _ = completion_logps(model, rollout.prompt_ids[sl], rollout.prompt_mask[sl],
+                                     rollout.completion_ids[sl], rollout.completion_mask[sl],
+                                     temperature=cfg.temperature)
+            out.append(lp)
     return torch.cat(out)  # (N, T)
 
 
@@ -114,7 +123,8 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None) -> d
         loss, m = grpo_loss(logps, old, ref, batch.advantages[sl], mask[sl], loss_type=cfg.loss_type,
                             beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, delta=cfg.delta,
                             importance_sampling_level=cfg.importance_sampling_level,
-                            max_completion_length=cfg.max_completion_length, num_items=batch_tokens)
+                            max_completion_length=cfg.max_completion_length, num_items=batch_tokens,
+                            kl_ratio_correction=cfg.use_bias_correction_kl)
         w = microbatch_weight(cfg.loss_type, mask[sl], batch_seqs=N, batch_tokens=batch_tokens)
         (loss * w).backward()
         share = mask[sl].sum().item() / max(batch_tokens, 1.0)  # token share, for averaging metrics

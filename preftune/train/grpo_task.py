@@ -80,7 +80,9 @@ class GRPOTask:
             check_prompt_lengths(tokenizer, prompts.prompts if self.g.rollout == "online" else [g.prompt for g in groups],
                                  cfg.data.max_prompt_length, cfg.data.train)
         self.ref_model = None
-        if self.g.beta > 0:  # the reference is only needed for the KL term
+        if self.g.beta > 0 and cfg.model.lora.enabled:  # the base under the adapters is the reference
+            self.ref_model = model
+        elif self.g.beta > 0:  # the reference is only needed for the KL term
             self.ref_model = load_model(cfg.model, resolve_model_path(cfg.model, cfg.config_dir),
                                         trainable=False).to(device)
         self.pending: GRPOBatch | None = None

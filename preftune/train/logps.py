@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from preftune.models import autocast
 from preftune.rollout.sampler import positions_from_mask
 
 
@@ -24,28 +25,56 @@ def completion_logps(
     divided by the sampling temperature (the ratio is taken against the distribution the
     completions were drawn from, as TRL does), and log-softmax is logit - logsumexp.
     """
+    T = completion_ids.size(1)
+    ids, attn, keep, idx = _layout(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    with autocast(model):
+        out = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
+                    logits_to_keep=keep, use_cache=False)
+    logits = out.logits.float()  # (B, keep, V)
+    if idx is None:  # aligned: position P-1+t predicts completion token t
+        logits = logits[:, :-1]  # (B, T, V)
+    else:  # packed: completion token t of row b is predicted at idx[b, t]
+        logits = logits.gather(1, idx[..., None].expand(-1, -1, logits.size(-1)))  # (B, T, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    token_logits = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)  # (B, T)
+    lse = logits.logsumexp(-1)  # (B, T)
+    logps = token_logits - lse
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = lse - (logits.softmax(-1) * logits).sum(-1)  # (B, T)
+    return logps, entropy
+
+
+def _layout(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """Choose the cheaper of two equivalent layouts -> (ids, mask, logits_to_keep, gather index or None).
+
+    aligned: [left-padded prompt | right-padded completion], width P+T, logits for the last T+1.
+    packed:  each row's prompt+completion moved left, width = longest real row, but logits from the
+             earliest completion start, so uneven prompts widen the vocabulary projection.
+    The estimate weighs transformer width against lm_head positions using the model's config."""
+    T, P = completion_ids.size(1), prompt_ids.size(1)
     ids, attn, start = pack_left(prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, L)
     first = int(start.min())  # the earliest completion position over the batch
     if first < 1:
         raise ValueError("every prompt needs at least one token")
     keep = ids.size(1) - first + 1  # logits for positions first-1 .. L-1
-    out = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
-                logits_to_keep=keep, use_cache=False)
-    T = completion_ids.size(1)
-    # completion token t of row b sits at start[b] + t and is predicted by the position before it
+    if not prefer_packed(getattr(model, "config", None), ids.size(1), keep, P, T):
+        return torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1), T + 1, None
     idx = ((start - first)[:, None] + torch.arange(T, device=ids.device)[None]).clamp(max=keep - 1)  # (B, T)
-    logits = out.logits.float()  # (B, keep, V)
-    logits = logits.gather(1, idx[..., None].expand(-1, -1, logits.size(-1)))  # (B, T, V)
-    if temperature != 1.0:
-        logits = logits / temperature
-    token_logits = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)  # (B, T)
-    logps = token_logits - logits.logsumexp(-1)  # (B, T)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            p = logits.softmax(-1)
-            entropy = logits.logsumexp(-1) - (p * logits).sum(-1)  # (B, T)
-    return logps, entropy
+    return ids, attn, keep, idx
+
+
+def prefer_packed(config, width: int, keep: int, P: int, T: int) -> bool:
+    """Is the packed layout (width, keep) cheaper than the aligned one (P+T, T+1)? Multiply-adds per
+    position: the decoder's projections vs the lm_head, from the model config when it has them."""
+    H, V = getattr(config, "hidden_size", 0), getattr(config, "vocab_size", 0)
+    layers, inter = getattr(config, "num_hidden_layers", 0), getattr(config, "intermediate_size", 4 * H)
+    body, head = layers * (4 * H * H + 3 * H * inter), H * V
+    if not (body and head):
+        return keep <= T + 1
+    return width * body + keep * head < (P + T) * body + (T + 1) * head
 
 
 def pack_left(prompt_ids, prompt_mask, completion_ids, completion_mask):

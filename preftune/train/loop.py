@@ -206,7 +206,7 @@ class Run:
         final = self.out / "final"
         tmp = self.out / ".tmp-final"
         shutil.rmtree(tmp, ignore_errors=True)
-        save_pretrained(self.model, self.tokenizer, tmp)
+        save_pretrained(self.model, self.tokenizer, tmp, dtype=self.cfg.model.dtype)
         ckpt.write_manifest(tmp, self.step)
         ckpt.fsync_tree(tmp)
         ckpt.publish(tmp, final)

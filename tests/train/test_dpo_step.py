@@ -156,3 +156,28 @@ def test_pairs_file_equals_pairs_from_traces(make_config, traces_file, model, to
     eos = tokenizer.eos_token_id
     assert e.prompt == tokenizer("1+2=").input_ids
     assert e.chosen == tokenizer("3").input_ids + [eos] and e.rejected == tokenizer("4").input_ids + [eos]
+
+
+def test_pairs_never_exceed_max_length(make_config, tokenizer, tmp_path):
+    from preftune.data.pairs import Pair
+    from preftune.train.dpo import encode_pairs
+
+    cfg = make_config("algorithm=dpo", "dpo.max_length=6", "data.max_prompt_length=50")
+    pairs = [Pair(prompt="12+7=" * 4, chosen="19", rejected="18"), Pair(prompt="1+1=", chosen="2", rejected="22")]
+    encoded, stats = encode_pairs(pairs, tokenizer, cfg)
+    for e in encoded:
+        assert len(e.prompt) + len(e.chosen) <= 6 and len(e.prompt) + len(e.rejected) <= 6
+        assert len(e.chosen) >= 1 and len(e.rejected) >= 1
+    assert stats["prompts_truncated"] == 1 and stats["responses_truncated"] >= 2
+
+
+def test_pairs_from_a_folder_whose_first_file_is_empty(make_config, tmp_path):
+    from preftune.train.dpo import load_pairs
+    from tests.conftest import arith_traces, write_jsonl
+
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("")
+    write_jsonl(folder / "b.jsonl", arith_traces(3))
+    pairs, report = load_pairs(make_config("algorithm=dpo", f"data.train={folder}"))
+    assert len(pairs) == 3 and report["pairs"]["pairs_made"] == 3

@@ -99,6 +99,18 @@ def test_lora_run_saves_a_merged_model(make_config, tokenizer):
     assert (Path(cfg.output_dir) / "checkpoints/step-2/adapter/adapter_model.safetensors").is_file()
 
 
+def test_lora_kl_uses_the_base_under_the_adapters(make_config):
+    """With LoRA, beta > 0 needs no second model: the reference is the policy with adapters off."""
+    pytest.importorskip("peft")
+    cfg = make_config("model.lora.enabled=true", "model.lora.r=4", "optim.lr=5e-2", "grpo.beta=0.1", "max_steps=3")
+    run = Run(cfg)
+    assert run.task.ref_model is run.model
+    run.run()
+    steps = train_records(Path(cfg.output_dir))
+    assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # LoRA B starts at 0: policy == base
+    assert steps[-1]["kl"] > 1e-6  # the adapters moved the policy away from the base
+
+
 def test_bfloat16_run(make_config):
     cfg = make_config("model.dtype=bfloat16", "max_steps=1")
     final = train(cfg)
@@ -106,6 +118,18 @@ def test_bfloat16_run(make_config):
     assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
     assert json.loads((final / "config.json").read_text())["dtype"] == "bfloat16"
     assert next(AutoModelForCausalLM.from_pretrained(str(final)).parameters()).dtype == torch.bfloat16
+
+
+def test_bfloat16_full_finetune_keeps_small_updates(make_config):
+    """Pure bf16 AdamW would round a 1e-6 step away; float32 master weights under autocast keep it."""
+    cfg = make_config("model.dtype=bfloat16", "max_steps=1", "optim.lr=1e-6", "optim.lr_scheduler=constant")
+    run = Run(cfg)
+    assert next(run.model.parameters()).dtype == torch.float32
+    run.run()
+    base = weights(AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32))
+    now = weights(run.model)
+    changed = sum(int((now[k] != base[k]).sum()) for k in base if k in now)
+    assert changed > 0.5 * sum(v.numel() for v in base.values())
 
 
 def test_chat_message_prompts(make_config, tokenizer, tmp_path):

@@ -1,0 +1,44 @@
+"""The two log-prob layouts (aligned and left-packed) give the same numbers; the cost model picks."""
+import torch
+
+from preftune.train import logps as L
+from tests.train.test_grpo_step import synthetic_rollout
+
+
+def _run(model, ro):
+    with torch.no_grad():
+        return L.completion_logps(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask,
+                                  with_entropy=True)
+
+
+def test_packed_and_aligned_layouts_agree(model, tokenizer, monkeypatch):
+    model.eval()
+    ro = synthetic_rollout(tokenizer)
+    monkeypatch.setattr(L, "prefer_packed", lambda *a: True)
+    packed = _run(model, ro)
+    monkeypatch.setattr(L, "prefer_packed", lambda *a: False)
+    aligned = _run(model, ro)
+    mask = ro.completion_mask.bool()
+    for a, b in zip(packed, aligned):
+        torch.testing.assert_close(a[mask], b[mask], rtol=0, atol=2e-5)
+
+
+def test_packing_shrinks_the_width_of_uneven_rows(tokenizer):
+    ro = synthetic_rollout(tokenizer)
+    short = ro.completion_mask.clone()
+    short[:, 2:] = 0  # every completion at most 2 tokens: the longest row is now shorter than P+T
+    ids, mask, start = L.pack_left(ro.prompt_ids, ro.prompt_mask, ro.completion_ids, short)
+    assert ids.size(1) < ro.prompt_ids.size(1) + ro.completion_ids.size(1)
+    assert torch.equal(start, ro.prompt_mask.sum(1))
+    for i in range(ids.size(0)):  # each row keeps its tokens, in order, then padding
+        want = torch.cat([ro.prompt_ids[i][ro.prompt_mask[i].bool()], ro.completion_ids[i][short[i].bool()]])
+        assert torch.equal(ids[i, :len(want)], want) and mask[i, :len(want)].all() and not mask[i, len(want):].any()
+
+
+def test_cost_model_weighs_width_against_vocabulary():
+    cfg = type("C", (), {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 256})()
+    cfg.vocab_size = 10**7  # the lm_head dominates: keep the narrow logits (aligned)
+    assert not L.prefer_packed(cfg, width=30, keep=25, P=30, T=10)
+    cfg.vocab_size = 100  # the decoder dominates: the narrower sequence wins (packed)
+    assert L.prefer_packed(cfg, width=30, keep=25, P=30, T=10)
+    assert L.prefer_packed(None, width=30, keep=11, P=30, T=10) and not L.prefer_packed(None, 30, 12, 30, 10)
