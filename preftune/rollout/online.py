@@ -14,7 +14,8 @@ from preftune.rollout.scored import Scored, group_spread
 
 def completion_texts(tokenizer, rollout: Rollout, prompts: list) -> tuple[list, list[list[int]]]:
     """Decoded completions (chat form for chat prompts, as TRL passes them) and their ids up to EOS."""
-    ids = [row[m.bool()].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
+    lengths = rollout.completion_mask.sum(-1).tolist()  # the mask is a prefix: one copy, no per-row sync
+    ids = [row[:n] for row, n in zip(rollout.completion_ids.cpu().tolist(), lengths)]
     texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
     out = [[{"role": "assistant", "content": t}] if is_messages(p) else t for t, p in zip(texts, prompts)]
     return out, ids
