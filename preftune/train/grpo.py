@@ -33,7 +33,8 @@ class GRPOBatch:
         tensors["advantages"] = self.advantages
         if self.ref_logps is not None:
             tensors["ref_logps"] = self.ref_logps
-        return {"tensors": {k: v.cpu() for k, v in tensors.items()}, "metrics": dict(self.metrics)}
+        # references, not copies: the per-step rollback snapshot stays free; torch.save handles devices
+        return {"tensors": tensors, "metrics": dict(self.metrics)}
 
     @classmethod
     def from_state_dict(cls, state: dict, device: torch.device | str = "cpu") -> "GRPOBatch":
