@@ -19,13 +19,12 @@ def completion_logps(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(y_t | x, y_<t) for each completion token -> (B, T) and optionally the entropy (B, T).
 
-    Each row is packed to the left (prompt tokens, then completion tokens, then all padding), so a
-    batch of short and long prompts costs the longest prompt+completion, not the longest prompt
-    plus the longest completion. Logits are projected only from the first completion position on,
-    divided by the sampling temperature (the ratio is taken against the distribution the
-    completions were drawn from, as TRL does), and log-softmax is logit - logsumexp.
+    The batch is laid out aligned (left-padded prompts, right-padded completions) or packed (each
+    row's prompt+completion moved left), whichever `_layout` estimates cheaper: packing pays off
+    when prompt lengths vary a lot. Only positions that predict completion tokens are projected to
+    the vocabulary; logits are divided by the sampling temperature (the ratio is taken against the
+    distribution the completions were drawn from, as TRL does); log-softmax is logit - logsumexp.
     """
-    T = completion_ids.size(1)
     ids, attn, keep, idx = _layout(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     with autocast(model):
         out = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
