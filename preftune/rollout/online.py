@@ -5,9 +5,9 @@ import torch
 
 from preftune.config import GRPOConfig
 from preftune.data.stream import IndexStream
-from preftune.data.tokenize import PromptTruncation, encode_prompt, is_messages
+from preftune.data.tokenize import PromptTruncation, encode_prompt
 from preftune.errors import UserError
-from preftune.rewards.registry import RewardState, compute_rewards
+from preftune.rewards.registry import RewardState, as_completions, compute_rewards
 from preftune.rollout.sampler import Rollout, concat, left_pad, sample, select
 from preftune.rollout.scored import Scored, group_spread
 
@@ -16,9 +16,7 @@ def completion_texts(tokenizer, rollout: Rollout, prompts: list) -> tuple[list, 
     """Decoded completions (chat form for chat prompts, as TRL passes them) and their ids up to EOS."""
     lengths = rollout.completion_mask.sum(-1).tolist()  # the mask is a prefix: one copy, no per-row sync
     ids = [row[:n] for row, n in zip(rollout.completion_ids.cpu().tolist(), lengths)]
-    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-    out = [[{"role": "assistant", "content": t}] if is_messages(p) else t for t, p in zip(texts, prompts)]
-    return out, ids
+    return as_completions(prompts, tokenizer.batch_decode(ids, skip_special_tokens=True)), ids
 
 
 def encode_prompts(tokenizer, prompt_set, indices: list[int], truncation: PromptTruncation):

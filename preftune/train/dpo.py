@@ -41,9 +41,8 @@ def load_pairs(cfg: Config) -> tuple[list, dict]:
     if columns and {"prompt", "chosen", "rejected"} <= set(columns):
         pairs = read_pairs(cfg.data.train)
         return pairs, {"pairs_file": len(pairs)}
-    from preftune.train.grpo_task import trace_options
-
     from preftune.data.traces import load_traces
+    from preftune.train.grpo_task import trace_options
 
     traces, drops = load_traces(cfg.data.train, trace_options(cfg))
     d = cfg.data
