@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from preftune.deploy.settings import DeployConfig, check_deploy
 from preftune.errors import UserError
 
 
@@ -146,6 +147,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    deploy: DeployConfig = field(default_factory=DeployConfig)  # preftune render / cost
     config_dir: str = field(default=".", metadata={"internal": True})
 
 
@@ -191,6 +193,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if len(errors) == 1:  # already names the key (or the list item)
             raise errors[0]
         raise UserError(f"{value!r} is not a valid value", where=key)
+    if origin is dict:
+        key_tp, value_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise UserError(f"expected a mapping, got {value!r}", where=key)
+        return {_coerce(k, key_tp, key): _coerce(v, value_tp, f"{key}.{k}") for k, v in value.items()}
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
@@ -316,9 +323,11 @@ def validate(cfg: Config) -> None:
         raise UserError("no training data: set data.train", where="data.train")
     if cfg.save_steps < 0:
         raise UserError("must be >= 0", where="save_steps")
+    check_deploy(cfg.deploy, cfg.preemption_grace_seconds, cfg.checkpoint_uri)
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+def read_config_data(path: str | Path | None, overrides: list[str] = ()) -> tuple[dict, str]:
+    """The config as written (YAML + overrides, nothing resolved or defaulted) and its folder."""
     data: dict = {}
     config_dir = "."
     if path is not None:
@@ -332,6 +341,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         config_dir = str(path.parent)
     for assignment in overrides:
         apply_override(data, assignment)
+    return data, config_dir
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    data, config_dir = read_config_data(path, overrides)
     cfg = from_dict(Config, data)
     cfg.config_dir = config_dir
     cfg.model.name_or_path = resolve_local(cfg.model.name_or_path, config_dir)

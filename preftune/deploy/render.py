@@ -1,0 +1,45 @@
+"""The set of objects `preftune render` writes, checked before anything is written."""
+from __future__ import annotations
+
+from preftune.deploy import manifests, nodes
+from preftune.deploy.settings import SPOT_NOTICE_SECONDS, termination_grace
+from preftune.deploy.validate import admission_problems
+from preftune.errors import UserError
+
+LOCAL_PATH_KEYS = (("model", "name_or_path"), ("data", "train"), ("data", "eval"))
+
+
+def render_objects(cfg, data: dict) -> tuple[dict[str, dict], list[str]]:
+    """(file name -> object, notes for the user). `cfg` is the checked config, `data` the config
+    as written, which the pods get in the ConfigMap."""
+    d = cfg.deploy
+    grace = cfg.preemption_grace_seconds
+    objects = {"configmap.yaml": manifests.config_map(d, data)}
+    if d.scheduler == "volcano":
+        objects["queue.yaml"] = manifests.volcano_queue(d)
+        objects["job.yaml"] = manifests.volcano_job(d, grace)
+    else:
+        objects["service.yaml"] = manifests.headless_service(d)
+        objects["job.yaml"] = manifests.indexed_job(d, grace)
+    if d.checkpoint_claim:
+        objects["pvc.yaml"] = manifests.checkpoint_claim(d)
+    objects["nodepool.yaml"] = nodes.node_pool(d)
+    objects["ec2nodeclass.yaml"] = nodes.ec2_node_class(d)
+    problems = admission_problems(objects)
+    if problems:  # a bug in preftune rather than in the config: the options were checked already
+        raise UserError(f"rendered objects would be refused: {'; '.join(problems)}")
+    return objects, container_notes(cfg, data)
+
+
+def container_notes(cfg, data: dict) -> list[str]:
+    """What the pods may not find: relative local paths resolve inside the image, not here."""
+    notes, defaults = [], type(cfg)()
+    for section, key in LOCAL_PATH_KEYS:
+        value = (data.get(section) or {}).get(key, getattr(getattr(defaults, section), key))
+        if value and "://" not in value and not value.startswith("/"):
+            notes.append(f"{section}.{key} '{value}' is a relative local path: the container resolves it in its "
+                         "working directory (/app); bake it into the image or use s3://")
+    if cfg.deploy.capacity_type == "spot" and termination_grace(cfg.deploy, cfg.preemption_grace_seconds) > SPOT_NOTICE_SECONDS:
+        notes.append(f"the pods' termination grace ({termination_grace(cfg.deploy, cfg.preemption_grace_seconds)} s) "
+                     f"exceeds EC2's {SPOT_NOTICE_SECONDS} s spot notice: on spot, lower preemption_grace_seconds")
+    return notes
