@@ -91,7 +91,13 @@ def _data(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    ap = parser()
+    args, extra = ap.parse_known_args(argv)
+    # KEY=VALUE overrides may follow options (`render CONFIG -o DIR KEY=VALUE`)
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        ap.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:  # transformers' own progress bars (loading/writing shards) would bury ours
         from transformers.utils import logging as hf_logging

@@ -38,7 +38,7 @@ class DeployConfig:
     zones: list[str] = field(default_factory=list)  # [] = any zone of the subnets
     image: str = "preftune:latest"  # the image the README builds; push it and name it here
     image_pull_policy: str = "IfNotPresent"  # Always | IfNotPresent | Never
-    cpu: str = "160"  # requested per pod (p5en.48xlarge: 192 vCPU)
+    cpu: str | int = "160"  # requested per pod (p5en.48xlarge: 192 vCPU)
     memory: str = "1600Gi"  # requested per pod (p5en.48xlarge: 2 TiB)
     shm_size: str = "256Gi"  # memory-backed /dev/shm for NCCL and data loaders
     efa: bool = True  # request EFA devices and give the nodes EFA interfaces
