@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from pathlib import Path
 
 import yaml
@@ -235,6 +236,11 @@ def strict_schema(schema: dict) -> dict:
     return schema
 
 
+@functools.lru_cache(maxsize=4)
+def _strict_crds(crd_dir: str) -> dict[tuple[str, str], dict]:
+    return {key: strict_schema(schema) for key, schema in load_crds(crd_dir).items()}
+
+
 def _schema_errors(validator_cls, schema: dict, obj: dict) -> list[str]:
     validator = validator_cls(schema)
     return [f"{'.'.join(str(p) for p in e.absolute_path) or '(root)'}: {e.message}"
@@ -248,7 +254,7 @@ def schema_problems(objects: dict[str, dict], crd_dir: str | Path | None) -> tup
         import kubernetes_validate
     except ImportError:
         raise UserError("--check needs kubernetes-validate and jsonschema: pip install 'preftune[deploy]'") from None
-    crds = load_crds(crd_dir) if crd_dir else {}
+    crds = _strict_crds(str(Path(crd_dir).resolve())) if crd_dir else {}
     problems, notes = [], []
     for fname, obj in objects.items():
         where = f"{fname}: {_name(obj)}"
@@ -259,7 +265,7 @@ def schema_problems(objects: dict[str, dict], crd_dir: str | Path | None) -> tup
             except kubernetes_validate.ValidationError as e:
                 problems.append(f"{where}: {'.'.join(map(str, e.path)) or '(root)'}: {e.message}")
         elif key in crds:
-            problems += [f"{where}: {m}" for m in _schema_errors(jsonschema.Draft7Validator, strict_schema(crds[key]), obj)]
+            problems += [f"{where}: {m}" for m in _schema_errors(jsonschema.Draft7Validator, crds[key], obj)]
         else:
             notes.append(f"{where}: no CRD for {obj['apiVersion']} {obj['kind']}"
                          + (f" in {crd_dir}" if crd_dir else " (pass --crd-dir)") + "; schema not checked")

@@ -182,6 +182,16 @@ def test_render_writes_files_and_prints_the_cost(job_config, tmp_path, capsys):
     assert yaml.safe_load((out / "job.yaml").read_text())["kind"] == "Job"
 
 
+def test_render_prints_the_estimate_of_the_job_and_a_bad_flag_writes_nothing(job_config, tmp_path, capsys):
+    out = tmp_path / "m"
+    assert cli.main(["render", str(job_config), "-o", str(out), "--hours", "4-6", "deploy.nodes=2"]) == 0
+    text = capsys.readouterr().out
+    assert "16 GPUs (2 x 8, spot p5en.48xlarge) x 4-6 hours" in text and "compute:        $640-1,440" in text
+    bad = tmp_path / "bad"
+    assert cli.main(["render", str(job_config), "-o", str(bad), "--hours", "6-4"]) == 78
+    assert "--hours" in capsys.readouterr().err and not bad.exists()
+
+
 def test_render_check_with_and_without_crds(job_config, crd_dir, capsys):
     assert cli.main(["render", str(job_config), "--check", "--crd-dir", str(crd_dir)]) == 0
     assert "checked 5 of 6 objects against their schemas: ok" in capsys.readouterr().out
