@@ -130,8 +130,12 @@ def workload(cfg, *, epochs: float | None = None, samples: int | None = None,
         items, per_item = cfg.grpo.prompts_per_step, cfg.grpo.num_generations
         length = cfg.data.max_prompt_length + cfg.grpo.max_completion_length
     steps = cfg.max_steps
+    if epochs is not None and samples is None:
+        try:
+            samples = count_samples(cfg)
+        except UserError as e:
+            raise UserError(f"cannot count the training samples ({e}); pass --samples N") from None
     if epochs is not None:
-        samples = samples if samples is not None else count_samples(cfg)
         steps = max(1, math.ceil(epochs * samples / items))
     return Workload(steps, items * per_item, tokens_per_sequence or length, samples, epochs)
 

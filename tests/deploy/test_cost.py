@@ -108,3 +108,16 @@ def test_readme_shows_what_the_seed_example_prints(capsys):
     command, shown = block.split("\n", 1)
     assert cli.main(["cost", "--nodes", "3", "--gpus-per-node", "8", *command.split()]) == 0
     assert capsys.readouterr().out.strip() == shown.strip()
+
+
+def test_uncountable_data_asks_for_samples(tmp_path, capsys):
+    from tests.conftest import write_parquet
+
+    pairs = write_parquet(tmp_path / "pairs.parquet", [{"prompt": "a", "chosen": "b", "rejected": "c"}])
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"algorithm: dpo\ndata: {{train: {pairs}}}\n")
+    assert cli.main(["cost", str(cfg), "--tokens-per-second-per-gpu", "1000", "--epochs", "1"]) == 78
+    assert "pass --samples N" in capsys.readouterr().err
+    assert cli.main(["cost", str(cfg), "--tokens-per-second-per-gpu", "1000", "--epochs", "1", "--samples", "64",
+                     "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["inputs"]["hours_from"]["steps"] == 4  # 64 pairs / 16 per step

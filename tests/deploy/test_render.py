@@ -216,3 +216,12 @@ def test_deploy_modules_do_not_import_torch(job_config, tmp_path):
             "import preftune.deploy.cost, preftune.deploy.validate, preftune.deploy.nodes; "
             "assert rc == rc2 == 0, (rc, rc2); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=300)
+
+
+def test_the_option_sets_cover_every_deploy_key():
+    from dataclasses import fields
+
+    from preftune.deploy.settings import DeployConfig
+
+    set_keys = {o.split("=")[0].split(".")[1] for opts in OPTION_SETS for o in opts if o.startswith("deploy.")}
+    assert {f.name for f in fields(DeployConfig)} - set_keys == set()
