@@ -105,6 +105,24 @@ def _load(path, overrides):
     return load_config(path, overrides), read_config_data(path, overrides)[0]
 
 
+class _ManifestDumper(yaml.SafeDumper):
+    """Plain YAML for kubectl and for reading: no anchors/aliases, multi-line strings as | blocks."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
+def _str(dumper, value: str):
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
+
+
+_ManifestDumper.add_representer(str, _str)
+
+
+def to_yaml(obj: dict) -> str:
+    return yaml.dump(obj, Dumper=_ManifestDumper, sort_keys=False)
+
+
 def write_objects(objects: dict[str, dict], out_dir: Path) -> None:
     """One YAML file per object; each written beside its target and renamed, so none is half-written."""
     if out_dir.exists() and not out_dir.is_dir():
@@ -114,7 +132,7 @@ def write_objects(objects: dict[str, dict], out_dir: Path) -> None:
         for fname, obj in objects.items():
             fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{fname}.")
             with os.fdopen(fd, "w") as f:
-                yaml.safe_dump(obj, f, sort_keys=False)
+                f.write(to_yaml(obj))
             os.replace(tmp, out_dir / fname)
     except OSError as e:
         raise UserError(f"cannot write: {e.strerror}", where=str(out_dir)) from None

@@ -33,10 +33,7 @@ def launch_command() -> list[str]:
 
 def metadata(deploy: DeployConfig, name: str, *, namespaced: bool = True) -> dict:
     labels = {"app.kubernetes.io/name": "preftune", "app.kubernetes.io/instance": deploy.name, **deploy.labels}
-    meta = {"name": name, "labels": labels}
-    if namespaced:
-        meta["namespace"] = deploy.namespace
-    return meta
+    return {"name": name, **({"namespace": deploy.namespace} if namespaced else {}), "labels": labels}
 
 
 def pod_config(data: dict, deploy: DeployConfig) -> dict:

@@ -180,6 +180,12 @@ def test_render_writes_files_and_prints_the_cost(job_config, tmp_path, capsys):
                                                             "nodepool.yaml", "ec2nodeclass.yaml"])
     assert "24 GPUs x $10-15 per GPU-hour (spot) = $240-360 per hour" in text
     assert yaml.safe_load((out / "job.yaml").read_text())["kind"] == "Job"
+    for path in out.iterdir():  # plain YAML: no anchors or aliases, and it reads back as rendered
+        text = path.read_text()
+        assert "&id" not in text and "*id" not in text
+    assert "config.yaml: |" in (out / "configmap.yaml").read_text()
+    _, objects, _ = render(job_config)
+    assert {p.name: yaml.safe_load(p.read_text()) for p in out.iterdir()} == objects
 
 
 def test_render_prints_the_estimate_of_the_job_and_a_bad_flag_writes_nothing(job_config, tmp_path, capsys):
