@@ -1,7 +1,9 @@
 # The training image: preftune with its S3 and LoRA extras on a CUDA build of PyTorch.
 #   docker build -t preftune:latest .
 # then push it to your registry and set deploy.image to that name.
-FROM pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
+# Any CUDA build of PyTorch >= 2.4 works as the base: --build-arg BASE_IMAGE=pytorch/pytorch:TAG
+ARG BASE_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
+FROM ${BASE_IMAGE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 
@@ -13,8 +15,10 @@ COPY examples ./examples
 RUN pip install ".[s3,lora]"
 
 # the same uid/gid the rendered pods run as (securityContext runAsUser/fsGroup 1000)
-RUN groupadd --gid 1000 preftune && useradd --uid 1000 --gid 1000 --create-home preftune \
-    && chown -R preftune:preftune /app
+# (some base images already have a uid 1000: reuse it)
+RUN (getent group 1000 || groupadd --gid 1000 preftune) \
+    && (getent passwd 1000 || useradd --uid 1000 --gid 1000 --no-create-home preftune) \
+    && mkdir -p /home/preftune && chown -R 1000:1000 /app /home/preftune
 USER 1000:1000
 ENV HOME=/home/preftune HF_HOME=/home/preftune/.cache/huggingface
 

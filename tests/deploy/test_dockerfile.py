@@ -17,6 +17,8 @@ def instructions() -> list[tuple[str, str]]:
 
 def test_base_image_is_cuda_pytorch():
     (base,) = [arg for op, arg in instructions() if op == "FROM"]
+    args = dict(arg.split("=", 1) for op, arg in instructions() if op == "ARG" and "=" in arg)
+    base = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], base)
     assert base.startswith("pytorch/pytorch:") and "cuda" in base
 
 
