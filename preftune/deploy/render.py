@@ -39,6 +39,11 @@ def container_notes(cfg, data: dict) -> list[str]:
         if value and "://" not in value and not value.startswith("/"):
             notes.append(f"{section}.{key} '{value}' is a relative local path: the container resolves it in its "
                          "working directory (/app); bake it into the image or use s3://")
+    for section in ("grpo", "eval"):
+        for spec in (data.get(section) or {}).get("reward_funcs") or []:
+            target = str(spec).rpartition(":")[0]
+            if target.endswith(".py") and not target.startswith("/"):
+                notes.append(f"{section}.reward_funcs '{spec}': the container needs {target} (bake it into the image)")
     if cfg.deploy.capacity_type == "spot" and termination_grace(cfg.deploy, cfg.preemption_grace_seconds) > SPOT_NOTICE_SECONDS:
         notes.append(f"the pods' termination grace ({termination_grace(cfg.deploy, cfg.preemption_grace_seconds)} s) "
                      f"exceeds EC2's {SPOT_NOTICE_SECONDS} s spot notice: on spot, lower preemption_grace_seconds")

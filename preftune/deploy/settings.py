@@ -106,7 +106,7 @@ def check_deploy(deploy: DeployConfig, preemption_grace_seconds: float, checkpoi
         value = getattr(deploy, key)
         if not DNS_LABEL.match(value) or len(value) > 63:
             raise bad(key, f"'{value}' is not a Kubernetes name (lowercase letters, digits, '-'; at most 63)")
-    if len(deploy.name) > 40:  # Volcano's pod names add '-worker-NNN' and the svc plugin's service must fit
+    if len(deploy.name) > 40:  # pod names (and hostnames) NAME-worker-INDEX must stay within 63 characters
         raise bad("name", f"'{deploy.name}' is longer than 40 characters")
     for key in ("cpu", "memory", "shm_size", "storage_size", "root_volume_size"):
         if not QUANTITY.match(str(getattr(deploy, key))):

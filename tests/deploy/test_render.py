@@ -208,9 +208,11 @@ def test_render_check_with_and_without_crds(job_config, crd_dir, capsys):
 
 def test_notes_name_paths_the_container_must_have(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("data: {train: data/prompts.jsonl}\npreemption_grace_seconds: 100\ncheckpoint_uri: s3://b/c\n")
+    cfg.write_text("data: {train: data/prompts.jsonl}\npreemption_grace_seconds: 100\ncheckpoint_uri: s3://b/c\n"
+                   "grpo: {reward_funcs: [accuracy, my_rewards.py:brevity]}\n")
     _, _, notes = render(cfg)
     text = "\n".join(notes)
+    assert "grpo.reward_funcs 'my_rewards.py:brevity'" in text and "accuracy" not in text
     assert "data.train 'data/prompts.jsonl'" in text and "model.name_or_path 'examples/model'" in text
     assert "spot notice" in text
 
