@@ -14,17 +14,19 @@ def render_objects(cfg, data: dict) -> tuple[dict[str, dict], list[str]]:
     as written, which the pods get in the ConfigMap."""
     d = cfg.deploy
     grace = cfg.preemption_grace_seconds
-    objects = {"configmap.yaml": manifests.config_map(d, data)}
+    # numbered in apply order (`kubectl apply -f DIR` goes by file name): Volcano refuses a job
+    # whose queue does not exist yet
+    objects = {"1-ec2nodeclass.yaml": nodes.ec2_node_class(d), "2-nodepool.yaml": nodes.node_pool(d)}
     if d.scheduler == "volcano":
-        objects["queue.yaml"] = manifests.volcano_queue(d)
-        objects["job.yaml"] = manifests.volcano_job(d, grace)
-    else:
-        objects["service.yaml"] = manifests.headless_service(d)
-        objects["job.yaml"] = manifests.indexed_job(d, grace)
+        objects["3-queue.yaml"] = manifests.volcano_queue(d)
     if d.checkpoint_claim:
-        objects["pvc.yaml"] = manifests.checkpoint_claim(d)
-    objects["nodepool.yaml"] = nodes.node_pool(d)
-    objects["ec2nodeclass.yaml"] = nodes.ec2_node_class(d)
+        objects["4-pvc.yaml"] = manifests.checkpoint_claim(d)
+    objects["5-configmap.yaml"] = manifests.config_map(d, data)
+    if d.scheduler == "volcano":
+        objects["7-job.yaml"] = manifests.volcano_job(d, grace)
+    else:
+        objects["6-service.yaml"] = manifests.headless_service(d)
+        objects["7-job.yaml"] = manifests.indexed_job(d, grace)
     problems = admission_problems(objects)
     if problems:  # a bug in preftune rather than in the config: the options were checked already
         raise UserError(f"rendered objects would be refused: {'; '.join(problems)}")

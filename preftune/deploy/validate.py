@@ -209,8 +209,10 @@ def load_crds(crd_dir: str | Path) -> dict[tuple[str, str], dict]:
         raise UserError("not a folder of CRD YAML files", where=str(crd_dir))
     schemas = {}
     for path in sorted(folder.glob("*.y*ml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            if not isinstance(doc, dict) or doc.get("kind") != "CustomResourceDefinition":
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if isinstance(d, dict)]
+        docs += [item for d in docs if d.get("kind") == "List" for item in d.get("items", [])]  # kubectl get -o yaml
+        for doc in docs:
+            if doc.get("kind") != "CustomResourceDefinition":
                 continue
             group, kind = doc["spec"]["group"], doc["spec"]["names"]["kind"]
             for version in doc["spec"]["versions"]:

@@ -34,7 +34,7 @@ def test_runs_as_the_non_root_user_the_pods_expect(tmp_path):
     assert users and users[-1].split(":")[0] not in ("0", "root")
     cfg = tmp_path / "c.yaml"
     cfg.write_text("data: {train: s3://b/p}\n")
-    pod = render(cfg)[1]["job.yaml"]["spec"]["tasks"][0]["template"]["spec"]
+    pod = render(cfg)[1]["7-job.yaml"]["spec"]["tasks"][0]["template"]["spec"]
     assert str(pod["securityContext"]["runAsUser"]) == users[-1].split(":")[0]
 
 

@@ -43,7 +43,7 @@ def test_every_rendering_validates(job_config, crd_dir, overrides):
 
 
 def _pod(objects):
-    job = objects["job.yaml"]
+    job = objects["7-job.yaml"]
     if job["apiVersion"] == "batch/v1":
         return job["spec"]["template"]["spec"]
     return job["spec"]["tasks"][0]["template"]["spec"]
@@ -51,9 +51,9 @@ def _pod(objects):
 
 def test_volcano_job_is_the_seed_job(job_config):
     cfg, objects, _ = render(job_config)
-    assert set(objects) == {"configmap.yaml", "queue.yaml", "job.yaml", "pvc.yaml", "nodepool.yaml",
-                            "ec2nodeclass.yaml"}
-    job = objects["job.yaml"]
+    assert set(objects) == {"5-configmap.yaml", "3-queue.yaml", "7-job.yaml", "4-pvc.yaml", "2-nodepool.yaml",
+                            "1-ec2nodeclass.yaml"}
+    job = objects["7-job.yaml"]
     spec = job["spec"]
     assert (job["apiVersion"], spec["schedulerName"], spec["queue"]) == ("batch.volcano.sh/v1alpha1", "volcano",
                                                                          "training-queue")
@@ -76,13 +76,13 @@ def test_volcano_job_is_the_seed_job(job_config):
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
         assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == "preftune-checkpoints"
-        assert volumes["config"]["configMap"]["name"] == objects["configmap.yaml"]["metadata"]["name"]
+        assert volumes["config"]["configMap"]["name"] == objects["5-configmap.yaml"]["metadata"]["name"]
         mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
         assert mounts == {"config": CONFIG_DIR, "dshm": "/dev/shm", "checkpoints": "/checkpoints"}
         terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         exprs = {e["key"]: e["values"] for e in terms["nodeSelectorTerms"][0]["matchExpressions"]}
         assert exprs == {"node.kubernetes.io/instance-type": ["p5en.48xlarge"], "karpenter.sh/capacity-type": ["spot"]}
-    pvc = objects["pvc.yaml"]
+    pvc = objects["4-pvc.yaml"]
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
 
 
@@ -96,20 +96,20 @@ def test_configmap_holds_the_config_as_written_with_output_dir_on_the_claim(job_
     from preftune.config import Config, from_dict
 
     _, objects, _ = render(job_config, "grpo.beta=0.04")
-    written = yaml.safe_load(objects["configmap.yaml"]["data"][CONFIG_FILE])
+    written = yaml.safe_load(objects["5-configmap.yaml"]["data"][CONFIG_FILE])
     assert written["output_dir"] == "/checkpoints/runs/seed-job"
     assert written["grpo"] == {"beta": 0.04}
     assert written["data"]["train"] == "s3://bucket/prompts/"
     assert from_dict(Config, written).grpo.beta == 0.04  # a config launch can load
     _, objects, _ = render(job_config, "deploy.checkpoint_claim=null", "checkpoint_uri=s3://b/c")
-    assert yaml.safe_load(objects["configmap.yaml"]["data"][CONFIG_FILE])["output_dir"] == "runs/seed-job"
-    assert "pvc.yaml" not in objects
+    assert yaml.safe_load(objects["5-configmap.yaml"]["data"][CONFIG_FILE])["output_dir"] == "runs/seed-job"
+    assert "4-pvc.yaml" not in objects
 
 
 def test_kubernetes_scheduler_renders_an_indexed_job_and_headless_service(job_config):
     _, objects, _ = render(job_config, "deploy.scheduler=kubernetes")
-    assert "queue.yaml" not in objects
-    job, svc = objects["job.yaml"], objects["service.yaml"]
+    assert "3-queue.yaml" not in objects
+    job, svc = objects["7-job.yaml"], objects["6-service.yaml"]
     spec = job["spec"]
     assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 3, 3)
     rules = spec["podFailurePolicy"]["rules"]
@@ -127,7 +127,7 @@ def test_kubernetes_scheduler_renders_an_indexed_job_and_headless_service(job_co
 
 def test_node_pool_matches_the_pods(job_config):
     _, objects, _ = render(job_config, "deploy.zones=[us-east-2a]")
-    pool, nodeclass, pod = objects["nodepool.yaml"], objects["ec2nodeclass.yaml"], _pod(objects)
+    pool, nodeclass, pod = objects["2-nodepool.yaml"], objects["1-ec2nodeclass.yaml"], _pod(objects)
     tmpl = pool["spec"]["template"]["spec"]
     for taint in tmpl["taints"]:  # every taint is tolerated by the training pods
         assert any(t["key"] == taint["key"] and (t["operator"] == "Exists" or t["value"] == taint.get("value"))
@@ -145,9 +145,9 @@ def test_node_pool_matches_the_pods(job_config):
     assert len(ncs["networkInterfaces"]) == 17  # the primary ENA + 16 EFA
     assert ncs["role"] == "KarpenterNodeRole-training-cluster"
     _, objects, _ = render(job_config, "deploy.efa=false", "deploy.capacity_type=on-demand")
-    assert "networkInterfaces" not in objects["ec2nodeclass.yaml"]["spec"]
+    assert "networkInterfaces" not in objects["1-ec2nodeclass.yaml"]["spec"]
     assert "vpc.amazonaws.com/efa" not in _pod(objects)["containers"][0]["resources"]["limits"]
-    assert [t["key"] for t in objects["nodepool.yaml"]["spec"]["template"]["spec"]["taints"]] == ["nvidia.com/gpu"]
+    assert [t["key"] for t in objects["2-nodepool.yaml"]["spec"]["template"]["spec"]["taints"]] == ["nvidia.com/gpu"]
 
 
 @pytest.mark.parametrize("override, key", [
@@ -176,14 +176,14 @@ def test_render_writes_files_and_prints_the_cost(job_config, tmp_path, capsys):
     out = tmp_path / "m"
     assert cli.main(["render", str(job_config), "-o", str(out)]) == 0
     text = capsys.readouterr().out
-    assert sorted(p.name for p in out.iterdir()) == sorted(["configmap.yaml", "queue.yaml", "job.yaml", "pvc.yaml",
-                                                            "nodepool.yaml", "ec2nodeclass.yaml"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(["5-configmap.yaml", "3-queue.yaml", "7-job.yaml", "4-pvc.yaml",
+                                                            "2-nodepool.yaml", "1-ec2nodeclass.yaml"])
     assert "24 GPUs x $10-15 per GPU-hour (spot) = $240-360 per hour" in text
-    assert yaml.safe_load((out / "job.yaml").read_text())["kind"] == "Job"
+    assert yaml.safe_load((out / "7-job.yaml").read_text())["kind"] == "Job"
     for path in out.iterdir():  # plain YAML: no anchors or aliases, and it reads back as rendered
         text = path.read_text()
         assert "&id" not in text and "*id" not in text
-    assert "config.yaml: |" in (out / "configmap.yaml").read_text()
+    assert "config.yaml: |" in (out / "5-configmap.yaml").read_text()
     _, objects, _ = render(job_config)
     assert {p.name: yaml.safe_load(p.read_text()) for p in out.iterdir()} == objects
 
@@ -233,3 +233,13 @@ def test_the_option_sets_cover_every_deploy_key():
 
     set_keys = {o.split("=")[0].split(".")[1] for opts in OPTION_SETS for o in opts if o.startswith("deploy.")}
     assert {f.name for f in fields(DeployConfig)} - set_keys == set()
+
+
+def test_files_sort_in_apply_order(job_config):
+    for overrides in ([], ["deploy.scheduler=kubernetes"]):
+        _, objects, _ = render(job_config, *overrides)
+        kinds = [objects[f]["kind"] for f in sorted(objects)]
+        assert kinds.index("Job") == len(kinds) - 1  # the job last: its queue, claim and config exist first
+        assert kinds.index("EC2NodeClass") < kinds.index("NodePool")
+        if "Queue" in kinds:
+            assert kinds.index("Queue") < kinds.index("Job")
