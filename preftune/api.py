@@ -70,7 +70,8 @@ def run(cfg: Config, *, callbacks: Sequence[Callback] = ()) -> TrainResult:
     memory.check_registered(cfg.data.eval, "data.eval")
     check_callables(cfg.grpo.reward_funcs, "grpo.reward_funcs")
     check_callables(cfg.eval.reward_funcs, "eval.reward_funcs")
-    final = train_loop(cfg, callbacks=callbacks)
+    with _quiet_transformers():
+        final = train_loop(cfg, callbacks=callbacks)
     trained, evals = [], []
     for r in read_records(final.parent / "metrics.jsonl"):
         (evals if any(k.startswith("eval/") for k in r) else trained).append(r)
@@ -130,3 +131,19 @@ def _scoped(*registries: dict):
         for registry, keys in zip(registries, before):
             for key in set(registry) - keys:
                 del registry[key]
+
+
+@contextmanager
+def _quiet_transformers():
+    """transformers' own bars (loading, writing shards) would bury the run's; its settings are put back after."""
+    from transformers.utils import logging as hf_logging
+
+    bars, level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+        hf_logging.set_verbosity(level)
