@@ -16,6 +16,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 from preftune.errors import UserError, one_line
 
@@ -59,13 +60,18 @@ def build_trackers(names: list[str], out_dir: Path, *, config: dict, project: st
     state = state or {}
     name = run_name or Path(out_dir).resolve().name
     built = []
-    for tracker in dict.fromkeys(names):
-        if tracker == "tensorboard":
-            built.append(TensorBoard(out_dir, start_step))
-        elif tracker == "wandb":
-            built.append(WandB(out_dir, config, project, name, state.get("wandb")))
-        elif tracker == "mlflow":
-            built.append(MLflow(config, project, name, state.get("mlflow")))
+    try:
+        for tracker in dict.fromkeys(names):
+            if tracker == "tensorboard":
+                built.append(TensorBoard(out_dir, start_step))
+            elif tracker == "wandb":
+                built.append(WandB(out_dir, config, project, name, state.get("wandb")))
+            elif tracker == "mlflow":
+                built.append(MLflow(config, project, name, state.get("mlflow")))
+    except BaseException:
+        for t in built:  # the ones already open must not outlive the failed start
+            t.close("failed")
+        raise
     return built
 
 
@@ -103,7 +109,7 @@ class WandB:
         import wandb
 
         self.excepthook = sys.excepthook
-        run_id = (state or {}).get("id") or wandb.util.generate_id()
+        run_id = (state or {}).get("id")  # None: W&B makes a new one
         try:
             self.run = wandb.init(project=project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT, name=name,
                                   id=run_id, resume="allow", config=config, reinit="create_new",
@@ -131,7 +137,11 @@ _MLFLOW_BAD = re.compile(r"[^\w\-. /:]")  # characters MLflow refuses in a metri
 
 class MLflow:
     """An MLflow run through `MlflowClient` (no global active run that could leak out of train());
-    the tracking store is MLflow's own setting (MLFLOW_TRACKING_URI)."""
+    the tracking store is MLflow's own setting (MLFLOW_TRACKING_URI).
+
+    MLflow's local file store keeps each metric in a file named by its key, so it cannot hold both
+    `reward` and `reward/accuracy`: there `/` is written as `.`; other stores get the names as they are.
+    """
 
     key = "mlflow"
     STATUS = {"finished": "FINISHED", "preempted": "KILLED"}
@@ -142,6 +152,7 @@ class MLflow:
 
         try:
             self.client = MlflowClient()
+            self.file_store = urlparse(self.client.tracking_uri).scheme in ("", "file")
             self.run_id = self._resume((state or {}).get("run_id"))
             if self.run_id is None:
                 self.run_id = self._create(project or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_PROJECT, name)
@@ -181,8 +192,12 @@ class MLflow:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(_MLFLOW_BAD.sub("_", k), v, now, step)
+        self.client.log_batch(self.run_id, metrics=[Metric(self.metric_key(k), v, now, step)
                                                     for k, v in scalars(metrics).items()])
+
+    def metric_key(self, name: str) -> str:
+        name = _MLFLOW_BAD.sub("_", name)
+        return name.replace("/", ".") if self.file_store else name
 
     def state(self) -> dict:
         return {"run_id": self.run_id}
