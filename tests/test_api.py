@@ -3,6 +3,7 @@ UserError, signal handlers left as found, the light package import, and the CLI 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -219,6 +220,15 @@ def test_errors_and_exceptions_leave_handlers_as_found(tmp_path, own_handlers):
         preftune.train({}, overrides=overrides(tmp_path, "b"), reward_funcs=[brevity], train_data=PROMPTS,
                        callbacks=[crash])
     assert handlers() == own_handlers
+
+    def notice(step, m):  # a spot notice (or a notebook's interrupt) arriving during step 1
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(preftune.Preempted, match="preempted at step 1; checkpoint step-1 saved"):
+        preftune.train({}, overrides=overrides(tmp_path, "c"), reward_funcs=[brevity], train_data=PROMPTS,
+                       callbacks=[notice])
+    assert handlers() == own_handlers and (tmp_path / "c" / "checkpoints" / "step-1").is_dir()
     from preftune.data import memory
     from preftune.rewards.registry import CALLABLES
 
