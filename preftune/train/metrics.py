@@ -46,6 +46,7 @@ class MetricsLog:
 
             self.bar = tqdm(total=total_steps, initial=max(start_step, 0), desc="train", dynamic_ncols=True)
         self.trackers = list(trackers)
+        self.failing: set[str] = set()
         self.closed = False
 
     def log(self, step: int, metrics: dict, *, advance: bool = False) -> dict:
@@ -54,7 +55,13 @@ class MetricsLog:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         for tracker in self.trackers:
-            tracker.log(step, metrics)
+            try:
+                tracker.log(step, metrics)
+            except Exception as e:  # noqa: BLE001 -- a tracker outage must not end a training run
+                if tracker.key not in self.failing:  # metrics.jsonl keeps every record; warn once
+                    log.warning("logging to %s failed (metrics.jsonl has every record; later failures are not "
+                                "reported): %s", tracker.key, e)
+                self.failing.add(tracker.key)
         if self.bar is not None:
             if advance:
                 self.bar.update(1)

@@ -113,3 +113,30 @@ def test_wandb_mlflow_tensorboard_together_and_resumed(tmp_path, monkeypatch):
     assert {k.replace("/", ".") for k in train_keys} <= set(client.get_run(run_id).data.metrics)
     assert client.get_run(run_id).data.params["grpo.beta"] == "0.04"
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_a_failing_tracker_does_not_stop_the_run(tmp_path, caplog):
+    from preftune.train.metrics import MetricsLog, read_records
+
+    class Down:
+        key = "mlflow"
+        closed = None
+
+        def log(self, step, metrics):
+            raise ConnectionError("server unreachable")
+
+        def state(self):
+            return {"run_id": "r1"}
+
+        def close(self, status):
+            Down.closed = status
+
+    m = MetricsLog(tmp_path, total_steps=2, start_step=-1, progress=False, trackers=[Down()])
+    m.log(1, {"loss": 1.0})
+    m.log(2, {"loss": float("nan")})
+    assert m.state_dict() == {"mlflow": {"run_id": "r1"}}
+    m.close("preempted")
+    m.close("finished")  # a second close changes nothing
+    assert read_records(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": None}]
+    assert Down.closed == "preempted"
+    assert sum("logging to mlflow failed" in r.message for r in caplog.records) == 1
