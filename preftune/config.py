@@ -328,7 +328,7 @@ def read_source(source: str | Path | dict | Config | None) -> tuple[dict, str]:
     if source is None:
         return {}, "."
     if isinstance(source, Config):
-        return to_dict(source), source.config_dir
+        return _copy_tree(to_dict(source)), source.config_dir
     if isinstance(source, dict):
         return _copy_tree(source), "."
     path = Path(source)
