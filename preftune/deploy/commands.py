@@ -100,9 +100,12 @@ def _hourly(args, d) -> str:
 
 def _load(path, overrides):
     """The checked config, and the config as written (what the pods get)."""
-    from preftune.config import load_config, read_config_data
+    from preftune.config import apply_override, load_config, read_source
 
-    return load_config(path, overrides), read_config_data(path, overrides)[0]
+    data = read_source(path)[0]
+    for assignment in overrides:
+        apply_override(data, assignment)
+    return load_config(path, overrides), data
 
 
 class _ManifestDumper(yaml.SafeDumper):
