@@ -243,3 +243,21 @@ def test_files_sort_in_apply_order(job_config):
         assert kinds.index("EC2NodeClass") < kinds.index("NodePool")
         if "Queue" in kinds:
             assert kinds.index("Queue") < kinds.index("Job")
+
+
+def test_a_failed_check_writes_nothing(job_config, crd_dir, tmp_path, capsys):
+    crds = tmp_path / "crds"
+    crds.mkdir()
+    for path in crd_dir.glob("*.yaml"):
+        doc = yaml.safe_load(path.read_text())
+        if doc["spec"]["names"]["kind"] == "Job":  # a cluster whose Volcano caps maxRetry at 5
+            doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["maxRetry"][
+                "maximum"] = 5
+        (crds / path.name).write_text(yaml.safe_dump(doc))
+    out = tmp_path / "m"
+    assert cli.main(["render", str(job_config), "-o", str(out), "--check", "--crd-dir", str(crds)]) == 78
+    err = capsys.readouterr().err
+    assert "7-job.yaml: Job preftune: spec.maxRetry: 100 is greater than the maximum of 5" in err
+    assert not out.exists()
+    assert cli.main(["render", str(job_config), "-o", str(out), "--check", "--crd-dir", str(crds),
+                     "deploy.max_retry=5"]) == 0
