@@ -19,6 +19,7 @@ ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
                        r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+EC2_ALIAS_FAMILIES = ("al2", "al2023", "bottlerocket", "windows2019", "windows2022", "windows2025")  # EC2NodeClass CEL
 
 # Seconds Kubernetes waits after SIGTERM beyond the run's own grace (the save, the upload, the exit).
 TERMINATION_MARGIN_SECONDS = 30
@@ -120,8 +121,9 @@ def check_deploy(deploy: DeployConfig, preemption_grace_seconds: float, checkpoi
         raise bad("image", "name the container image")
     if not deploy.checkpoint_mount.startswith("/"):
         raise bad("checkpoint_mount", f"'{deploy.checkpoint_mount}' is not an absolute path")
-    if not re.match(r"^[a-zA-Z0-9]+@.+$", deploy.ami_alias):
-        raise bad("ami_alias", f"'{deploy.ami_alias}' is not family@version (e.g. al2023@v20260807)")
+    if not re.match(r"^[a-zA-Z0-9]+@.+$", deploy.ami_alias) or deploy.ami_alias.split("@")[0] not in EC2_ALIAS_FAMILIES:
+        raise bad("ami_alias", f"'{deploy.ami_alias}' is not family@version with a family of "
+                  f"{', '.join(EC2_ALIAS_FAMILIES)}")
     for env_key in deploy.env:
         if not ENV_NAME.match(env_key):
             raise bad(f"env.{env_key}", "not a valid environment variable name")

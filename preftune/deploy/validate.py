@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from preftune.deploy.settings import DNS_LABEL
+from preftune.deploy.settings import DNS_LABEL, EC2_ALIAS_FAMILIES
 from preftune.errors import UserError
 
 KUBE_VERSION = "1.33"
@@ -24,7 +24,6 @@ VOLCANO_EVENTS = {"*", "PodFailed", "PodEvicted", "PodPending", "Unknown", "Task
 VOLCANO_ACTIONS = {"AbortJob", "RestartJob", "RestartTask", "RestartPod", "RestartPartition", "TerminateJob",
                    "CompleteJob", "ResumeJob"}
 VOLCANO_PLUGINS = {"ssh", "env", "svc", "tensorflow", "mpi", "pytorch", "hcclrank", "ray"}
-EC2_ALIAS_FAMILIES = {"al2", "al2023", "bottlerocket", "windows2019", "windows2022", "windows2025"}
 
 
 def _name(obj: dict) -> str:

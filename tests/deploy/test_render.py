@@ -163,6 +163,7 @@ def test_node_pool_matches_the_pods(job_config):
     ("deploy.expire_after=1w", "deploy.expire_after"),
     ("deploy.gpu_per_node=8", "deploy.gpus_per_node"),
     ("deploy.instance_types=[]", "deploy.instance_types"),
+    ("deploy.ami_alias=ubuntu@22.04", "deploy.ami_alias"),
 ])
 def test_bad_deploy_option_is_exit_78_naming_the_key_and_writes_nothing(job_config, tmp_path, capsys, override, key):
     out = tmp_path / "manifests"
