@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from preftune.atomic import atomic_write
 from preftune.errors import UserError
 
 log = logging.getLogger("preftune")
@@ -59,11 +60,7 @@ def fsync_tree(root: Path) -> None:
 def write_manifest(folder: Path, step: int) -> None:
     files = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
              for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
-    tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / MANIFEST)
+    atomic_write(folder / MANIFEST, json.dumps({"step": step, "files": files}, indent=1), fsync=True)
 
 
 def _safe_rel(name: str) -> bool:

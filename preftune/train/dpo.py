@@ -2,7 +2,8 @@
 
 Reference log-probs are computed once, before the first step, with the initial policy (which *is*
 the reference), and cached in OUTPUT_DIR/ref_logps.pt keyed by a fingerprint of the model and the
-tokenised pairs; no reference model is held during training.
+tokenised pairs; no reference model is held during training (TRL's `precompute_ref_log_probs`,
+always on here).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from preftune.atomic import atomic_path
 from preftune.config import Config
 from preftune.data.stream import IndexStream
 from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response
@@ -41,10 +43,9 @@ def load_pairs(cfg: Config) -> tuple[list, dict]:
     if columns and {"prompt", "chosen", "rejected"} <= set(columns):
         pairs = read_pairs(cfg.data.train)
         return pairs, {"pairs_file": len(pairs)}
-    from preftune.data.traces import load_traces
-    from preftune.train.grpo_task import trace_options
+    from preftune.data.traces import TraceOptions, load_traces
 
-    traces, drops = load_traces(cfg.data.train, trace_options(cfg))
+    traces, drops = load_traces(cfg.data.train, TraceOptions.from_config(cfg.data))
     d = cfg.data
     pairs, report = build_pairs(traces, chosen_min=d.chosen_min, rejected_max=d.rejected_max,
                                 strategy=d.pair_strategy, max_pairs_per_prompt=d.max_pairs_per_prompt,
@@ -119,25 +120,37 @@ def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int,
         out.append(torch.stack([lp[:b], lp[b:]], dim=1).cpu())
     model.train(was_training)
     logps = torch.cat(out)  # (n, 2)
-    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
-    torch.save({"fingerprint": key, "logps": logps}, tmp)
-    tmp.replace(cache)
+    with atomic_path(cache) as tmp:
+        torch.save({"fingerprint": key, "logps": logps}, tmp)
     return logps
 
 
-class DPOTask:
-    def __init__(self, cfg: Config, model, tokenizer, device: torch.device):
-        from preftune.train.grpo_task import write_data_report
+def _no_pairs_reason(report: dict) -> str:
+    """Why pairing made nothing, naming the keys that decide it (the report is not written on error)."""
+    p = report.get("pairs")
+    if p is None:
+        return f"{report.get('encoded', {}).get('prompts_dropped', 0)} dropped by data.prompt_truncation"
+    drops = report["traces"]
+    if not drops["kept"]:
+        return f"all {drops['total_rows']} trace rows were dropped ({drops['dropped']}; data.invalid, " \
+               "data.duplicates, data.min_reward_threshold)"
+    return (f"{p['prompts_seen']} prompts, {p['prompts_without_chosen']} without a chosen (data.chosen_min), "
+            f"{p['prompts_without_rejected']} without a rejected (data.rejected_max), {p['skipped_by_margin']} "
+            f"below data.min_margin, {p['skipped_identical']} with chosen == rejected")
 
+
+class DPOTask:
+    """Builds everything; the loop writes `data_report` once setup has succeeded."""
+
+    def __init__(self, cfg: Config, model, tokenizer, device: torch.device):
         self.cfg, self.d, self.device = cfg, cfg.dpo, device
         self.loss_types = [self.d.loss_type] if isinstance(self.d.loss_type, str) else list(self.d.loss_type)
         check_dpo_options(self.loss_types, self.d.loss_weights, self.d.beta, self.d.label_smoothing)
         pairs, report = load_pairs(cfg)
         self.encoded, stats = encode_pairs(pairs, tokenizer, cfg)
-        write_data_report(cfg.output_dir, report | {"encoded": stats})
+        self.data_report = report | {"encoded": stats}
         if not self.encoded:
-            raise UserError("no DPO pairs to train on (see data_report.json)", where=cfg.data.train)
+            raise UserError(f"no DPO pairs to train on: {_no_pairs_reason(self.data_report)}", where=cfg.data.train)
         self.pad_id = tokenizer.pad_token_id
         self.ref = None
         if not self.d.reference_free:
