@@ -351,8 +351,10 @@ def load_traces(path: str, opts: TraceOptions | None = None) -> tuple[Traces, Dr
     needed = (opts.prompt_column, opts.response_column, opts.reward_column)
     for fpath in files:
         where = display_path(fs, fpath)
-        rows, columns = read_rows(fs, fpath, text_columns=needed[:2])
+        rows, columns = read_rows(fs, fpath, text_columns=needed)
         require_columns(columns, needed, where)
+        if _is_csv(fpath):
+            _parse_csv_numbers(rows, opts.reward_column)
         for i, row in enumerate(rows):
             report.total_rows += 1
             reason = _drop_reason(row, i, where, opts, seen)
@@ -362,6 +364,24 @@ def load_traces(path: str, opts: TraceOptions | None = None) -> tuple[Traces, Dr
                 kept.append(_to_trace(row, opts, where, i))
     report.kept = len(kept)
     return Traces(kept, [display_path(fs, f) for f in files]), report
+
+
+def _is_csv(fpath: str) -> bool:
+    return FORMATS[os.path.splitext(fpath)[1].lower()] == "csv"
+
+
+def _parse_csv_numbers(rows: list[dict], column: str) -> None:
+    """CSV cells are text: read the reward column as numbers row by row, so that one text cell
+    is reported at its own row (letting arrow infer the column would make every row a string)."""
+    for row in rows:
+        value = row.get(column)
+        if isinstance(value, str) and not value.strip():
+            row[column] = None  # an empty cell: a missing reward
+        elif isinstance(value, str):
+            try:
+                row[column] = float(value)
+            except ValueError:
+                pass  # stays text: reward_problem reports this row
 
 
 def _drop_reason(row: dict, i: int, where: str, opts: TraceOptions, seen: dict) -> str | None:

@@ -4,7 +4,7 @@
 stopping criteria, cache bookkeeping). This loop does only what GRPO needs: prefill each distinct
 prompt once, copy its cache G times, then one forward per new token with the last-token logits.
 Positions come from the attention mask, so a left-padded prompt sees the same positions as an
-unpadded one, here and in the training forward pass (`train/grpo.py` uses the same rule).
+unpadded one, here and in the training forward pass (`train/logps.py` calls `positions_from_mask`).
 """
 from __future__ import annotations
 
