@@ -13,7 +13,7 @@ from preftune.atomic import atomic_write
 from preftune.config import ModelConfig
 from preftune.errors import UserError, one_line
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the names of CHOICES["model.dtype"]
 log = logging.getLogger(__name__)
 
 
