@@ -42,7 +42,8 @@ def _trace_args(p: argparse.ArgumentParser) -> None:
     defaults, hints = DataConfig(), typing.get_type_hints(DataConfig)
     for flag, name in DATA_FLAGS.items():
         tp = next(t for t in (str, int, float) if t == hints[name] or t in typing.get_args(hints[name]))
-        kwargs = dict(dest=name, default=getattr(defaults, name), help=f"= data.{name} in a config")
+        kwargs = dict(dest=name, default=getattr(defaults, name),
+                      help=f"data.{name} in a config (default: %(default)s)")
         if name == "reward_range":
             kwargs.update(type=float, nargs=2, metavar=("LO", "HI"))
         else:
@@ -79,7 +80,7 @@ def _data_section(args):
     except UserError as e:  # name the flag the user typed
         flags = {f"data.{name}": flag for flag, name in DATA_FLAGS.items()}
         key = (e.where or "").split("[")[0]
-        raise UserError(str(e).split(": ", 1)[-1], where=flags.get(key, key)) from None
+        raise UserError(e.message, where=flags.get(key, key)) from None
     return d
 
 

@@ -421,8 +421,12 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             data = yaml.safe_load(path.read_text()) or {}
         except OSError as e:
             raise UserError(f"cannot read config: {e.strerror}", where=str(path)) from None
+        except UnicodeDecodeError as e:
+            raise UserError(f"not UTF-8 text (byte {e.start})", where=str(path)) from None
         except yaml.YAMLError as e:
             raise UserError(f"invalid YAML: {yaml_problem(e)}", where=str(path)) from None
+        if not isinstance(data, dict):
+            raise UserError(f"expected a mapping of config keys, got a {type(data).__name__}", where=str(path))
         config_dir = str(path.parent)
     for assignment in overrides:
         apply_override(data, assignment)

@@ -18,7 +18,7 @@ class UserError(Exception):
     exit_code = EXIT_USER
 
     def __init__(self, message: str, *, where: str | None = None):
-        self.where = where
+        self.where, self.message = where, message
         super().__init__(f"{where}: {message}" if where else message)
 
 

@@ -243,3 +243,60 @@ def test_dpo_with_no_pairs_names_the_keys_and_writes_nothing(capsys, config, out
                        "data.rejected_max=2")
     assert "no DPO pairs" in line and "data.chosen_min" in line
     assert not (out / "data_report.json").exists()
+
+
+def test_missing_eval_set(capsys, config, out, tmp_path):
+    line = train_fails(capsys, config, out, f"data.eval={tmp_path / 'eval.jsonl'}")
+    assert "eval.jsonl" in line and "no such file" in line
+
+
+def test_reward_function_with_the_wrong_number_of_values(capsys, config, out, tmp_path):
+    (tmp_path / "short.py").write_text("def short(completions, **kw):\n    return [1.0]\n")
+    line = train_fails(capsys, config, out, f"grpo.reward_funcs=[{tmp_path / 'short.py'}:short]")
+    assert "reward 'short'" in line
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def test_resume_from_a_folder_that_is_not_a_checkpoint(capsys, config, out, tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    line = train_fails(capsys, config, out, f"resume={tmp_path / 'ckpt'}")
+    assert "error: resume:" in line and "MANIFEST.json" in line
+
+
+def test_resume_from_a_damaged_checkpoint(capsys, config, out, tmp_path):
+    """A finished one-step run's checkpoint with a byte changed: refused by its manifest."""
+    first = tmp_path / "first"
+    assert main(["train", str(config), *TINY, f"output_dir={first}", "save_steps=1"]) == 0
+    capsys.readouterr()
+    (ckpt,) = (first / "checkpoints").iterdir()
+    state = ckpt / "trainer_state.pt"
+    data = bytearray(state.read_bytes())
+    data[-1] ^= 0xFF
+    state.write_bytes(bytes(data))
+    line = train_fails(capsys, config, out, f"resume={ckpt}")
+    assert str(ckpt) in line and "trainer_state.pt" in line
+
+
+@pytest.mark.parametrize("content, expect", [
+    (b"\xff\xfe algorithm: grpo\n", "not UTF-8 text (byte 0)"),
+    (b"- a\n- b\n", "expected a mapping of config keys, got a list"),
+])
+def test_config_file_that_is_not_a_mapping_of_keys(capsys, tmp_path, content, expect):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(content)
+    line = fails(capsys, "train", path, "data.train=x.jsonl")
+    assert "c.yaml" in line and expect in line
+
+
+@pytest.mark.parametrize("name, content, expect", [
+    ("t.jsonl", b'{"input": "a", "output": "b", "final_reward": 1}\n\xff\n', "line 2: not UTF-8 text"),
+    ("t.csv", b"", "cannot read csv: Empty CSV file"),
+    ("t.csv", b"input,output,final_reward\na,b\n", "cannot read csv: CSV parse error"),
+    ("t.json", b'[1, 2]', "row 0: expected a JSON object"),
+])
+def test_unreadable_trace_files(capsys, tmp_path, name, content, expect):
+    (tmp_path / name).write_bytes(content)
+    line = fails(capsys, "data", "inspect", tmp_path / name)
+    assert name in line and expect in line

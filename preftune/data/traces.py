@@ -221,7 +221,11 @@ def _read_json_rows(data: bytes, where: str) -> list[dict]:
     Parsed with the json module rather than pyarrow so that a row whose types differ from the
     others (a string reward, say) becomes a row-level error instead of failing the whole file.
     """
-    text = data.decode("utf-8-sig")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise UserError(f"line {line}: not UTF-8 text (byte {e.start})", where=where) from None
     if text.lstrip().startswith("["):
         try:
             rows = json.loads(text)

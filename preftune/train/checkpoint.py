@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from preftune.atomic import atomic_write
-from preftune.errors import UserError
+from preftune.errors import UserError, one_line
 
 log = logging.getLogger("preftune")
 MANIFEST = "MANIFEST.json"
@@ -155,8 +155,7 @@ def load_state(folder: Path) -> dict:
     try:
         return torch.load(folder / STATE, weights_only=True, map_location="cpu")
     except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{STATE} is not plain trainer state (refusing to unpickle it): {first[:200]}",
+        raise UserError(f"{STATE} is not plain trainer state (refusing to unpickle it): {one_line(e, limit=200)}",
                         where=str(folder)) from None
 
 
