@@ -25,6 +25,7 @@ import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
 from preftune.config import CHOICES, DataConfig
+from preftune.data import memory
 from preftune.data.messages import is_messages
 from preftune.errors import UserError, one_line
 
@@ -192,6 +193,9 @@ def _supported(p: str) -> bool:
 
 def resolve_files(path: str) -> tuple[Any, list[str]]:
     """(fs, files): a file, every supported file under a folder (recursive, sorted), or a glob."""
+    if memory.is_memory(path):  # a table handed to preftune.train(): one 'file'
+        memory.rows(path)
+        return memory.FS, [path]
     fs, fpath = _filesystem(str(path))
     try:
         if any(c in fpath for c in _GLOB_CHARS):
@@ -278,6 +282,8 @@ def read_rows(fs, fpath: str, text_columns: Sequence[str] | None = ()) -> tuple[
 
     Column names are None for a JSON file without rows: it has no schema to check.
     """
+    if fs is memory.FS:
+        return memory.rows(fpath)
     where = display_path(fs, fpath)
     kind = FORMATS[os.path.splitext(fpath)[1].lower()]
     try:
@@ -371,7 +377,7 @@ def load_traces(path: str, opts: TraceOptions | None = None) -> tuple[Traces, Dr
 
 
 def _is_csv(fpath: str) -> bool:
-    return FORMATS[os.path.splitext(fpath)[1].lower()] == "csv"
+    return FORMATS.get(os.path.splitext(fpath)[1].lower()) == "csv"
 
 
 def _parse_csv_numbers(rows: list[dict], column: str) -> None:
