@@ -93,6 +93,7 @@ class DPOConfig:
     beta: float = 0.1
     label_smoothing: float = 0.0
     reference_free: bool = False
+    precompute_ref_logps: bool = True  # false: hold a frozen reference and run it on each batch (TRL's default)
     max_length: int = 512  # prompt + response tokens
     batch_size: int = 16  # pairs per optimiser step
     micro_batch_size: int = 16

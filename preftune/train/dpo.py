@@ -2,11 +2,13 @@
 
 Reference log-probs are computed once, before the first step, with the initial policy (which *is*
 the reference), and cached in OUTPUT_DIR/ref_logps.pt keyed by a fingerprint of the model and the
-tokenised pairs; no reference model is held during training (TRL's `precompute_ref_log_probs`,
-always on here).
+tokenised pairs; no reference model is held during training (TRL's `precompute_ref_log_probs`).
+With `dpo.precompute_ref_logps: false` a frozen reference (the base under LoRA adapters) runs on
+each micro-batch instead.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from preftune.data.stream import IndexStream
 from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response
 from preftune.errors import UserError
 from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
+from preftune.models import load_model
 from preftune.rollout.sampler import left_pad, right_pad
 from preftune.train.logps import completion_logps, microbatches
 
@@ -152,9 +155,12 @@ class DPOTask:
         if not self.encoded:
             raise UserError(f"no DPO pairs to train on: {_no_pairs_reason(self.data_report)}", where=cfg.data.train)
         self.pad_id = tokenizer.pad_token_id
-        self.ref = None
-        if not self.d.reference_free:
+        self.ref, self.ref_model = None, None
+        if not self.d.reference_free and self.d.precompute_ref_logps:
             self.ref = reference_logps(model, self.encoded, cfg, self.pad_id, device)
+        elif not self.d.reference_free:  # run on each batch: the base under LoRA, else a frozen copy
+            self.ref_model = model if cfg.model.lora.enabled else load_model(
+                cfg.model, cfg.model.name_or_path, trainable=False).to(device)
         self.stream = IndexStream(len(self.encoded), cfg.seed, cfg.data.shuffle)
 
     def step(self, model, step: int, stop) -> dict:
@@ -170,6 +176,9 @@ class DPOTask:
             if self.ref is not None:
                 ref = self.ref[part].to(lp.device)  # (b, 2)
                 ref_c, ref_r = ref[:, 0], ref[:, 1]
+            elif self.ref_model is not None:
+                ref = self._live_reference(model, batch)  # (2b,)
+                ref_c, ref_r = ref[:b], ref[b:]
             loss, m = dpo_loss_multi(lp[:b], lp[b:], ref_c, ref_r, loss_types=self.loss_types,
                                      loss_weights=self.d.loss_weights, beta=self.d.beta,
                                      label_smoothing=self.d.label_smoothing, chosen_lengths=lengths[:b],
@@ -181,6 +190,17 @@ class DPOTask:
             tokens += int(lengths.sum()) + 2 * sum(len(e.prompt) for e in batch)
         totals["num_tokens"] = tokens
         return totals
+
+    @torch.no_grad()
+    def _live_reference(self, model, batch: list[EncodedPair]) -> torch.Tensor:
+        """Summed reference log-probs (2b,), in eval mode like the precomputed ones."""
+        ref = self.ref_model
+        with ref.disable_adapter() if ref is model else contextlib.nullcontext():
+            was_training = ref.training
+            ref.eval()
+            lp, _ = sequence_logps(ref, batch, self.pad_id, self.device)
+            ref.train(was_training)
+        return lp
 
     def state_dict(self) -> dict:
         return {"stream": self.stream.state_dict()}
