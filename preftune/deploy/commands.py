@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import yaml
 
+from preftune.atomic import atomic_write
+from preftune.config import CHOICES
 from preftune.deploy.cost import format_estimate
 from preftune.errors import UserError
 
@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
     cost.add_argument("--gpus-per-node", type=int, help="default: deploy.gpus_per_node")
     cost.add_argument("--instance-type", action="append", dest="instance_types", metavar="TYPE",
                       help="default: deploy.instance_types")
-    cost.add_argument("--capacity-type", choices=("spot", "on-demand"), help="default: deploy.capacity_type")
+    cost.add_argument("--capacity-type", choices=CHOICES["deploy.capacity_type"], help="default: deploy.capacity_type")
     cost.add_argument("--price-per-gpu-hour", metavar="MIN[-MAX]", help="USD (default: from the prices file)")
     _estimate_flags(cost)
     cost.add_argument("--json", action="store_true", help="print the estimate as JSON")
@@ -131,12 +131,8 @@ def write_objects(objects: dict[str, dict], out_dir: Path) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError("exists and is not a folder", where=str(out_dir))
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
         for fname, obj in objects.items():
-            fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{fname}.")
-            with os.fdopen(fd, "w") as f:
-                f.write(to_yaml(obj))
-            os.replace(tmp, out_dir / fname)
+            atomic_write(out_dir / fname, to_yaml(obj))
     except OSError as e:
         raise UserError(f"cannot write: {e.strerror}", where=str(out_dir)) from None
 

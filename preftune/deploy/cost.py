@@ -108,17 +108,13 @@ class Workload:
 def count_samples(cfg) -> int:
     """Prompts (online GRPO), trace groups (offline GRPO) or pairs (DPO) the config's data gives."""
     from preftune.data import commands
+    from preftune.data.pairs import pair_options
     from preftune.data.prompts import load_prompts
     from preftune.data.traces import TraceOptions
 
     if cfg.algorithm == "grpo" and cfg.grpo.rollout == "online":
         return len(load_prompts(cfg.data.train, prompt_column=cfg.data.prompt_column))
-    names = TraceOptions.__dataclass_fields__
-    opts = TraceOptions(**{k: getattr(cfg.data, k) for k in names if k != "reward_range"},
-                        reward_range=tuple(cfg.data.reward_range))
-    report = commands.inspect_report(cfg.data.train, opts, chosen_min=cfg.data.chosen_min,
-                                     rejected_max=cfg.data.rejected_max, strategy=cfg.data.pair_strategy,
-                                     max_pairs_per_prompt=cfg.data.max_pairs_per_prompt, min_margin=cfg.data.min_margin)
+    report = commands.inspect_report(cfg.data.train, TraceOptions.from_config(cfg.data), **pair_options(cfg.data))
     return report["dpo"]["pairs_made"] if cfg.algorithm == "dpo" else report["grpo"]["groups_made"]
 
 

@@ -143,9 +143,10 @@ def indexed_job(deploy: DeployConfig, grace_seconds: float) -> dict:
            {"name": "WORLD_SIZE", "value": str(deploy.nodes)},
            {"name": "RANK", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX}']"}}}]
     template = pod_template(deploy, grace_seconds, env, {"subdomain": deploy.name})
-    rules = [{"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": [EXIT_USER]}},
-             {"action": "Ignore", "onExitCodes": {"containerName": CONTAINER, "operator": "In",
-                                                  "values": [EXIT_PREEMPTED]}},
+    def on_exit(code: int) -> dict:
+        return {"containerName": CONTAINER, "operator": "In", "values": [code]}
+    rules = [{"action": "FailJob", "onExitCodes": on_exit(EXIT_USER)},
+             {"action": "Ignore", "onExitCodes": on_exit(EXIT_PREEMPTED)},
              {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata(deploy, deploy.name),
             "spec": {"completionMode": "Indexed", "completions": deploy.nodes, "parallelism": deploy.nodes,

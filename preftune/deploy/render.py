@@ -46,7 +46,8 @@ def container_notes(cfg, data: dict) -> list[str]:
             target = str(spec).rpartition(":")[0]
             if target.endswith(".py") and not target.startswith("/"):
                 notes.append(f"{section}.reward_funcs '{spec}': the container needs {target} (bake it into the image)")
-    if cfg.deploy.capacity_type == "spot" and termination_grace(cfg.deploy, cfg.preemption_grace_seconds) > SPOT_NOTICE_SECONDS:
-        notes.append(f"the pods' termination grace ({termination_grace(cfg.deploy, cfg.preemption_grace_seconds)} s) "
-                     f"exceeds EC2's {SPOT_NOTICE_SECONDS} s spot notice: on spot, lower preemption_grace_seconds")
+    grace = termination_grace(cfg.deploy, cfg.preemption_grace_seconds)
+    if cfg.deploy.capacity_type == "spot" and grace > SPOT_NOTICE_SECONDS:
+        notes.append(f"the pods' termination grace ({grace} s) exceeds EC2's {SPOT_NOTICE_SECONDS} s spot notice: "
+                     "on spot, lower preemption_grace_seconds")
     return notes

@@ -64,13 +64,6 @@ class DeployConfig:
     max_gpus: int | None = None  # NodePool GPU limit; null = (nodes + 1) x gpus_per_node
 
 
-DEPLOY_CHOICES = {
-    "scheduler": ("volcano", "kubernetes"),
-    "capacity_type": ("spot", "on-demand"),
-    "image_pull_policy": ("Always", "IfNotPresent", "Never"),
-}
-
-
 def termination_grace(deploy: DeployConfig, preemption_grace_seconds: float) -> int:
     """The pod's terminationGracePeriodSeconds: the run's own grace plus a margin for the exit."""
     if deploy.termination_grace_seconds is not None:
@@ -88,18 +81,11 @@ def max_gpus(deploy: DeployConfig) -> int:
 
 
 def check_deploy(deploy: DeployConfig, preemption_grace_seconds: float, checkpoint_uri: str | None) -> None:
-    """Raise UserError naming the first `deploy.*` key whose value cannot render a working job."""
+    """Raise UserError naming the first `deploy.*` key whose value cannot render a working job.
+    Choices and numeric ranges are in config.CHOICES / BOUNDS, checked before this."""
     def bad(key: str, message: str) -> UserError:
         return UserError(message, where=f"deploy.{key}")
 
-    for key, allowed in DEPLOY_CHOICES.items():
-        if getattr(deploy, key) not in allowed:
-            raise bad(key, f"'{getattr(deploy, key)}' is not one of {', '.join(allowed)}")
-    for key in ("nodes", "gpus_per_node", "efa_interfaces"):
-        if getattr(deploy, key) < 1:
-            raise bad(key, f"must be >= 1, got {getattr(deploy, key)}")
-    if deploy.max_retry < 0:
-        raise bad("max_retry", f"must be >= 0, got {deploy.max_retry}")
     if deploy.max_gpus is not None and deploy.max_gpus < deploy.nodes * deploy.gpus_per_node:
         raise bad("max_gpus", f"{deploy.max_gpus} is below the job's {deploy.nodes * deploy.gpus_per_node} GPUs")
     for key in ("name", "namespace", "queue", "node_pool", "node_class") + (
