@@ -100,6 +100,15 @@ class DPOConfig:
 
 
 @dataclass
+class SFTConfig:
+    min_reward: float = 0.7  # labeled traces: train on responses with final_reward >= this (rejection sampling)
+    max_length: int = 512  # prompt + completion tokens
+    batch_size: int = 16  # examples per optimiser step
+    micro_batch_size: int = 16  # examples per forward/backward
+    packing: bool = True  # several examples per row (attention kept within each) when it saves positions
+
+
+@dataclass
 class OptimConfig:
     lr: float = 1e-6
     weight_decay: float = 0.0
@@ -118,6 +127,18 @@ class EvalConfig:
     max_new_tokens: int | None = None  # None = grpo.max_completion_length
     batch_size: int = 128
     reward_funcs: list[str] | None = None  # None = grpo.reward_funcs (weighted sum)
+    num_samples: int = 1  # k > 1: also k completions per prompt at grpo.temperature (pass@k, mean@k)
+    split: float = 0.0  # without data.eval: hold out this fraction of the training prompts (by prompt hash)
+
+
+@dataclass
+class GateConfig:
+    min_reward: float | None = None  # eval/reward of the checkpoint must reach this
+    min_improvement: float | None = None  # lower confidence bound of (checkpoint - baseline) must exceed this
+    max_length_growth: float | None = None  # mean completion length ratio checkpoint / baseline at most this
+    confidence: float = 0.95  # bootstrap confidence level of the improvement's lower bound
+    bootstrap_samples: int = 2000
+    registry: str | None = None  # local path or fsspec URL of a JSONL model registry; a pass appends a record
 
 
 @dataclass
@@ -129,7 +150,7 @@ class LogConfig:
 
 @dataclass
 class Config:
-    algorithm: str = "grpo"  # grpo | dpo
+    algorithm: str = "grpo"  # grpo | dpo | sft
     output_dir: str = "runs/preftune"
     max_steps: int = 100
     save_steps: int = 50
@@ -143,14 +164,16 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
     log: LogConfig = field(default_factory=LogConfig)
     config_dir: str = field(default=".", metadata={"internal": True})
 
 
 CHOICES = {
-    "algorithm": ("grpo", "dpo"),
+    "algorithm": ("grpo", "dpo", "sft"),
     "model.dtype": ("float32", "bfloat16"),
     "data.invalid": ("error", "drop"),
     "data.duplicates": ("error", "drop", "keep"),
@@ -284,7 +307,8 @@ def validate(cfg: Config) -> None:
             raise UserError(f"'{value}' is not one of {', '.join(allowed)}", where=key)
     positive = ["max_steps", "grpo.num_generations", "grpo.prompts_per_step", "grpo.micro_batch_size",
                 "grpo.max_completion_length", "grpo.num_iterations", "dpo.batch_size", "dpo.micro_batch_size",
-                "dpo.max_length", "data.max_prompt_length", "log.logging_steps", "eval.batch_size"]
+                "dpo.max_length", "data.max_prompt_length", "log.logging_steps", "eval.batch_size",
+                "sft.max_length", "sft.batch_size", "sft.micro_batch_size", "eval.num_samples", "gate.bootstrap_samples"]
     for key in positive:
         value = _get(cfg, key)
         if value < 1:
@@ -293,6 +317,10 @@ def validate(cfg: Config) -> None:
     for key in ("grpo.beta", "grpo.epsilon", "grpo.top_k", "optim.lr", "eval.eval_steps"):
         if _get(cfg, key) < 0:
             raise UserError(f"must be >= 0, got {_get(cfg, key)}", where=key)
+    if not 0 <= cfg.eval.split < 1:
+        raise UserError(f"must be in [0, 1), got {cfg.eval.split}", where="eval.split")
+    if not 0 < cfg.gate.confidence < 1:
+        raise UserError(f"must be in (0, 1), got {cfg.gate.confidence}", where="gate.confidence")
     if not cfg.grpo.temperature > 0:
         raise UserError(f"must be > 0, got {cfg.grpo.temperature}", where="grpo.temperature")
     if not 0 < cfg.grpo.top_p <= 1:

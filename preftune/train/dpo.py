@@ -15,7 +15,7 @@ import torch
 
 from preftune.config import Config
 from preftune.data.stream import IndexStream
-from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response
+from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response, fit_prompt
 from preftune.errors import UserError
 from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
 from preftune.rollout.sampler import left_pad, right_pad
@@ -57,11 +57,9 @@ def encode_pairs(pairs, tokenizer, cfg: Config) -> tuple[list[EncodedPair], dict
     trunc = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
     out, cut = [], 0
     for i, p in enumerate(pairs):
-        prompt = trunc.apply(encode_prompt(tokenizer, p.prompt), where=f"pair {i}")
+        prompt = fit_prompt(trunc, encode_prompt(tokenizer, p.prompt), cfg.dpo.max_length, where=f"pair {i}")
         if prompt is None:
             continue
-        if len(prompt) >= cfg.dpo.max_length:  # leave room for at least one response token
-            prompt, trunc.truncated = prompt[-(cfg.dpo.max_length - 1):], trunc.truncated + 1
         room = cfg.dpo.max_length - len(prompt)
         chosen, rejected = encode_response(tokenizer, p.chosen), encode_response(tokenizer, p.rejected)
         cut += (len(chosen) > room) + (len(rejected) > room)
