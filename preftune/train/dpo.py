@@ -36,20 +36,23 @@ def load_pairs(cfg: Config) -> tuple[list, dict]:
     from preftune.data.pairs import build_pairs, read_pairs
     from preftune.data.traces import read_rows, resolve_files
 
+    from preftune.data.split import drop_held_out
+
     fs, files = resolve_files(cfg.data.train)
     columns = next((c for c in (read_rows(fs, f)[1] for f in files) if c), None)  # first non-empty file
     if columns and {"prompt", "chosen", "rejected"} <= set(columns):
-        pairs = read_pairs(cfg.data.train)
-        return pairs, {"pairs_file": len(pairs)}
+        pairs, held_out = drop_held_out(read_pairs(cfg.data.train), cfg.eval.split)
+        return pairs, {"pairs_file": len(pairs)} | ({"held_out_pairs": held_out} if cfg.eval.split else {})
     from preftune.data.traces import load_traces
     from preftune.train.grpo_task import trace_options
 
     traces, drops = load_traces(cfg.data.train, trace_options(cfg))
+    traces, held_out = drop_held_out(list(traces), cfg.eval.split)
     d = cfg.data
     pairs, report = build_pairs(traces, chosen_min=d.chosen_min, rejected_max=d.rejected_max,
                                 strategy=d.pair_strategy, max_pairs_per_prompt=d.max_pairs_per_prompt,
                                 min_margin=d.min_margin)
-    return pairs, {"traces": drops.as_dict(), "pairs": report.as_dict()}
+    return pairs, {"traces": drops.as_dict(), "pairs": report.as_dict()} | ({"held_out_rows": held_out} if cfg.eval.split else {})
 
 
 def encode_pairs(pairs, tokenizer, cfg: Config) -> tuple[list[EncodedPair], dict]:

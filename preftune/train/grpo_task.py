@@ -58,18 +58,27 @@ class GRPOTask:
             from preftune.rollout.online import OnlineSource
 
             prompts = load_prompts(cfg.data.train, prompt_column=cfg.data.prompt_column)
+            held_out = {}
+            if cfg.eval.split:  # the held-out prompts are for evaluation only
+                from preftune.data.split import split_prompt_set
+
+                n, prompts = len(prompts), split_prompt_set(prompts, cfg.eval.split, held_out=False)
+                held_out = {"held_out_prompts": n - len(prompts)}
             self.source = OnlineSource(self.g, tokenizer, prompts, load_reward_funcs(cfg, self.g.reward_funcs),
                                        device=device, **common)
             self.source.state.max_steps = cfg.max_steps  # what TRL's trainer_state.max_steps tells reward functions
-            write_data_report(cfg.output_dir, {"prompts": len(prompts)})
+            write_data_report(cfg.output_dir, {"prompts": len(prompts)} | held_out)
         else:
             from preftune.data.groups import build_groups
+            from preftune.data.split import drop_held_out
             from preftune.data.traces import load_traces
             from preftune.rollout.offline import OfflineSource
 
             traces, drops = load_traces(cfg.data.train, trace_options(cfg))
+            traces, held_out = drop_held_out(list(traces), cfg.eval.split)
             groups, greport = build_groups(traces)
-            write_data_report(cfg.output_dir, {"traces": drops.as_dict(), "groups": greport.as_dict()})
+            write_data_report(cfg.output_dir, {"traces": drops.as_dict(), "groups": greport.as_dict()}
+                              | ({"held_out_rows": held_out} if cfg.eval.split else {}))
             if not groups:
                 from preftune.errors import UserError
 

@@ -126,11 +126,14 @@ def choose_rows(batch: list[EncodedExample], capacity: int, packing: str) -> lis
 class SFTTask:
     def __init__(self, cfg: Config, model, tokenizer, device: torch.device):
         from preftune.data.sft import load_examples
+        from preftune.data.split import drop_held_out
         from preftune.train.grpo_task import trace_options, write_data_report
 
         self.cfg, self.s, self.device = cfg, cfg.sft, device
         self.packing = "auto" if self.s.packing else "never"
         examples, report = load_examples(cfg.data.train, trace_options(cfg), self.s.min_reward)
+        examples, held_out = drop_held_out(examples, cfg.eval.split)
+        report |= {"held_out_examples": held_out} if cfg.eval.split else {}
         self.encoded, stats = encode_examples(examples, tokenizer, cfg)
         write_data_report(cfg.output_dir, report | {"encoded": stats})
         if not self.encoded:
