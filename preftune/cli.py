@@ -45,7 +45,10 @@ def parser() -> argparse.ArgumentParser:
     pairs.add_argument("-o", "--output", required=True, help="output .parquet file")
     from preftune.evaluation.commands import add_parser as add_eval_parsers
 
+    from preftune.report.commands import add_parser as add_report_parser
+
     add_eval_parsers(sub)  # eval, registry list: each sets args.handler
+    add_report_parser(sub)
     return ap
 
 
