@@ -155,3 +155,14 @@ def test_interrupted_and_resumed_sft_run_equals_uninterrupted(tmp_path, monkeypa
     assert "preempted at step 3;" in train_until_preempted(ovr, monkeypatch, 3, "after")
     loop.train(load_config(None, ovr))
     assert_same_run(ref, tmp_path / "run")
+
+
+def test_the_example_config_trains(tmp_path):
+    from tests.conftest import EXAMPLES
+
+    cfg = load_config(EXAMPLES / "sft.yaml", [f"output_dir={tmp_path / 'run'}", "max_steps=2", "eval.eval_steps=0",
+                                              "log.progress_bar=false", "data.eval=null"])
+    assert cfg.algorithm == "sft" and cfg.sft.min_reward == 1.0
+    loop.train(cfg)
+    report = json.loads((tmp_path / "run" / "data_report.json").read_text())
+    assert report["format"] == "traces" and report["sft"]["examples"] == 262  # the correct responses
