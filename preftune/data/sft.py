@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from preftune.data.traces import (DropReport, TraceOptions, display_path, is_messages, load_traces,
-                                  normalize_messages, prompt_key, read_rows, require_columns, resolve_files,
-                                  text_problem)
+                                  no_rows_left, normalize_messages, prompt_key, read_rows, require_columns,
+                                  resolve_files, text_problem)
 from preftune.errors import UserError
 
 MESSAGES, PROMPT_COMPLETION, TRACES = "messages", "prompt_completion", "traces"
@@ -46,13 +46,13 @@ def load_examples(path: str, opts: TraceOptions, min_reward: float) -> tuple[lis
         traces, drops = load_traces(path, opts)
         kept = [Example(t.prompt, t.response) for t in traces if t.reward >= min_reward]
         if not kept:
-            raise UserError(f"no response has reward >= sft.min_reward={min_reward} ({len(traces)} valid rows)",
-                            where=path)
+            raise UserError(f"no response has reward >= sft.min_reward={min_reward} ({len(traces)} valid rows)"
+                            + no_rows_left(drops), where=path)
         return kept, {"format": fmt, "traces": drops.as_dict(),
                       "sft": {"examples": len(kept), "below_min_reward": len(traces) - len(kept)}}
     examples, drops = _read_trl(path, fmt, opts)
     if not examples:
-        raise UserError("no usable SFT example (see data_report.json)", where=path)
+        raise UserError("no usable SFT example" + (no_rows_left(drops) or " (the files have no rows)"), where=path)
     return examples, {"format": fmt, "rows": drops.as_dict(), "sft": {"examples": len(examples)}}
 
 

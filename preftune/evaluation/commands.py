@@ -6,7 +6,6 @@ folder, and a pass appends a record to `gate.registry` when one is set.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
@@ -23,9 +22,10 @@ EVAL_FILE = "eval.json"
 log = logging.getLogger("preftune")
 
 
-class _Intermixed(argparse.ArgumentParser):
-    """Options may sit between the positionals (`eval CONFIG --checkpoint P KEY=VALUE`): plain argparse
-    gives the trailing overrides nowhere to go once CONFIG has matched."""
+class _Intermixed:
+    """Mixed into the eval subparser's class: options may sit between the positionals (`eval CONFIG
+    --checkpoint P KEY=VALUE`); plain argparse gives the trailing overrides nowhere to go once CONFIG
+    has matched."""
 
     _inner = False
 
@@ -41,7 +41,7 @@ class _Intermixed(argparse.ArgumentParser):
 
 def add_parser(sub) -> None:
     ev = sub.add_parser("eval", help="evaluate a checkpoint on held-out prompts and gate it against a baseline")
-    ev.__class__ = _Intermixed
+    ev.__class__ = type("IntermixedParser", (_Intermixed, type(ev)), {})  # keeps the CLI's error handling
     ev.add_argument("config", help="YAML config (data.eval or eval.split, reward functions, gate thresholds)")
     ev.add_argument("--checkpoint", required=True, help="model folder to evaluate (final/ or checkpoints/step-N/)")
     ev.add_argument("--baseline", default=None, help="model folder to compare with (e.g. the one in production)")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from preftune.data.tokenize import PromptTruncation
+from preftune.losses.advantages import nanmean
 from preftune.rollout.online import encode_prompts, score
 from preftune.rollout.sampler import left_pad, sample
 
@@ -45,20 +46,15 @@ def generate_scored(model, tokenizer, prompt_set, reward_funcs, *, weights, max_
     return EvalResult(list(names), torch.cat(totals), torch.cat(per_func), torch.cat(lengths))
 
 
-def _nanmean(x: torch.Tensor) -> float:
-    v = x[~x.isnan()]
-    return v.mean().item() if v.numel() else float("nan")
-
-
 def summarize(r: EvalResult, prefix: str = "eval/") -> dict:
     """Mean reward, per function, mean completion length; with k > 1 samples, pass@k and mean@k of
     every 0/1 reward (the total and each function)."""
     from preftune.evaluation.stats import is_binary, pass_and_mean_at_k
 
-    out = {f"{prefix}reward": _nanmean(r.total), f"{prefix}num_prompts": r.total.size(0),
+    out = {f"{prefix}reward": nanmean(r.total), f"{prefix}num_prompts": r.total.size(0),
            f"{prefix}completion_length": r.lengths.mean().item()}
     for j, name in enumerate(r.names):
-        out[f"{prefix}reward/{name}"] = _nanmean(r.per_func[..., j])
+        out[f"{prefix}reward/{name}"] = nanmean(r.per_func[..., j])
     k = r.total.size(1)
     if k > 1:
         series = [("", r.total)] + [(f"/{n}", r.per_func[..., j]) for j, n in enumerate(r.names)]
@@ -84,17 +80,17 @@ def eval_prompt_set(cfg):
         return load_prompts(cfg.data.eval, prompt_column=cfg.data.prompt_column)
     if cfg.eval.split:
         from preftune.data.split import held_out_prompts
-        from preftune.train.grpo_task import trace_options
+        from preftune.data.traces import TraceOptions
 
-        return held_out_prompts(cfg.data.train, cfg.eval.split, trace_options(cfg))
+        return held_out_prompts(cfg.data.train, cfg.eval.split, TraceOptions.from_config(cfg.data))
     return None
 
 
 def eval_reward_funcs(cfg) -> tuple[list, list | None]:
     """(functions, weights): eval.reward_funcs unweighted, or grpo.reward_funcs with grpo.reward_weights."""
-    from preftune.train.grpo_task import load_reward_funcs
+    from preftune.rewards.registry import load_reward_funcs
 
-    funcs = load_reward_funcs(cfg, cfg.eval.reward_funcs or cfg.grpo.reward_funcs)
+    funcs = load_reward_funcs(cfg.eval.reward_funcs or cfg.grpo.reward_funcs, cfg.grpo, cfg.config_dir)
     return funcs, cfg.grpo.reward_weights if cfg.eval.reward_funcs is None else None
 
 

@@ -124,20 +124,23 @@ def choose_rows(batch: list[EncodedExample], capacity: int, packing: str) -> lis
 
 
 class SFTTask:
+    """Builds everything and writes nothing: the loop writes `data_report` once setup has succeeded."""
+
     def __init__(self, cfg: Config, model, tokenizer, device: torch.device):
         from preftune.data.sft import load_examples
         from preftune.data.split import drop_held_out
-        from preftune.train.grpo_task import trace_options, write_data_report
+        from preftune.data.traces import TraceOptions
 
         self.cfg, self.s, self.device = cfg, cfg.sft, device
         self.packing = "auto" if self.s.packing else "never"
-        examples, report = load_examples(cfg.data.train, trace_options(cfg), self.s.min_reward)
+        examples, report = load_examples(cfg.data.train, TraceOptions.from_config(cfg.data), self.s.min_reward)
         examples, held_out = drop_held_out(examples, cfg.eval.split)
         report |= {"held_out_examples": held_out} if cfg.eval.split else {}
         self.encoded, stats = encode_examples(examples, tokenizer, cfg)
-        write_data_report(cfg.output_dir, report | {"encoded": stats})
+        self.data_report = report | {"encoded": stats}
         if not self.encoded:
-            raise UserError("no SFT example left after tokenisation (see data_report.json)", where=cfg.data.train)
+            raise UserError("no SFT example left after tokenisation (prompts dropped by data.prompt_truncation: "
+                            f"{stats['prompts_dropped']})", where=cfg.data.train)
         self.pad_id = tokenizer.pad_token_id
         self.stream = IndexStream(len(self.encoded), cfg.seed, cfg.data.shuffle)
 
