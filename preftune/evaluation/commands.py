@@ -62,7 +62,8 @@ def _load(cfg, path: str, device):
 
     if not Path(path).is_dir():
         raise UserError("no such model folder", where=path)
-    model_cfg = dataclasses.replace(cfg.model, name_or_path=path, lora=dataclasses.replace(cfg.model.lora, enabled=False))
+    no_lora = dataclasses.replace(cfg.model.lora, enabled=False)  # a saved checkpoint has LoRA merged
+    model_cfg = dataclasses.replace(cfg.model, name_or_path=path, lora=no_lora)
     tok = load_tokenizer(path, cfg.model.trust_remote_code)
     return load_model(model_cfg, path, trainable=False).to(device), tok
 
@@ -81,9 +82,10 @@ def evaluate_model(cfg, path: str, prompt_set, funcs, weights) -> tuple[dict, "o
     greedy = generate_scored(model, tok, prompt_set, funcs, **common)
     figures = summarize(greedy, prefix="")
     k = cfg.eval.num_samples
-    if k > 1:
+    if k > 1:  # the training sampling settings; the same seed for every model evaluated
         g = cfg.grpo
-        sampled = generate_scored(model, tok, prompt_set, funcs, num_samples=k, generator=torch.Generator(device).manual_seed(cfg.seed),
+        generator = torch.Generator(device).manual_seed(cfg.seed)
+        sampled = generate_scored(model, tok, prompt_set, funcs, num_samples=k, generator=generator,
                                   sampling={"temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k}, **common)
         figures |= {k_: v for k_, v in summarize(sampled, prefix="sampled/").items() if k_ != "sampled/num_prompts"}
     return figures, greedy
@@ -162,9 +164,9 @@ def json_safe(x):
 
 
 def _write_json(path: Path, data: dict) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(json_safe(data), indent=1, allow_nan=False) + "\n")
-    os.replace(tmp, path)
+    from preftune.atomic import atomic_write
+
+    atomic_write(path, json.dumps(json_safe(data), indent=1, allow_nan=False) + "\n")
     return path
 
 
@@ -177,8 +179,9 @@ def format_eval(report: dict) -> str:
         lines.append(row + (f"{_fmt(base.get(k)):>12}" if base else ""))
     c = report["comparison"]
     if c:
-        lines.append(f"improvement {c['improvement']:+.4f}  ({c['confidence']:.0%} bounds {c['improvement_lower']:+.4f} "
-                     f".. {c['improvement_upper']:+.4f}, {c['paired_prompts']} prompts)  length growth {c['length_growth']:.3f}x")
+        lines.append(f"improvement {c['improvement']:+.4f}  ({c['confidence']:.0%} bounds "
+                     f"{c['improvement_lower']:+.4f} .. {c['improvement_upper']:+.4f}, {c['paired_prompts']} prompts)"
+                     f"  length growth {c['length_growth']:.3f}x")
     lines.append(f"verdict: {report['verdict'].upper()} ({report['reason']})")
     return "\n".join(lines)
 

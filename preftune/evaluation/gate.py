@@ -52,7 +52,8 @@ def decide(gate: GateConfig, ckpt: dict, comparison: dict | None) -> Verdict:
 
     if gate.min_reward is not None:
         r = ckpt["reward"]
-        check("min_reward", r, gate.min_reward, r >= gate.min_reward, f"reward {r:.4f} vs gate.min_reward {gate.min_reward}")
+        check("min_reward", r, gate.min_reward, r >= gate.min_reward,
+              f"reward {r:.4f} vs gate.min_reward {gate.min_reward}")
     if gate.min_improvement is not None:
         lo = comparison["improvement_lower"]
         check("min_improvement", lo, gate.min_improvement, lo > gate.min_improvement,

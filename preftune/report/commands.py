@@ -6,9 +6,9 @@ final/eval.json from `preftune eval`), so it works on a running, preempted or fi
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from preftune.atomic import atomic_write
 from preftune.errors import EXIT_OK, UserError
 
 
@@ -39,9 +39,7 @@ def make_report(run_dir: Path, out: Path) -> Path:
     eval_report = json.loads(eval_file.read_text()) if eval_file.is_file() else None
     page = render(run_dir, charts, status_line(records, max_steps, finished), evals[-1] if evals else None, eval_report)
     path = out / "report.html"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(page)
-    os.replace(tmp, path)
+    atomic_write(path, page)
     return path
 
 

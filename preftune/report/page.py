@@ -32,8 +32,8 @@ def status_line(records: list[dict], max_steps: int | None, finished: bool) -> s
 
 
 def gate_section(report: dict) -> str:
-    verdict = report.get("verdict", "?").upper()
-    parts = [f"<p class='{report.get('verdict')}'><b>{html.escape(verdict)}</b>: {html.escape(report.get('reason', ''))}</p>"]
+    verdict, reason = report.get("verdict", "?"), report.get("reason", "")
+    parts = [f"<p class='{html.escape(verdict)}'><b>{html.escape(verdict.upper())}</b>: {html.escape(reason)}</p>"]
     ck, base = report["metrics"]["checkpoint"], report["metrics"].get("baseline")
     rows = [(k, ck[k], (base or {}).get(k)) for k in ck]
     parts.append(_table(rows, ("figure", "checkpoint", "baseline")))
@@ -59,7 +59,9 @@ def render(run_dir: Path, charts: list[tuple[str, str, Path]], status: str, last
         data = base64.b64encode(path.read_bytes()).decode()
         parts.append(f"<figure><img alt='{html.escape(title)}' src='data:image/png;base64,{data}'>"
                      f"<figcaption>{html.escape(title)}</figcaption></figure>")
-    for title, name in (("Resolved config", "config.yaml"), ("Data report", "data_report.json")):
+    from preftune.data.report import DATA_REPORT
+
+    for title, name in (("Resolved config", "config.yaml"), ("Data report", DATA_REPORT)):
         f = run_dir / name
         if f.is_file():
             text = f.read_text()
