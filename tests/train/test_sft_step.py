@@ -167,3 +167,23 @@ def test_the_example_config_trains(tmp_path):
     loop.train(cfg)
     report = json.loads((tmp_path / "run" / "data_report.json").read_text())
     assert report["format"] == "traces" and report["sft"]["examples"] == 262  # the correct responses
+
+
+def test_messages_and_prompt_completion_of_the_same_examples_train_the_same(tmp_path):
+    """Through the Python API with in-memory rows: the conversational form renders (chat template) to
+    the same tokens as the prompt/completion form, so the losses match step for step."""
+    import preftune
+    from tests.conftest import EXAMPLES
+
+    pc = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(5) for b in range(5)]
+    msgs = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]}
+            for r in pc]
+    losses = {}
+    for name, rows in (("pc", pc), ("messages", msgs)):
+        r = preftune.train(EXAMPLES / "sft.yaml", train_data=rows,
+                           overrides={"output_dir": str(tmp_path / name), "max_steps": 3, "log.progress_bar": False,
+                                      "data.eval": None})
+        report = json.loads((tmp_path / name / "data_report.json").read_text())
+        assert report["format"] == {"pc": "prompt_completion", "messages": "messages"}[name]
+        losses[name] = [x["loss"] for x in map(json.loads, r.metrics_path.read_text().splitlines()) if "loss" in x]
+    assert len(losses["pc"]) == 3 and losses["pc"] == losses["messages"]
