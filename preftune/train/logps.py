@@ -177,3 +177,20 @@ def pack_left(prompt_ids, prompt_mask, completion_ids, completion_mask):
 
 def microbatches(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def length_buckets(lengths: list[int], *, slack: float = 0.25, min_rows: int = 4) -> list[list[int]]:
+    """Row indices grouped by length so that padding each group to its longest row computes at most
+    `slack` more positions than the rows hold (groups of at least `min_rows`, as each group is one
+    more forward). Shortest first; rows keep no particular order inside a group."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    buckets: list[list[int]] = []
+    cur: list[int] = []
+    real = 0
+    for i in order:
+        if len(cur) >= min_rows and (len(cur) + 1) * lengths[i] > (1 + slack) * (real + lengths[i]):
+            buckets.append(cur)
+            cur, real = [], 0
+        cur.append(i)
+        real += lengths[i]
+    return buckets + [cur] if cur else buckets

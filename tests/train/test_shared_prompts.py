@@ -161,3 +161,40 @@ def test_cost_model_prefers_sharing_long_prompts(setup):
     cids, cm = torch.ones(64, 8, dtype=torch.long), torch.ones(64, 8, dtype=torch.long)
     assert L.shared_pays(model, pm, cids, cm, 8)
     assert not L.shared_pays(model, pm, cids, cm, 64)  # every prompt distinct: nothing to share
+
+
+def test_dpo_pairs_share_prompt_and_buckets_change_nothing(setup, tokenizer, monkeypatch):
+    """DPO: chosen and rejected run on one prompt pass, in length buckets; the summed log-probs and
+    their gradient equal one padded forward of the 2b unshared rows."""
+    import preftune.train.dpo as dpo
+    from preftune.train.dpo import EncodedPair, sequence_logps
+
+    model, _ = setup
+    g = torch.Generator().manual_seed(5)
+    toks = lambda n: torch.randint(3, 200, (n,), generator=g).tolist()  # noqa: E731
+    pairs = [EncodedPair(toks(2 + 7 * (i % 3)), toks(1 + i % 5), toks(1 + (3 * i) % 11)) for i in range(10)]
+
+    def run(shared: bool, buckets: bool):
+        monkeypatch.setattr(L, "shared_pays", lambda *a: shared)
+        monkeypatch.setattr(dpo, "length_buckets", L.length_buckets if buckets else lambda n: [list(range(len(n)))])
+        model.zero_grad(set_to_none=True)
+        lp, lengths = sequence_logps(model, pairs, tokenizer.pad_token_id, "cpu")
+        (lp * torch.linspace(-1, 1, lp.numel(), dtype=lp.dtype)).sum().backward()
+        return lp.detach(), lengths, torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    want = run(False, False)
+    assert want[1].tolist() == [len(p.chosen) for p in pairs] + [len(p.rejected) for p in pairs]
+    for shared, buckets in ((True, False), (True, True), (False, True)):
+        got = run(shared, buckets)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-11)
+        assert torch.equal(got[1], want[1])
+        torch.testing.assert_close(got[2], want[2], rtol=0, atol=1e-11 * want[2].abs().max().item())
+
+
+def test_length_buckets_cut_padding():
+    lengths = [5, 50, 6, 48, 7, 5, 52, 6, 49, 51]
+    buckets = L.length_buckets(lengths, slack=0.25, min_rows=2)
+    assert sorted(i for b in buckets for i in b) == list(range(10))
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in buckets)
+    assert padded <= 1.25 * sum(lengths) < len(lengths) * max(lengths)
+    assert L.length_buckets([3, 9], min_rows=4) == [[0, 1]]  # too few rows for a second forward
