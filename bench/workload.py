@@ -153,6 +153,3 @@ class PhaseTimer:
 
         self.wrap(torch.Tensor, "backward", "backward")
 
-
-def env_threads() -> dict:
-    return {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if os.environ.get(k)}

@@ -198,3 +198,31 @@ def test_length_buckets_cut_padding():
     padded = sum(len(b) * max(lengths[i] for i in b) for b in buckets)
     assert padded <= 1.25 * sum(lengths) < len(lengths) * max(lengths)
     assert L.length_buckets([3, 9], min_rows=4) == [[0, 1]]  # too few rows for a second forward
+
+
+def test_shared_prompts_with_lora_and_its_reference(tokenizer, monkeypatch):
+    """LoRA: the adapters' gradients, and the reference pass with adapters disabled, agree too."""
+    from preftune.config import LoraConfig, ModelConfig
+    from preftune.models import load_model
+
+    model = load_model(ModelConfig(lora=LoraConfig(enabled=True, r=4, dropout=0.0)), str(MODEL_DIR))
+    with torch.no_grad():  # non-zero B matrices, so the adapters change the outputs
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    ro = synthetic_rollout(tokenizer)
+    out = []
+    for shared in (True, False):
+        monkeypatch.setattr(L, "shared_pays", lambda *a, _s=shared: _s)
+        model.zero_grad(set_to_none=True)
+        lp, _ = L.completion_logps(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+        (lp * ro.completion_mask).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        ref = reference_logps(model, ro, GRPOConfig(), without_adapter=True)
+        out.append((lp.detach(), grads, ref))
+    m = ro.completion_mask.bool()
+    (a, ga, ra), (b, gb, rb) = out
+    torch.testing.assert_close(a[m], b[m], rtol=0, atol=2e-5)
+    torch.testing.assert_close(ra[m], rb[m], rtol=0, atol=2e-5)
+    assert not torch.allclose(a[m], ra[m], atol=1e-3)  # the adapters were on for the policy, off for the reference
+    torch.testing.assert_close(ga, gb, rtol=0, atol=1e-5 * gb.abs().max().item())
