@@ -61,20 +61,13 @@ def _pair_kwargs(args) -> dict:
 
 
 def _train(args) -> None:
-    from preftune.config import load_config
-    from preftune.train.loop import train
+    from preftune.api import train  # the command line is a thin layer over the Python API
 
-    cfg = load_config(args.config, args.overrides)
-    final = train(cfg)
-    evals = _eval_rewards(final.parent / "metrics.jsonl")
+    result = train(args.config, overrides=args.overrides)
+    evals = [r["eval/reward"] for r in result.eval if r.get("eval/reward") is not None]
     if len(evals) >= 2:
         print(f"eval/reward: {evals[0]:.3f} (step 0) -> {evals[-1]:.3f} (last step)")
-    print(f"done. model: {final}\n      metrics: {final.parent / 'metrics.jsonl'}")
-
-
-def _eval_rewards(path) -> list[float]:
-    records = [json.loads(line) for line in open(path) if line.strip()]
-    return [r["eval/reward"] for r in records if r.get("eval/reward") is not None]
+    print(f"done. model: {result.model_path}\n      metrics: {result.metrics_path}")
 
 
 def _data(args) -> None:

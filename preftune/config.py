@@ -123,8 +123,10 @@ class EvalConfig:
 @dataclass
 class LogConfig:
     logging_steps: int = 1
-    report_to: list[str] = field(default_factory=list)  # [] | [tensorboard]
+    report_to: list[str] = field(default_factory=list)  # any of tensorboard, wandb, mlflow
     progress_bar: bool = True
+    project: str | None = None  # W&B project / MLflow experiment (None: WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else "preftune")
+    run_name: str | None = None  # W&B / MLflow run name (None: the output_dir folder name)
 
 
 @dataclass
@@ -316,22 +318,45 @@ def validate(cfg: Config) -> None:
         raise UserError("no training data: set data.train", where="data.train")
     if cfg.save_steps < 0:
         raise UserError("must be >= 0", where="save_steps")
+    from preftune.train.loggers import check_report_to
+
+    check_report_to(cfg.log.report_to)
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    data: dict = {}
-    config_dir = "."
-    if path is not None:
-        path = Path(path)
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except OSError as e:
-            raise UserError(f"cannot read config: {e.strerror}", where=str(path)) from None
-        except yaml.YAMLError as e:
-            raise UserError(f"invalid YAML: {str(e).splitlines()[0]}", where=str(path)) from None
-        config_dir = str(path.parent)
+def read_source(source: str | Path | dict | Config | None) -> tuple[dict, str]:
+    """(nested dict, folder relative paths are read from) of a YAML file, a dict or a Config."""
+    if source is None:
+        return {}, "."
+    if isinstance(source, Config):
+        return _copy_tree(to_dict(source)), source.config_dir
+    if isinstance(source, dict):
+        return _copy_tree(source), "."
+    path = Path(source)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise UserError(f"cannot read config: {e.strerror}", where=str(path)) from None
+    except yaml.YAMLError as e:
+        raise UserError(f"invalid YAML: {str(e).splitlines()[0]}", where=str(path)) from None
+    return data, str(path.parent)
+
+
+def _copy_tree(d: dict) -> dict:
+    """The nested dicts and lists copied, their leaves (which may be data tables or functions) shared."""
+    copy = lambda v: _copy_tree(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v  # noqa: E731
+    return {k: copy(v) for k, v in d.items()}
+
+
+def load_config(source: str | Path | dict | Config | None, overrides: list[str] = ()) -> Config:
+    """A validated Config from a YAML file, a nested dict or a Config, plus dotted KEY=VALUE overrides."""
+    data, config_dir = read_source(source)
     for assignment in overrides:
         apply_override(data, assignment)
+    return build_config(data, config_dir)
+
+
+def build_config(data: dict, config_dir: str = ".") -> Config:
+    """Check, resolve relative paths against `config_dir`, and validate a nested config dict."""
     cfg = from_dict(Config, data)
     cfg.config_dir = config_dir
     cfg.model.name_or_path = resolve_local(cfg.model.name_or_path, config_dir)

@@ -12,6 +12,12 @@ EXIT_PREEMPTED = 75  # BSD EX_TEMPFAIL: interrupted, checkpoint saved, resume me
 EXIT_USER = 78  # BSD EX_CONFIG: config or data error
 
 
+def one_line(e: BaseException) -> str:
+    """An exception as one short line, for messages that must stay one line."""
+    text = " ".join(str(e).split())
+    return text[:300] or type(e).__name__
+
+
 class UserError(Exception):
     """A config or data error: one line that names the problem and where (file, row, key)."""
 

@@ -25,7 +25,8 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
-from preftune.errors import UserError
+from preftune.data import memory
+from preftune.errors import UserError, one_line
 
 # Extension -> reader. ".json" holds either JSON lines or one JSON array of objects.
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
@@ -171,12 +172,7 @@ def _filesystem(path: str):
     try:
         return fsspec.core.url_to_fs(path, skip_instance_cache=True)
     except (ImportError, ValueError) as e:
-        raise UserError(f"cannot open filesystem: {_one_line(e)}", where=path) from None
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text[:300] or type(e).__name__
+        raise UserError(f"cannot open filesystem: {one_line(e)}", where=path) from None
 
 
 def display_path(fs, p: str) -> str:
@@ -196,6 +192,9 @@ def _supported(p: str) -> bool:
 
 def resolve_files(path: str) -> tuple[Any, list[str]]:
     """(fs, files): a file, every supported file under a folder (recursive, sorted), or a glob."""
+    if memory.is_memory(path):  # a table handed to preftune.train(): one 'file'
+        memory.rows(path)
+        return memory.FS, [path]
     fs, fpath = _filesystem(str(path))
     try:
         if any(c in fpath for c in _GLOB_CHARS):
@@ -213,7 +212,7 @@ def resolve_files(path: str) -> tuple[Any, list[str]]:
     except UserError:
         raise
     except Exception as e:  # network, permissions, credentials
-        raise UserError(f"cannot list: {_one_line(e)}", where=path) from None
+        raise UserError(f"cannot list: {one_line(e)}", where=path) from None
     if os.path.splitext(fpath)[1].lower() not in FORMATS:
         raise UserError(f"unsupported file type; use one of {', '.join(FORMATS)}", where=path)
     return fs, [fpath]
@@ -264,20 +263,22 @@ def read_rows(fs, fpath: str, text_columns: Sequence[str] | None = ()) -> tuple[
 
     Column names are None for a JSON file without rows: it has no schema to check.
     """
+    if fs is memory.FS:
+        return memory.rows(fpath)
     where = display_path(fs, fpath)
     kind = FORMATS[os.path.splitext(fpath)[1].lower()]
     try:
         with fs.open(fpath, "rb") as f:
             data = f.read()
     except Exception as e:
-        raise UserError(f"cannot read file: {_one_line(e)}", where=where) from None
+        raise UserError(f"cannot read file: {one_line(e)}", where=where) from None
     if kind == "json":
         rows = _read_json_rows(data, where)
         return rows, list(dict.fromkeys(k for r in rows for k in r)) if rows else None
     try:
         table = _read_table(data, kind, text_columns)
     except (pa.ArrowException, OSError, ValueError) as e:
-        raise UserError(f"cannot read {kind}: {_one_line(e)}", where=where) from None
+        raise UserError(f"cannot read {kind}: {one_line(e)}", where=where) from None
     return table.to_pylist(), table.column_names
 
 

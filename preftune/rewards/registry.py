@@ -58,6 +58,48 @@ def _one_line(exc: BaseException) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Python functions handed to preftune.train(reward_funcs=[...])
+
+CALLABLE_PREFIX = "callable:"
+CALLABLES: dict[str, Callable] = {}  # spec -> function, while train() runs
+
+
+def qualified_name(func: Callable) -> str:
+    """`module.qualname` of a function (of the wrapped one for a functools.partial, of the class for
+    a callable object): how config.yaml records it and how a resume recognises it."""
+    while isinstance(func, functools.partial):
+        func = func.func
+    target = func if hasattr(func, "__qualname__") else type(func)
+    return f"{getattr(target, '__module__', None) or '?'}.{target.__qualname__}"
+
+
+def register_callables(funcs: Sequence[Any]) -> list[str]:
+    """Replace the callables in `funcs` by `callable:<module>.<qualname>` specs (registered for
+    `load_reward_function`); strings pass through. Two different functions with one name get `#2`, `#3`."""
+    specs, named = [], {}
+    for func in funcs:
+        if isinstance(func, str) or not callable(func):
+            specs.append(func)
+            continue
+        base = spec = f"{CALLABLE_PREFIX}{qualified_name(func)}"
+        n = 1
+        while named.get(spec, func) is not func:
+            n += 1
+            spec = f"{base}#{n}"
+        named[spec] = CALLABLES[spec] = func
+        specs.append(spec)
+    return specs
+
+
+def check_callables(specs: Sequence[str] | None, key: str) -> None:
+    """Every `callable:` spec names a function handed to this preftune.train() call."""
+    for spec in specs or ():
+        if isinstance(spec, str) and spec.startswith(CALLABLE_PREFIX) and spec not in CALLABLES:
+            raise UserError(f"'{spec}' is a Python function that was handed to preftune.train(reward_funcs=...); "
+                            "pass the same function again (a command line or a config file cannot)", where=key)
+
+
+# ---------------------------------------------------------------------------------------------
 # loading
 
 
@@ -73,6 +115,9 @@ def load_reward_function(spec: str, *, base_dir: str | Path = ".", **builtin_opt
     spec = str(spec).strip()
     if not spec:
         raise UserError("empty reward spec", where=where)
+    if spec.startswith(CALLABLE_PREFIX):
+        check_callables([spec], where)
+        return CALLABLES[spec]
     if ":" not in spec:
         if spec not in BUILTINS:
             near = difflib.get_close_matches(spec, list(BUILTINS), n=1)

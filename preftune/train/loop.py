@@ -19,11 +19,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from preftune.config import Config, to_yaml
+from preftune.config import Config, to_dict, to_yaml
 from preftune.errors import Preempted, UserError
 from preftune.models import load_model, load_tokenizer, resolve_model_path, save_pretrained
 from preftune.train import checkpoint as ckpt
 from preftune.train.evaluate import build_evaluator
+from preftune.train.loggers import build_trackers
 from preftune.train.metrics import MetricsLog
 from preftune.train.optim import build_optimizer, clip_and_step, lr_at, set_lr
 from preftune.train.preemption import Preemption, StepAbandoned
@@ -78,8 +79,13 @@ def _copy_atomic(src: Path, dst: Path) -> None:
 
 
 class Run:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, *, callbacks=()):
         self.cfg = cfg
+        # called as cb(step, record) after each logged record; returning True stops the run at this step
+        self.callbacks = list(callbacks)
+        self.stop_asked = False
+        self.tracker_state: dict | None = None  # tracker run ids from the checkpoint
+        self.evaluated: int | None = None  # the step of the latest evaluation
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -101,8 +107,11 @@ class Run:
         self.saved_step = self.step  # the newest state that a resume would reproduce
         (self.out / "config.yaml").write_text(to_yaml(cfg))
         # a fresh start drops every old record; a resume keeps those up to its checkpoint
-        self.metrics = MetricsLog(self.out, total_steps=cfg.max_steps, start_step=self.step if self.step else -1,
-                                  progress=cfg.log.progress_bar, tensorboard="tensorboard" in cfg.log.report_to)
+        start = self.step if self.step else -1
+        trackers = build_trackers(cfg.log.report_to, self.out, config=to_dict(cfg), project=cfg.log.project,
+                                  run_name=cfg.log.run_name, start_step=start, state=self.tracker_state)
+        self.metrics = MetricsLog(self.out, total_steps=cfg.max_steps, start_step=start,
+                                  progress=cfg.log.progress_bar, trackers=trackers)
 
     def _restore(self, folder: Path) -> None:
         state = ckpt.load_state(folder)
@@ -111,6 +120,7 @@ class Run:
         self.task.load_state_dict(state["task"])
         set_rng_state(state["rng"])
         self.step = int(state["step"])
+        self.tracker_state = state.get("trackers")
         if (folder / METRICS).is_file():  # the records as they were at the save, even into an empty output_dir
             _copy_atomic(folder / METRICS, self.out / METRICS)
         log.info("resumed from %s (step %d)", folder, self.step)
@@ -121,7 +131,8 @@ class Run:
             if hasattr(self.model, "peft_config"):
                 self.model.save_pretrained(str(tmp / "adapter"))
             ckpt.save_state(tmp, {"step": self.step, "optimizer": self.optimizer.state_dict(),
-                                  "task": self.task.state_dict(), "rng": rng_state()})
+                                  "task": self.task.state_dict(), "rng": rng_state(),
+                                  "trackers": self.metrics.state_dict()})
             (tmp / CONFIG_FILE).write_text(checkpoint_config(self.cfg))
             self.metrics.file.flush()
             shutil.copyfile(self.metrics.path, tmp / METRICS)
@@ -133,8 +144,15 @@ class Run:
         return folder
 
     def _eval(self) -> None:
-        if self.evaluator is not None:
-            self.metrics.log(self.step, self.evaluator(self.model, self.step))
+        if self.evaluator is not None and self.evaluated != self.step:  # an early stop may follow an eval
+            self._log(self.evaluator(self.model, self.step))
+            self.evaluated = self.step
+
+    def _log(self, m: dict, advance: bool = False) -> None:
+        record = self.metrics.log(self.step, m, advance=advance)
+        for cb in self.callbacks:
+            if cb(self.step, {k: v for k, v in record.items() if k != "step"}) is True:
+                self.stop_asked = True
 
     def _one_step(self, stop: Preemption) -> dict:
         self.step += 1
@@ -166,16 +184,23 @@ class Run:
         if stop is None:
             with Preemption(self.cfg.preemption_grace_seconds) as stop:
                 return self.run(stop)
+        try:
+            return self._run(stop)
+        except BaseException:
+            self.metrics.close("failed")  # no-op after a preemption closed it
+            raise
+
+    def _run(self, stop: Preemption) -> Path:
         cfg = self.cfg
         if self.resumed_from is None:
             self._eval()  # step 0; a resumed run has this record already
         stop.training()
-        while self.step < cfg.max_steps and not stop.requested:
+        while self.step < cfg.max_steps and not stop.requested and not self.stop_asked:
             m = self._try_step(stop)
             if m is None:
                 break
             if self.step % cfg.log.logging_steps == 0 or self.step == cfg.max_steps:
-                self.metrics.log(self.step, m, advance=True)
+                self._log(m, advance=True)
             elif self.metrics.bar is not None:
                 self.metrics.bar.update(1)
             if cfg.eval.eval_steps and self.step % cfg.eval.eval_steps == 0 and self.step < cfg.max_steps:
@@ -184,6 +209,8 @@ class Run:
                 self._save()
         if stop.requested and self.step < cfg.max_steps:
             self._stop(stop)
+        if self.stop_asked and self.step < cfg.max_steps and self.step != self.saved_step:
+            self._save()  # a callback stopped the run early: resumable, as after a preemption
         self._eval()
         final = self._write_final()
         self._finish_uploads(None)
@@ -199,7 +226,7 @@ class Run:
         else:
             what = "nothing new since the last checkpoint" if self.step else "nothing trained yet"
         self._finish_uploads(max(0.0, stop.remaining() - UPLOAD_MARGIN_S))
-        self.metrics.close()
+        self.metrics.close("preempted")
         raise Preempted(f"preempted at step {self.step}; {what}; resume to continue")
 
     def _write_final(self) -> Path:
@@ -243,8 +270,9 @@ def load_weights(model, folder: Path) -> None:
                         f"{unexpected[:3]})", where=str(folder))
 
 
-def train(cfg: Config) -> Path:
+def train(cfg: Config, *, callbacks=()) -> Path:
     """Set up and run under one signal handler: a signal during setup stops at once (exit 75,
-    nothing to save); during training it stops at the next step boundary with a checkpoint."""
+    nothing to save); during training it stops at the next step boundary with a checkpoint.
+    The handlers in place before are restored when this returns or raises."""
     with Preemption(cfg.preemption_grace_seconds) as stop:
-        return Run(cfg).run(stop)
+        return Run(cfg, callbacks=callbacks).run(stop)
