@@ -88,14 +88,15 @@ def _uses_cache(model) -> bool:
 
 def shared_pays(model, prompt_mask, completion_ids, completion_mask, n_prompts: int) -> bool:
     """Is one prompt pass per group plus a completion pass cheaper than the best per-row layout?"""
-    if not _uses_cache(model):
+    lengths = prompt_mask.sum(1)  # (B,)
+    if not _uses_cache(model) or int(lengths.min()) < 1:  # an empty prompt: the per-row layouts say so
         return False
-    B, P, T = prompt_mask.size(0), int(prompt_mask.sum(1).max()), completion_ids.size(1)
+    B, P, T = prompt_mask.size(0), int(lengths.max()), completion_ids.size(1)
     body, head = _unit_costs(getattr(model, "config", None))
     if not (body and head):
         return n_prompts < B
     shared = (n_prompts * P + B * (T - 1)) * body + (n_prompts + B * (T - 1)) * head
-    width = int((prompt_mask.sum(1) + completion_mask.sum(1)).max())
+    width = int((lengths + completion_mask.sum(1)).max())
     unshared = min((prompt_mask.size(1) + T) * body, width * body) * B + B * (T + 1) * head
     # two forwards and a cache copy instead of one: take it only when it saves a quarter or more
     return shared < 0.75 * unshared
