@@ -12,19 +12,13 @@ EXIT_PREEMPTED = 75  # BSD EX_TEMPFAIL: interrupted, checkpoint saved, resume me
 EXIT_USER = 78  # BSD EX_CONFIG: config or data error
 
 
-def one_line(e: BaseException) -> str:
-    """An exception as one short line, for messages that must stay one line."""
-    text = " ".join(str(e).split())
-    return text[:300] or type(e).__name__
-
-
 class UserError(Exception):
     """A config or data error: one line that names the problem and where (file, row, key)."""
 
     exit_code = EXIT_USER
 
     def __init__(self, message: str, *, where: str | None = None):
-        self.where = where
+        self.where, self.message = where, message
         super().__init__(f"{where}: {message}" if where else message)
 
 
@@ -32,3 +26,13 @@ class Preempted(Exception):
     """Raised by the training loop after a signal-triggered checkpoint was saved."""
 
     exit_code = EXIT_PREEMPTED
+
+
+def one_line(exc: BaseException, *, with_type: bool = False, limit: int = 300) -> str:
+    """An exception as one short line (whitespace collapsed) for a UserError message."""
+    text = " ".join(str(exc).split())
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    if not text:
+        return type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if with_type else text

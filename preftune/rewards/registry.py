@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from preftune.errors import UserError
+from preftune.data.messages import is_messages
+from preftune.errors import UserError, one_line
 from preftune.rewards.builtin import BUILTINS
 
 # Dataset columns TRL never forwards (they are passed positionally-named instead).
@@ -48,13 +49,6 @@ class RewardResult:
     per_func: torch.Tensor  # (N, F) float32, NaN where a function returned None
     total: torch.Tensor  # (N,) weighted nansum over functions, NaN where every function returned None
     names: list[str]  # F metric names, unique
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    line = text[0] if text else ""
-    line = line if len(line) <= 200 else line[:197] + "..."
-    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,7 +138,7 @@ def _import_module(name: str, base_dir: Path, where: str):
         try:
             return importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 -- any import-time failure is the user's module
-            raise UserError(f"cannot import module '{name}': {_one_line(exc)}", where=where) from exc
+            raise UserError(f"cannot import module '{name}': {one_line(exc, with_type=True)}", where=where) from exc
 
 
 def _load_file(target: str, base_dir: Path, where: str):
@@ -169,7 +163,7 @@ def _load_file(target: str, base_dir: Path, where: str):
             module_spec.loader.exec_module(module)
         except Exception as exc:  # noqa: BLE001
             del sys.modules[mod_name]
-            raise UserError(f"error importing {path}: {_one_line(exc)}", where=where) from exc
+            raise UserError(f"error importing {path}: {one_line(exc, with_type=True)}", where=where) from exc
     return module
 
 
@@ -222,19 +216,10 @@ def _unique(names: list[str]) -> list[str]:
 # scoring
 
 
-def is_conversational(prompt: Any) -> bool:
-    """A chat prompt: a list of {role, content} message dicts."""
-    return (
-        isinstance(prompt, (list, tuple))
-        and len(prompt) > 0
-        and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in prompt)
-    )
-
-
 def as_completions(prompts: Sequence[Any], texts: Sequence[str]) -> list[Any]:
     """Completions in the form TRL passes to rewards: the decoded string for text prompts, or
     `[{"role": "assistant", "content": text}]` when the prompts are chat messages."""
-    if prompts and is_conversational(prompts[0]):
+    if prompts and is_messages(prompts[0]):
         return [[{"role": "assistant", "content": t}] for t in texts]
     return list(texts)
 
@@ -268,7 +253,7 @@ def _call_reward(func: Callable, name: str, args: dict) -> Any:
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 -- a failing reward is reported as the user's error
-        raise UserError(f"raised {_one_line(exc)}", where=f"reward '{name}'") from exc
+        raise UserError(f"raised {one_line(exc, with_type=True)}", where=f"reward '{name}'") from exc
 
 
 async def _await(awaitable):
@@ -343,3 +328,9 @@ def compute_rewards(
     total = (per_func * w.unsqueeze(0)).nansum(dim=1)  # (N,)
     total[torch.isnan(per_func).all(dim=1)] = torch.nan
     return RewardResult(per_func=per_func, total=total, names=names)
+
+
+def load_reward_funcs(specs: Sequence[str], grpo, base_dir: str | Path = ".") -> list[Callable]:
+    """Every reward function of a run; `grpo` (a `GRPOConfig`) configures the length-based builtins."""
+    return [load_reward_function(s, base_dir=base_dir, max_completion_length=grpo.max_completion_length,
+                                 overlong_buffer_len=grpo.overlong_buffer_len) for s in specs]

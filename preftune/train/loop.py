@@ -10,7 +10,6 @@ function of the step, so a resumed run repeats the uninterrupted one bit for bit
 from __future__ import annotations
 
 import logging
-import os
 import random
 import shutil
 import time
@@ -19,14 +18,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from preftune.atomic import atomic_write, copy_atomic
 from preftune.config import Config, to_dict, to_yaml
+from preftune.data.report import write_data_report
 from preftune.errors import Preempted, UserError
-from preftune.models import load_model, load_tokenizer, resolve_model_path, save_pretrained
+from preftune.models import check_model_path, load_model, load_tokenizer, save_pretrained
 from preftune.train import checkpoint as ckpt
 from preftune.train.evaluate import build_evaluator
 from preftune.train.loggers import build_trackers
 from preftune.train.metrics import MetricsLog
 from preftune.train.optim import build_optimizer, clip_and_step, lr_at, set_lr
+from preftune.train.outdir import OutputGuard
 from preftune.train.preemption import Preemption, StepAbandoned
 from preftune.train.resume import CONFIG_FILE, checkpoint_config, find_resume_point
 
@@ -72,13 +74,12 @@ def build_task(cfg: Config, model, tokenizer, device):
     return DPOTask(cfg, model, tokenizer, device)
 
 
-def _copy_atomic(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(dst.name + ".tmp")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
-
-
 class Run:
+    """Setup validates and builds everything (model, data, reward functions, eval set) before it
+    writes to output_dir; `train()` also guards the folder until the first step (train/outdir.py)."""
+
+    on_first_step = None  # called once the first optimizer step has been taken
+
     def __init__(self, cfg: Config, *, callbacks=()):
         self.cfg = cfg
         # called as cb(step, record) after each logged record; returning True stops the run at this step
@@ -91,21 +92,22 @@ class Run:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.mirror = ckpt.RemoteMirror(cfg.checkpoint_uri, cfg.save_total_limit) if cfg.checkpoint_uri else None
         self.resumed_from = find_resume_point(cfg, self.out, self.ckpt_root, self.mirror)
-        self.out.mkdir(parents=True, exist_ok=True)
-        ckpt.clean_stale(self.ckpt_root)
         seed_everything(cfg.seed)
-        base_path = resolve_model_path(cfg.model, cfg.config_dir)
+        base_path = check_model_path(cfg.model.name_or_path)
         self.tokenizer = load_tokenizer(base_path, cfg.model.trust_remote_code)
         self.model = load_model(cfg.model, base_path).to(self.device)
         # built from the base weights, before the restore: DPO's cached reference log-probs need them
         self.task = build_task(cfg, self.model, self.tokenizer, self.device)
         self.evaluator = build_evaluator(cfg, self.tokenizer)
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optim)
+        self.out.mkdir(parents=True, exist_ok=True)  # everything above is validated: now write
+        ckpt.clean_stale(self.ckpt_root)
+        write_data_report(self.out, self.task.data_report)
         self.step = 0
         if self.resumed_from is not None:
             self._restore(self.resumed_from)
         self.saved_step = self.step  # the newest state that a resume would reproduce
-        (self.out / "config.yaml").write_text(to_yaml(cfg))
+        atomic_write(self.out / "config.yaml", to_yaml(cfg))
         # a fresh start drops every old record; a resume keeps those up to its checkpoint
         start = self.step if self.step else -1
         trackers = build_trackers(cfg.log.report_to, self.out, config=to_dict(cfg), project=cfg.log.project,
@@ -122,7 +124,7 @@ class Run:
         self.step = int(state["step"])
         self.tracker_state = state.get("trackers")
         if (folder / METRICS).is_file():  # the records as they were at the save, even into an empty output_dir
-            _copy_atomic(folder / METRICS, self.out / METRICS)
+            copy_atomic(folder / METRICS, self.out / METRICS)
         log.info("resumed from %s (step %d)", folder, self.step)
 
     def _save(self) -> Path:
@@ -199,6 +201,9 @@ class Run:
             m = self._try_step(stop)
             if m is None:
                 break
+            if self.on_first_step is not None:
+                self.on_first_step()
+                self.on_first_step = None
             if self.step % cfg.log.logging_steps == 0 or self.step == cfg.max_steps:
                 self._log(m, advance=True)
             elif self.metrics.bar is not None:
@@ -273,6 +278,9 @@ def load_weights(model, folder: Path) -> None:
 def train(cfg: Config, *, callbacks=()) -> Path:
     """Set up and run under one signal handler: a signal during setup stops at once (exit 75,
     nothing to save); during training it stops at the next step boundary with a checkpoint.
-    The handlers in place before are restored when this returns or raises."""
-    with Preemption(cfg.preemption_grace_seconds) as stop:
-        return Run(cfg, callbacks=callbacks).run(stop)
+    The handlers in place before are restored when this returns or raises. Until the first
+    optimizer step, output_dir is guarded: an error leaves it as it was found (train/outdir.py)."""
+    with Preemption(cfg.preemption_grace_seconds) as stop, OutputGuard(Path(cfg.output_dir)) as guard:
+        run = Run(cfg, callbacks=callbacks)
+        run.on_first_step = guard.commit
+        return run.run(stop)

@@ -4,8 +4,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from pathlib import Path
+
+from preftune.atomic import atomic_write
 
 log = logging.getLogger("preftune")
 
@@ -23,9 +24,7 @@ def truncate_after(path: Path, step: int) -> None:
     if not path.exists():
         return
     keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+    atomic_write(path, "".join(line + "\n" for line in keep))
 
 
 def read_records(path: Path) -> list[dict]:
