@@ -1,4 +1,4 @@
-"""The `preftune` command: train | data inspect | data pairs.
+"""The `preftune` command: train | data inspect | data pairs | eval | registry list | report.
 
 Exit codes: 0 finished · 75 preempted, checkpoint saved, resume me · 78 config or data error
 (one line, no traceback) · 1 anything else.
@@ -65,6 +65,11 @@ def parser() -> argparse.ArgumentParser:
     pairs = dsub.add_parser("pairs", help="write DPO pairs (prompt, chosen, rejected, rewards) to parquet")
     _trace_args(pairs)
     pairs.add_argument("-o", "--output", required=True, help="output .parquet file")
+    from preftune.evaluation.commands import add_parser as add_eval_parsers
+    from preftune.report.commands import add_parser as add_report_parser
+
+    add_eval_parsers(sub)  # eval, registry list: each sets args.handler
+    add_report_parser(sub)
     return ap
 
 
@@ -125,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("httpx", "urllib3", "botocore", "s3fs", "fsspec", "aiobotocore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
+        handler = getattr(args, "handler", None)
+        if handler is not None:
+            return handler(args)
         _train(args) if args.command == "train" else _data(args)
     except UserError as e:
         print(f"preftune: error: {e}", file=sys.stderr)

@@ -19,7 +19,7 @@ import torch
 from preftune.atomic import atomic_path
 from preftune.config import Config
 from preftune.data.stream import IndexStream
-from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response
+from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response, fit_prompt
 from preftune.errors import UserError
 from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
 from preftune.models import load_model
@@ -39,21 +39,24 @@ class EncodedPair:
 def load_pairs(cfg: Config) -> tuple[list, dict]:
     """A pairs file (prompt/chosen/rejected columns, TRL's format) or labeled traces paired on the fly."""
     from preftune.data.pairs import build_pairs, read_pairs
+    from preftune.data.split import drop_held_out
     from preftune.data.traces import read_rows, resolve_files
 
     fs, files = resolve_files(cfg.data.train)
     columns = next((c for c in (read_rows(fs, f)[1] for f in files) if c), None)  # first non-empty file
     if columns and {"prompt", "chosen", "rejected"} <= set(columns):
-        pairs = read_pairs(cfg.data.train)
-        return pairs, {"pairs_file": len(pairs)}
+        pairs, held_out = drop_held_out(read_pairs(cfg.data.train), cfg.eval.split)
+        return pairs, {"pairs_file": len(pairs)} | ({"held_out_pairs": held_out} if cfg.eval.split else {})
     from preftune.data.traces import TraceOptions, load_traces
 
     traces, drops = load_traces(cfg.data.train, TraceOptions.from_config(cfg.data))
+    traces, held_out = drop_held_out(list(traces), cfg.eval.split)
     d = cfg.data
     pairs, report = build_pairs(traces, chosen_min=d.chosen_min, rejected_max=d.rejected_max,
                                 strategy=d.pair_strategy, max_pairs_per_prompt=d.max_pairs_per_prompt,
                                 min_margin=d.min_margin)
-    return pairs, {"traces": drops.as_dict(), "pairs": report.as_dict()}
+    return pairs, {"traces": drops.as_dict(), "pairs": report.as_dict()} | (
+        {"held_out_rows": held_out} if cfg.eval.split else {})
 
 
 def encode_pairs(pairs, tokenizer, cfg: Config) -> tuple[list[EncodedPair], dict]:
@@ -61,11 +64,9 @@ def encode_pairs(pairs, tokenizer, cfg: Config) -> tuple[list[EncodedPair], dict
     trunc = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
     out, cut = [], 0
     for i, p in enumerate(pairs):
-        prompt = trunc.apply(encode_prompt(tokenizer, p.prompt), where=f"pair {i}")
+        prompt = fit_prompt(trunc, encode_prompt(tokenizer, p.prompt), cfg.dpo.max_length, where=f"pair {i}")
         if prompt is None:
             continue
-        if len(prompt) >= cfg.dpo.max_length:  # leave room for at least one response token
-            prompt, trunc.truncated = prompt[-(cfg.dpo.max_length - 1):], trunc.truncated + 1
         room = cfg.dpo.max_length - len(prompt)
         chosen, rejected = encode_response(tokenizer, p.chosen), encode_response(tokenizer, p.rejected)
         cut += (len(chosen) > room) + (len(rejected) > room)

@@ -32,14 +32,19 @@ def completion_logps(
     logits = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, T, V)
     if temperature != 1.0:
         logits = logits / temperature
-    token_logits = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)  # (B, T)
-    lse = logits.logsumexp(-1)  # (B, T)
-    logps = token_logits - lse
+    return token_logps(logits, completion_ids, with_entropy=with_entropy)
+
+
+def token_logps(logits: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool = False):
+    """log softmax(logits)[target] = logit - logsumexp, and optionally the entropy (no gradient).
+    logits (..., V), targets (...) -> (...), (...) or None."""
+    token_logits = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (...)
+    lse = logits.logsumexp(-1)  # (...)
     entropy = None
     if with_entropy:
         with torch.no_grad():
-            entropy = lse - (logits.softmax(-1) * logits).sum(-1)  # (B, T)
-    return logps, entropy
+            entropy = lse - (logits.softmax(-1) * logits).sum(-1)  # (...)
+    return token_logits - lse, entropy
 
 
 def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:

@@ -69,6 +69,10 @@ def build_task(cfg: Config, model, tokenizer, device):
         from preftune.train.grpo_task import GRPOTask
 
         return GRPOTask(cfg, model, tokenizer, device)
+    if cfg.algorithm == "sft":
+        from preftune.train.sft import SFTTask
+
+        return SFTTask(cfg, model, tokenizer, device)
     from preftune.train.dpo import DPOTask
 
     return DPOTask(cfg, model, tokenizer, device)
