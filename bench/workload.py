@@ -9,7 +9,6 @@ that work (shared prompts, zero-advantage rows), so its MFU can exceed what the 
 from __future__ import annotations
 
 import json
-import os
 import resource
 import time
 from contextlib import contextmanager
