@@ -5,6 +5,9 @@ Exit codes: 0 finished · 75 preempted, checkpoint saved, resume me · 78 config
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python -m preftune.cli`: the signal handler before any other import
+    import preftune.entry  # noqa: F401
+
 import argparse
 import json
 import logging
@@ -62,9 +65,16 @@ def _pair_kwargs(args) -> dict:
 
 def _train(args) -> None:
     from preftune.config import load_config
-    from preftune.train.loop import train
+    from preftune.train.completion import completed
 
     cfg = load_config(args.config, args.overrides)
+    done = completed(cfg)  # before importing torch: a finished run restarted exits at once
+    if done is not None:
+        print(f"preftune: already complete: {done}; nothing to do")
+        return
+    _quiet_libraries()
+    from preftune.train.loop import train
+
     final = train(cfg)
     evals = _eval_rewards(final.parent / "metrics.jsonl")
     if len(evals) >= 2:
@@ -79,6 +89,11 @@ def _eval_rewards(path) -> list[float]:
 
 def _data(args) -> None:
     from preftune.data import commands
+    from preftune.train.preemption import process_handler
+
+    stop = process_handler()
+    if stop is not None:  # files may be written from here: a signal unwinds (exit 75) instead of exiting at once
+        stop.setup(stop.grace)
 
     if args.data_command == "inspect":
         report = commands.inspect_report(args.path, _options(args), **_pair_kwargs(args))
@@ -87,9 +102,7 @@ def _data(args) -> None:
         print(commands.pairs_command(args.path, args.output, _options(args), **_pair_kwargs(args)))
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+def _quiet_libraries() -> None:
     try:  # transformers' own progress bars (loading/writing shards) would bury ours
         from transformers.utils import logging as hf_logging
 
@@ -97,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.set_verbosity_error()
     except ImportError:
         pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "botocore", "s3fs", "fsspec", "aiobotocore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:

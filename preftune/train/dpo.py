@@ -139,10 +139,14 @@ class DPOTask:
         if not self.encoded:
             raise UserError("no DPO pairs to train on (see data_report.json)", where=cfg.data.train)
         self.pad_id = tokenizer.pad_token_id
-        self.ref = None
-        if not self.d.reference_free:
-            self.ref = reference_logps(model, self.encoded, cfg, self.pad_id, device)
+        self.ref = None  # (n, 2): from the checkpoint on a resume, else computed by prepare()
         self.stream = IndexStream(len(self.encoded), cfg.seed, cfg.data.shuffle)
+
+    def prepare(self, model) -> None:
+        """The reference log-probs, with `model` still holding the initial (reference) weights,
+        unless the restored checkpoint brought them."""
+        if self.ref is None and not self.d.reference_free:
+            self.ref = reference_logps(model, self.encoded, self.cfg, self.pad_id, self.device)
 
     def step(self, model, step: int, stop) -> dict:
         idx = self.stream.take(self.d.batch_size)
@@ -170,7 +174,10 @@ class DPOTask:
         return totals
 
     def state_dict(self) -> dict:
-        return {"stream": self.stream.state_dict()}
+        # the reference log-probs too: a resume on a fresh node then needs no reference pass
+        return {"stream": self.stream.state_dict(), "ref": self.ref}
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state["stream"])
+        if state.get("ref") is not None and len(state["ref"]) == len(self.encoded):
+            self.ref = state["ref"]

@@ -26,8 +26,9 @@ from preftune.train import checkpoint as ckpt
 from preftune.train.evaluate import build_evaluator
 from preftune.train.metrics import MetricsLog
 from preftune.train.optim import build_optimizer, clip_and_step, lr_at, set_lr
-from preftune.train.preemption import Preemption, StepAbandoned
+from preftune.train.preemption import Preemption, StepAbandoned, process_handler
 from preftune.train.resume import CONFIG_FILE, checkpoint_config, find_resume_point
+from preftune.train.startup import StartupClock, process_start
 
 log = logging.getLogger("preftune")
 METRICS = "metrics.jsonl"
@@ -78,8 +79,9 @@ def _copy_atomic(src: Path, dst: Path) -> None:
 
 
 class Run:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, clock: StartupClock | None = None):
         self.cfg = cfg
+        self.clock = clock = clock or StartupClock()
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -87,17 +89,21 @@ class Run:
         self.resumed_from = find_resume_point(cfg, self.out, self.ckpt_root, self.mirror)
         self.out.mkdir(parents=True, exist_ok=True)
         ckpt.clean_stale(self.ckpt_root)
+        clock.mark("restore")
         seed_everything(cfg.seed)
         base_path = resolve_model_path(cfg.model, cfg.config_dir)
         self.tokenizer = load_tokenizer(base_path, cfg.model.trust_remote_code)
         self.model = load_model(cfg.model, base_path).to(self.device)
-        # built from the base weights, before the restore: DPO's cached reference log-probs need them
+        clock.mark("model")
         self.task = build_task(cfg, self.model, self.tokenizer, self.device)
         self.evaluator = build_evaluator(cfg, self.tokenizer)
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optim)
         self.step = 0
         if self.resumed_from is not None:
             self._restore(self.resumed_from)
+        else:
+            self.task.prepare(self.model)
+        clock.mark("data")
         self.saved_step = self.step  # the newest state that a resume would reproduce
         (self.out / "config.yaml").write_text(to_yaml(cfg))
         # a fresh start drops every old record; a resume keeps those up to its checkpoint
@@ -105,15 +111,22 @@ class Run:
                                   progress=cfg.log.progress_bar, tensorboard="tensorboard" in cfg.log.report_to)
 
     def _restore(self, folder: Path) -> None:
+        """The task state first: what it lacks, `prepare` computes from the base weights (DPO's
+        reference log-probs of an older checkpoint), before the checkpoint's weights replace them."""
+        self.clock.mark("data")
         state = ckpt.load_state(folder)
+        self.task.load_state_dict(state["task"])
+        self.clock.mark("restore")
+        self.task.prepare(self.model)
+        self.clock.mark("data")
         load_weights(self.model, folder)
         self.optimizer.load_state_dict(state["optimizer"])
-        self.task.load_state_dict(state["task"])
         set_rng_state(state["rng"])
         self.step = int(state["step"])
         if (folder / METRICS).is_file():  # the records as they were at the save, even into an empty output_dir
             _copy_atomic(folder / METRICS, self.out / METRICS)
         log.info("resumed from %s (step %d)", folder, self.step)
+        self.clock.mark("restore")
 
     def _save(self) -> Path:
         def write(tmp: Path) -> None:
@@ -169,13 +182,16 @@ class Run:
         cfg = self.cfg
         if self.resumed_from is None:
             self._eval()  # step 0; a resumed run has this record already
+        self.clock.mark("eval")
+        startup = self.clock.report()  # goes with the first record this process logs
         stop.training()
         while self.step < cfg.max_steps and not stop.requested:
             m = self._try_step(stop)
             if m is None:
                 break
             if self.step % cfg.log.logging_steps == 0 or self.step == cfg.max_steps:
-                self.metrics.log(self.step, m, advance=True)
+                self.metrics.log(self.step, m | startup, advance=True)
+                startup = {}
             elif self.metrics.bar is not None:
                 self.metrics.bar.update(1)
             if cfg.eval.eval_steps and self.step % cfg.eval.eval_steps == 0 and self.step < cfg.max_steps:
@@ -184,9 +200,22 @@ class Run:
                 self._save()
         if stop.requested and self.step < cfg.max_steps:
             self._stop(stop)
+        return self._finish(stop)
+
+    def _finish(self, stop: Preemption) -> Path:
+        """The end checkpoint (the complete trainer state, even with save_steps 0, so a larger
+        max_steps continues from here), the final evaluation, final/, the uploads; then the run is
+        complete and a signal changes nothing. A signal in between lets this finish (it is bounded
+        work, and the end checkpoint makes a kill cost only the final evaluation)."""
+        stop.saving = True
+        if self.step != self.saved_step:
+            self._save()
         self._eval()
         final = self._write_final()
-        self._finish_uploads(None)
+        if not self._finish_uploads(max(0.0, stop.remaining() - UPLOAD_MARGIN_S) if stop.requested else None):
+            self.metrics.close()
+            raise Preempted(f"preempted at step {self.step} while uploading final/; run again to finish the upload")
+        stop.complete()
         self.metrics.close()
         return final
 
@@ -207,6 +236,7 @@ class Run:
         tmp = self.out / ".tmp-final"
         shutil.rmtree(tmp, ignore_errors=True)
         save_pretrained(self.model, self.tokenizer, tmp, dtype=self.cfg.model.dtype)
+        (tmp / CONFIG_FILE).write_text(checkpoint_config(self.cfg))  # with the manifest's step: "complete"
         ckpt.write_manifest(tmp, self.step)
         ckpt.fsync_tree(tmp)
         ckpt.publish(tmp, final)
@@ -215,10 +245,13 @@ class Run:
             self.mirror.upload(final, scratch_root=self.ckpt_root)
         return final
 
-    def _finish_uploads(self, timeout: float | None) -> None:
+    def _finish_uploads(self, timeout: float | None) -> bool:
+        """Wait for the uploads (at most `timeout` s); True when none is left."""
         if self.mirror is not None and not self.mirror.wait(timeout):
             log.warning("checkpoint upload to %s still running after %.0f s; stopping anyway (the remote "
                         "keeps its previous complete checkpoint)", self.cfg.checkpoint_uri, timeout or 0)
+            return False
+        return True
 
 
 def load_weights(model, folder: Path) -> None:
@@ -245,6 +278,25 @@ def load_weights(model, folder: Path) -> None:
 
 def train(cfg: Config) -> Path:
     """Set up and run under one signal handler: a signal during setup stops at once (exit 75,
-    nothing to save); during training it stops at the next step boundary with a checkpoint."""
-    with Preemption(cfg.preemption_grace_seconds) as stop:
-        return Run(cfg).run(stop)
+    nothing to save); during training it stops at the next step boundary with a checkpoint; once
+    the outputs are complete it changes nothing. In the `preftune` process the handler is the
+    process's own (installed at its first line, kept to its exit); otherwise it is installed for
+    this call only. A run whose outputs are already complete returns its final/ without training."""
+    stop = process_handler()
+    if stop is None:
+        with Preemption(cfg.preemption_grace_seconds) as stop:
+            return _train(cfg, stop, StartupClock())
+    stop.setup(cfg.preemption_grace_seconds)
+    return _train(cfg, stop, StartupClock(process_start()))
+
+
+def _train(cfg: Config, stop: Preemption, clock: StartupClock) -> Path:
+    from preftune.train.completion import completed
+
+    done = completed(cfg)
+    if done is not None:
+        log.info("already complete: %s; nothing to do", done)
+        stop.complete()
+        return Path(cfg.output_dir) / "final"
+    clock.mark("imports")
+    return Run(cfg, clock).run(stop)

@@ -6,7 +6,9 @@ import math
 import os
 from pathlib import Path
 
-TIMING_KEYS = ("step_time", "tokens_per_second")
+from preftune.train.startup import STARTUP_KEYS
+
+TIMING_KEYS = ("step_time", "tokens_per_second", *STARTUP_KEYS)  # the only fields a resumed run may change
 
 
 def _clean(v):
