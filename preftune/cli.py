@@ -66,10 +66,13 @@ def _pair_kwargs(args) -> dict:
 def _train(args) -> None:
     from preftune.config import load_config
     from preftune.train.completion import completed
+    from preftune.train.preemption import process_handler
 
     cfg = load_config(args.config, args.overrides)
     done = completed(cfg)  # before importing torch: a finished run restarted exits at once
     if done is not None:
+        if process_handler() is not None:
+            process_handler().complete()  # a notice from here on changes nothing
         print(f"preftune: already complete: {done}; nothing to do")
         return
     _quiet_libraries()
@@ -132,4 +135,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from preftune.entry import finish
+
+    finish(main())

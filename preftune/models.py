@@ -28,6 +28,12 @@ def resolve_model_path(cfg: ModelConfig, config_dir: str = ".") -> str:
                     where="model.name_or_path")
 
 
+def import_model_libraries() -> None:
+    """Import transformers' model and tokenizer machinery now (seconds), so start-up time shows
+    as `startup/imports` and a signal then still finds the process in its start-up phase."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 

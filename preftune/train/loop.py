@@ -21,7 +21,7 @@ import torch
 
 from preftune.config import Config, to_yaml
 from preftune.errors import Preempted, UserError
-from preftune.models import load_model, load_tokenizer, resolve_model_path, save_pretrained
+from preftune.models import import_model_libraries, load_model, load_tokenizer, resolve_model_path, save_pretrained
 from preftune.train import checkpoint as ckpt
 from preftune.train.evaluate import build_evaluator
 from preftune.train.metrics import MetricsLog
@@ -286,7 +286,6 @@ def train(cfg: Config) -> Path:
     if stop is None:
         with Preemption(cfg.preemption_grace_seconds) as stop:
             return _train(cfg, stop, StartupClock())
-    stop.setup(cfg.preemption_grace_seconds)
     return _train(cfg, stop, StartupClock(process_start()))
 
 
@@ -298,5 +297,7 @@ def _train(cfg: Config, stop: Preemption, clock: StartupClock) -> Path:
         log.info("already complete: %s; nothing to do", done)
         stop.complete()
         return Path(cfg.output_dir) / "final"
+    import_model_libraries()  # still start-up: a signal during these imports ends the process at once
     clock.mark("imports")
+    stop.setup(cfg.preemption_grace_seconds)
     return Run(cfg, clock).run(stop)
