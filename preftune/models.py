@@ -28,10 +28,19 @@ def resolve_model_path(cfg: ModelConfig, config_dir: str = ".") -> str:
                     where="model.name_or_path")
 
 
-def import_model_libraries() -> None:
-    """Import transformers' model and tokenizer machinery now (seconds), so start-up time shows
-    as `startup/imports` and a signal then still finds the process in its start-up phase."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+def import_model_libraries(cfg: ModelConfig, config_dir: str = ".") -> None:
+    """Import transformers and the model's own modeling module now (seconds: most of a restart on
+    a small model), so start-up time shows as `startup/imports` and a signal then still finds the
+    process in its start-up phase. Best effort: load_model reports any problem with the folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if cfg.trust_remote_code:
+        return
+    try:
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(resolve_model_path(cfg, config_dir)))]
+    except Exception:  # noqa: BLE001 - an unknown or missing model: load_model says what is wrong
+        pass
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):

@@ -297,7 +297,7 @@ def _train(cfg: Config, stop: Preemption, clock: StartupClock) -> Path:
         log.info("already complete: %s; nothing to do", done)
         stop.complete()
         return Path(cfg.output_dir) / "final"
-    import_model_libraries()  # still start-up: a signal during these imports ends the process at once
+    import_model_libraries(cfg.model, cfg.config_dir)  # still start-up: a signal during these imports ends the process at once
     clock.mark("imports")
     stop.setup(cfg.preemption_grace_seconds)
     return Run(cfg, clock).run(stop)
