@@ -9,7 +9,8 @@ from preftune.data.tokenize import PromptTruncation, encode_prompt
 from preftune.errors import UserError
 from preftune.rewards.registry import RewardState, as_completions, compute_rewards
 from preftune.rollout.sampler import Rollout, concat, left_pad, sample, select
-from preftune.rollout.scored import Scored, group_spread
+from preftune.losses.advantages import group_spread
+from preftune.rollout.scored import Scored
 
 
 def completion_texts(tokenizer, rollout: Rollout, prompts: list) -> tuple[list, list[list[int]]]:

@@ -19,7 +19,8 @@ import shutil
 import threading
 from pathlib import Path
 
-from preftune.errors import UserError
+from preftune.atomic import atomic_write
+from preftune.errors import UserError, one_line
 
 log = logging.getLogger("preftune")
 MANIFEST = "MANIFEST.json"
@@ -57,11 +58,7 @@ def fsync_tree(root: Path) -> None:
 def write_manifest(folder: Path, step: int) -> None:
     files = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
              for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
-    tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / MANIFEST)
+    atomic_write(folder / MANIFEST, json.dumps({"step": step, "files": files}, indent=1), fsync=True)
 
 
 def _safe_rel(name: str) -> bool:
@@ -160,8 +157,7 @@ def load_state(folder: Path) -> dict:
     try:
         return torch.load(folder / STATE, weights_only=True, map_location="cpu")
     except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{STATE} is not plain trainer state (refusing to unpickle it): {first[:200]}",
+        raise UserError(f"{STATE} is not plain trainer state (refusing to unpickle it): {one_line(e, limit=200)}",
                         where=str(folder)) from None
 
 

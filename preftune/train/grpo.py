@@ -13,10 +13,10 @@ import torch
 
 from preftune.config import GRPOConfig
 from preftune.losses import grpo_loss
-from preftune.losses.advantages import group_advantages
+from preftune.losses.advantages import group_advantages, group_spread, nanmean
 from preftune.losses.grpo import microbatch_weight
 from preftune.rollout.sampler import Rollout
-from preftune.rollout.scored import Scored, group_spread
+from preftune.rollout.scored import Scored
 from preftune.train.logps import completion_logps, microbatches
 
 
@@ -45,31 +45,13 @@ class GRPOBatch:
 
 def reward_metrics(s: Scored) -> dict:
     spread = group_spread(s.total, s.group_sizes)  # (n_groups,)
-    m = {"reward": _nanmean(s.total), "reward_std": spread.mean().item() if spread.numel() else 0.0}
+    m = {"reward": nanmean(s.total), "reward_std": spread.mean().item() if spread.numel() else 0.0}
     for j, name in enumerate(s.names):
-        m[f"reward/{name}"] = _nanmean(s.per_func[:, j])
+        m[f"reward/{name}"] = nanmean(s.per_func[:, j])
     m["frac_reward_zero_std"] = (spread == 0).float().mean().item() if spread.numel() else 0.0
     m["completion_length"] = s.rollout.completion_mask.sum(-1).float().mean().item()
     m["completions/clipped_ratio"] = s.rollout.truncated.float().mean().item()
     return m | s.extra
-
-
-def _nanmean(x: torch.Tensor) -> float:
-    v = x[~x.isnan()]
-    return v.mean().item() if v.numel() else float("nan")
-
-
-def advantages(s: Scored, scale: str) -> torch.Tensor:
-    """Group-relative advantages; groups of unequal size (offline traces) are normalised one by one."""
-    sizes = s.group_sizes
-    if len(set(sizes)) == 1:
-        return group_advantages(s.total, sizes[0], scale_rewards=scale)
-    if scale == "batch":  # one std over the batch, means per group: normalise each, then rescale
-        valid = s.total[~s.total.isnan()]
-        std = valid.std() if valid.numel() >= 2 else torch.zeros(())
-        parts = [group_advantages(g, len(g), scale_rewards="none") for g in torch.split(s.total, sizes)]
-        return torch.cat(parts) / (std + 1e-4)
-    return torch.cat([group_advantages(g, len(g), scale_rewards=scale) for g in torch.split(s.total, sizes)])
 
 
 def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig) -> GRPOBatch:
@@ -83,7 +65,8 @@ def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig) -> GRPOBatch:
     ref = None
     if cfg.beta > 0:
         ref = reference_logps(ref_model, ro, cfg, without_adapter=ref_model is model)
-    return GRPOBatch(rollout=ro, advantages=advantages(s, cfg.scale_rewards).to(device), ref_logps=ref,
+    adv = group_advantages(s.total, s.group_sizes, scale_rewards=cfg.scale_rewards)  # (N,)
+    return GRPOBatch(rollout=ro, advantages=adv.to(device), ref_logps=ref,
                      metrics=reward_metrics(s))
 
 

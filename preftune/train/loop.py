@@ -10,7 +10,6 @@ function of the step, so a resumed run repeats the uninterrupted one bit for bit
 from __future__ import annotations
 
 import logging
-import os
 import random
 import shutil
 import time
@@ -19,13 +18,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from preftune.config import Config, to_yaml
+from preftune.atomic import atomic_write, copy_atomic
+from preftune.config import Config, to_dict, to_yaml
+from preftune.data.report import write_data_report
 from preftune.errors import Preempted, UserError
-from preftune.models import import_model_libraries, load_model, load_tokenizer, resolve_model_path, save_pretrained
+from preftune.models import check_model_path, import_model_libraries, load_model, load_tokenizer, save_pretrained
 from preftune.train import checkpoint as ckpt
 from preftune.train.evaluate import build_evaluator
+from preftune.train.loggers import build_trackers
 from preftune.train.metrics import MetricsLog
 from preftune.train.optim import build_optimizer, clip_and_step, lr_at, set_lr
+from preftune.train.outdir import OutputGuard
 from preftune.train.preemption import Preemption, StepAbandoned, process_handler
 from preftune.train.resume import CONFIG_FILE, checkpoint_config, find_resume_point
 from preftune.train.startup import StartupClock, process_start
@@ -72,32 +75,38 @@ def build_task(cfg: Config, model, tokenizer, device):
     return DPOTask(cfg, model, tokenizer, device)
 
 
-def _copy_atomic(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(dst.name + ".tmp")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
-
-
 class Run:
-    def __init__(self, cfg: Config, clock: StartupClock | None = None):
+    """Setup validates and builds everything (model, data, reward functions, eval set) before it
+    writes to output_dir; `train()` also guards the folder until the first step (train/outdir.py)."""
+
+    on_first_step = None  # called once the first optimizer step has been taken
+    startup: dict = {}  # startup_seconds by phase, until the first training record carries them
+
+    def __init__(self, cfg: Config, *, callbacks=(), clock: StartupClock | None = None):
         self.cfg = cfg
         self.clock = clock = clock or StartupClock()
+        # called as cb(step, record) after each logged record; returning True stops the run at this step
+        self.callbacks = list(callbacks)
+        self.stop_asked = False
+        self.tracker_state: dict | None = None  # tracker run ids from the checkpoint
+        self.evaluated: int | None = None  # the step of the latest evaluation
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.mirror = ckpt.RemoteMirror(cfg.checkpoint_uri, cfg.save_total_limit) if cfg.checkpoint_uri else None
         self.resumed_from = find_resume_point(cfg, self.out, self.ckpt_root, self.mirror)
-        self.out.mkdir(parents=True, exist_ok=True)
-        ckpt.clean_stale(self.ckpt_root)
         clock.mark("restore")
         seed_everything(cfg.seed)
-        base_path = resolve_model_path(cfg.model, cfg.config_dir)
+        base_path = check_model_path(cfg.model.name_or_path)
         self.tokenizer = load_tokenizer(base_path, cfg.model.trust_remote_code)
         self.model = load_model(cfg.model, base_path).to(self.device)
         clock.mark("model")
         self.task = build_task(cfg, self.model, self.tokenizer, self.device)
         self.evaluator = build_evaluator(cfg, self.tokenizer)
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optim)
+        self.out.mkdir(parents=True, exist_ok=True)  # everything above is validated: now write
+        ckpt.clean_stale(self.ckpt_root)
+        write_data_report(self.out, self.task.data_report)
         self.step = 0
         if self.resumed_from is not None:
             self._restore(self.resumed_from)
@@ -105,10 +114,13 @@ class Run:
             self.task.prepare(self.model)
         clock.mark("data")
         self.saved_step = self.step  # the newest state that a resume would reproduce
-        (self.out / "config.yaml").write_text(to_yaml(cfg))
+        atomic_write(self.out / "config.yaml", to_yaml(cfg))
         # a fresh start drops every old record; a resume keeps those up to its checkpoint
-        self.metrics = MetricsLog(self.out, total_steps=cfg.max_steps, start_step=self.step if self.step else -1,
-                                  progress=cfg.log.progress_bar, tensorboard="tensorboard" in cfg.log.report_to)
+        start = self.step if self.step else -1
+        trackers = build_trackers(cfg.log.report_to, self.out, config=to_dict(cfg), project=cfg.log.project,
+                                  run_name=cfg.log.run_name, start_step=start, state=self.tracker_state)
+        self.metrics = MetricsLog(self.out, total_steps=cfg.max_steps, start_step=start,
+                                  progress=cfg.log.progress_bar, trackers=trackers)
 
     def _restore(self, folder: Path) -> None:
         """The task state first: what it lacks, `prepare` computes from the base weights (DPO's
@@ -123,8 +135,9 @@ class Run:
         self.optimizer.load_state_dict(state["optimizer"])
         set_rng_state(state["rng"])
         self.step = int(state["step"])
+        self.tracker_state = state.get("trackers")
         if (folder / METRICS).is_file():  # the records as they were at the save, even into an empty output_dir
-            _copy_atomic(folder / METRICS, self.out / METRICS)
+            copy_atomic(folder / METRICS, self.out / METRICS)
         log.info("resumed from %s (step %d)", folder, self.step)
         self.clock.mark("restore")
 
@@ -134,7 +147,8 @@ class Run:
             if hasattr(self.model, "peft_config"):
                 self.model.save_pretrained(str(tmp / "adapter"))
             ckpt.save_state(tmp, {"step": self.step, "optimizer": self.optimizer.state_dict(),
-                                  "task": self.task.state_dict(), "rng": rng_state()})
+                                  "task": self.task.state_dict(), "rng": rng_state(),
+                                  "trackers": self.metrics.state_dict()})
             (tmp / CONFIG_FILE).write_text(checkpoint_config(self.cfg))
             self.metrics.file.flush()
             shutil.copyfile(self.metrics.path, tmp / METRICS)
@@ -146,8 +160,17 @@ class Run:
         return folder
 
     def _eval(self) -> None:
-        if self.evaluator is not None:
-            self.metrics.log(self.step, self.evaluator(self.model, self.step))
+        if self.evaluator is not None and self.evaluated != self.step:  # an early stop may follow an eval
+            self._log(self.evaluator(self.model, self.step))
+            self.evaluated = self.step
+
+    def _log(self, m: dict, advance: bool = False) -> None:
+        if advance and self.startup:  # the first training record of this process carries startup_seconds
+            m, self.startup = m | self.startup, {}
+        record = self.metrics.log(self.step, m, advance=advance)
+        for cb in self.callbacks:
+            if cb(self.step, {k: v for k, v in record.items() if k != "step"}) is True:
+                self.stop_asked = True
 
     def _one_step(self, stop: Preemption) -> dict:
         self.step += 1
@@ -179,19 +202,28 @@ class Run:
         if stop is None:
             with Preemption(self.cfg.preemption_grace_seconds) as stop:
                 return self.run(stop)
+        try:
+            return self._run(stop)
+        except BaseException:
+            self.metrics.close("failed")  # no-op after a preemption closed it
+            raise
+
+    def _run(self, stop: Preemption) -> Path:
         cfg = self.cfg
         if self.resumed_from is None:
             self._eval()  # step 0; a resumed run has this record already
         self.clock.mark("eval")
-        startup = self.clock.report()  # goes with the first record this process logs
+        self.startup = self.clock.report()
         stop.training()
-        while self.step < cfg.max_steps and not stop.requested:
+        while self.step < cfg.max_steps and not stop.requested and not self.stop_asked:
             m = self._try_step(stop)
             if m is None:
                 break
+            if self.on_first_step is not None:
+                self.on_first_step()
+                self.on_first_step = None
             if self.step % cfg.log.logging_steps == 0 or self.step == cfg.max_steps:
-                self.metrics.log(self.step, m | startup, advance=True)
-                startup = {}
+                self._log(m, advance=True)
             elif self.metrics.bar is not None:
                 self.metrics.bar.update(1)
             if cfg.eval.eval_steps and self.step % cfg.eval.eval_steps == 0 and self.step < cfg.max_steps:
@@ -203,17 +235,17 @@ class Run:
         return self._finish(stop)
 
     def _finish(self, stop: Preemption) -> Path:
-        """The end checkpoint (the complete trainer state, even with save_steps 0, so a larger
-        max_steps continues from here), the final evaluation, final/, the uploads; then the run is
-        complete and a signal changes nothing. A signal in between lets this finish (it is bounded
-        work, and the end checkpoint makes a kill cost only the final evaluation)."""
+        """The end checkpoint (the complete trainer state, even with save_steps 0: a larger max_steps,
+        or a resume after a callback's early stop, continues from it), the final evaluation, final/,
+        the uploads; then the run is complete and a signal changes nothing. A signal in between lets
+        this finish (bounded work; the end checkpoint makes a kill cost only the final evaluation)."""
         stop.saving = True
         if self.step != self.saved_step:
             self._save()
         self._eval()
         final = self._write_final()
         if not self._finish_uploads(max(0.0, stop.remaining() - UPLOAD_MARGIN_S) if stop.requested else None):
-            self.metrics.close()
+            self.metrics.close("preempted")
             raise Preempted(f"preempted at step {self.step} while uploading final/; run again to finish the upload")
         stop.complete()
         self.metrics.close()
@@ -228,7 +260,7 @@ class Run:
         else:
             what = "nothing new since the last checkpoint" if self.step else "nothing trained yet"
         self._finish_uploads(max(0.0, stop.remaining() - UPLOAD_MARGIN_S))
-        self.metrics.close()
+        self.metrics.close("preempted")
         raise Preempted(f"preempted at step {self.step}; {what}; resume to continue")
 
     def _write_final(self) -> Path:
@@ -276,20 +308,22 @@ def load_weights(model, folder: Path) -> None:
                         f"{unexpected[:3]})", where=str(folder))
 
 
-def train(cfg: Config) -> Path:
+def train(cfg: Config, *, callbacks=()) -> Path:
     """Set up and run under one signal handler: a signal during setup stops at once (exit 75,
     nothing to save); during training it stops at the next step boundary with a checkpoint; once
     the outputs are complete it changes nothing. In the `preftune` process the handler is the
     process's own (installed at its first line, kept to its exit); otherwise it is installed for
-    this call only. A run whose outputs are already complete returns its final/ without training."""
+    this call and the handlers in place before are restored when it returns or raises. Until the
+    first optimizer step, output_dir is guarded: an error leaves it as it was found
+    (train/outdir.py). A run whose outputs are already complete returns its final/ untouched."""
     stop = process_handler()
     if stop is None:
         with Preemption(cfg.preemption_grace_seconds) as stop:
-            return _train(cfg, stop, StartupClock())
-    return _train(cfg, stop, StartupClock(process_start()))
+            return _train(cfg, stop, StartupClock(), callbacks)
+    return _train(cfg, stop, StartupClock(process_start()), callbacks)
 
 
-def _train(cfg: Config, stop: Preemption, clock: StartupClock) -> Path:
+def _train(cfg: Config, stop: Preemption, clock: StartupClock, callbacks) -> Path:
     from preftune.train.completion import completed
 
     done = completed(cfg)
@@ -297,7 +331,10 @@ def _train(cfg: Config, stop: Preemption, clock: StartupClock) -> Path:
         log.info("already complete: %s; nothing to do", done)
         stop.complete()
         return Path(cfg.output_dir) / "final"
-    import_model_libraries(cfg.model, cfg.config_dir)  # still start-up: a signal during these imports ends the process at once
+    import_model_libraries(cfg.model)  # start-up still: a signal here ends the process at once
     clock.mark("imports")
     stop.setup(cfg.preemption_grace_seconds)
-    return Run(cfg, clock).run(stop)
+    with OutputGuard(Path(cfg.output_dir)) as guard:
+        run = Run(cfg, callbacks=callbacks, clock=clock)
+        run.on_first_step = guard.commit
+        return run.run(stop)
