@@ -7,7 +7,7 @@ from preftune.train.preemption import install_process_handler
 install_process_handler()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     from preftune.cli import main as cli_main
 
     finish(cli_main(argv))
