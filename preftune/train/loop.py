@@ -242,11 +242,12 @@ class Run:
         stop.saving = True
         if self.step != self.saved_step:
             self._save()
-        self._eval()
-        final = self._write_final()
-        if not self._finish_uploads(max(0.0, stop.remaining() - UPLOAD_MARGIN_S) if stop.requested else None):
+        self._eval()  # while the end checkpoint uploads; final/ must not supersede it in the mirror's queue
+        final = self._write_final() if self._finish_uploads(self._upload_wait(stop)) else None
+        if final is None or not self._finish_uploads(self._upload_wait(stop)):
             self.metrics.close("preempted")
-            raise Preempted(f"preempted at step {self.step} while uploading final/; run again to finish the upload")
+            raise Preempted(f"preempted at step {self.step} while uploading to {self.cfg.checkpoint_uri}; "
+                            "run again to finish")
         stop.complete()
         self.metrics.close()
         return final
@@ -259,7 +260,7 @@ class Run:
             what = f"checkpoint {folder.name} saved"
         else:
             what = "nothing new since the last checkpoint" if self.step else "nothing trained yet"
-        self._finish_uploads(max(0.0, stop.remaining() - UPLOAD_MARGIN_S))
+        self._finish_uploads(self._upload_wait(stop))
         self.metrics.close("preempted")
         raise Preempted(f"preempted at step {self.step}; {what}; resume to continue")
 
@@ -276,6 +277,11 @@ class Run:
             self.ckpt_root.mkdir(parents=True, exist_ok=True)
             self.mirror.upload(final, scratch_root=self.ckpt_root)
         return final
+
+    @staticmethod
+    def _upload_wait(stop: Preemption) -> float | None:
+        """How long the uploads may still take: unbounded, or after a notice what the grace leaves."""
+        return max(0.0, stop.remaining() - UPLOAD_MARGIN_S) if stop.requested else None
 
     def _finish_uploads(self, timeout: float | None) -> bool:
         """Wait for the uploads (at most `timeout` s); True when none is left."""

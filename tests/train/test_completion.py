@@ -83,3 +83,20 @@ def test_entry_imports_nothing_heavy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}).stdout
     assert out.strip() == "[] Preemption._handle"
+
+
+def test_with_a_mirror_the_remote_final_decides(data_dir, tmp_path, monkeypatch):
+    import shutil
+
+    remote = tmp_path / "remote"
+    cfg = load_config(None, overrides("online", tmp_path / "run", data_dir, max_steps=2, save_steps=0,
+                                      checkpoint_uri=f"file://{remote}"))
+    loop.train(cfg)
+    assert sorted(p.name for p in remote.iterdir()) == ["final", "step-2"]
+    shutil.rmtree(tmp_path / "run")  # a fresh node: nothing local, the remote says the run is done
+    assert completion.completed(cfg) == f"file://{remote}/final (step 2)"
+    monkeypatch.setattr(loop, "Run", None)
+    loop.train(cfg)
+    assert not (tmp_path / "run").exists()  # touched nothing, downloaded nothing
+    (remote / "final" / "MANIFEST.json").unlink()  # the final upload never finished
+    assert completion.completed(cfg) is None
