@@ -24,7 +24,7 @@ from preftune.errors import UserError
 from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
 from preftune.models import load_model
 from preftune.rollout.sampler import left_pad, right_pad
-from preftune.train.logps import completion_logps, microbatches
+from preftune.train.logps import completion_logps, length_buckets, microbatches
 
 log = logging.getLogger("preftune")
 
@@ -76,17 +76,30 @@ def encode_pairs(pairs, tokenizer, cfg: Config) -> tuple[list[EncodedPair], dict
 
 
 def pair_tensors(batch: list[EncodedPair], pad_id: int):
-    """2b rows: the b chosen sequences, then the b rejected ones (one forward for both)."""
-    p_ids, p_mask = left_pad([e.prompt for e in batch] * 2, pad_id)  # (2b, P)
-    c_ids, c_mask = right_pad([e.chosen for e in batch] + [e.rejected for e in batch], pad_id)  # (2b, T)
+    """2b rows, pair by pair: chosen_i then rejected_i, next to each other so their one prompt is
+    computed once (the shared layout of `completion_logps`)."""
+    p_ids, p_mask = left_pad([e.prompt for e in batch for _ in (0, 1)], pad_id)  # (2b, P)
+    c_ids, c_mask = right_pad([r for e in batch for r in (e.chosen, e.rejected)], pad_id)  # (2b, T)
     return p_ids, p_mask, c_ids, c_mask
 
 
 def sequence_logps(model, batch: list[EncodedPair], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed completion log-probs (2b,) and completion lengths (2b,)."""
-    p_ids, p_mask, c_ids, c_mask = (t.to(device) for t in pair_tensors(batch, pad_id))
-    logps, _ = completion_logps(model, p_ids, p_mask, c_ids, c_mask)  # (2b, T)
-    return (logps * c_mask).sum(-1), c_mask.sum(-1)
+    """Summed completion log-probs (2b,) and completion lengths (2b,): the b chosen, then the b rejected.
+
+    Pairs of similar length run together (`length_buckets`), so little padding is computed; the
+    sums come back in the batch's order (one graph, so one backward covers every bucket)."""
+    lengths = [len(e.prompt) + max(len(e.chosen), len(e.rejected)) for e in batch]
+    sums = counts = None
+    for rows in length_buckets(lengths):
+        p_ids, p_mask, c_ids, c_mask = (t.to(device) for t in pair_tensors([batch[i] for i in rows], pad_id))
+        logps, _ = completion_logps(model, p_ids, p_mask, c_ids, c_mask)  # (2r, T)
+        idx = torch.tensor(rows, device=device)
+        if sums is None:
+            sums = logps.new_zeros(len(batch), 2)  # (b, 2): chosen, rejected
+            counts = c_mask.new_zeros(len(batch), 2)
+        sums = sums.index_copy(0, idx, (logps * c_mask).sum(-1).view(-1, 2))
+        counts = counts.index_copy(0, idx, c_mask.sum(-1).view(-1, 2))
+    return sums.t().reshape(-1), counts.t().reshape(-1)
 
 
 def _weights_signature(path: str) -> str:
