@@ -5,6 +5,9 @@ Exit codes: 0 finished · 75 preempted, checkpoint saved, resume me · 78 config
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python -m preftune.cli`: the signal handler before any other import
+    import preftune.entry  # noqa: F401
+
 import argparse
 import json
 import logging
@@ -95,6 +98,16 @@ def _pair_kwargs(d) -> dict:
 
 
 def _train(args) -> None:
+    from preftune.config import load_config
+    from preftune.train.completion import completed
+    from preftune.train.preemption import process_handler
+
+    done = completed(load_config(args.config, args.overrides))  # before torch: a finished run exits at once
+    if done is not None:
+        if process_handler() is not None:
+            process_handler().complete()  # a notice from here on changes nothing
+        print(f"preftune: already complete: {done}; nothing to do")
+        return
     from preftune.api import train  # the command line is a thin layer over the Python API
 
     result = train(args.config, overrides=args.overrides)
@@ -107,6 +120,11 @@ def _train(args) -> None:
 def _data(args) -> None:
     from preftune.data import commands
     from preftune.data.traces import TraceOptions
+    from preftune.train.preemption import process_handler
+
+    stop = process_handler()
+    if stop is not None:  # files may be written from here: a signal unwinds (exit 75) instead of exiting at once
+        stop.setup(stop.grace)
 
     d = _data_section(args)
     opts = TraceOptions.from_config(d)
@@ -120,13 +138,6 @@ def _data(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    try:  # transformers' own progress bars (loading/writing shards) would bury ours
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except ImportError:
-        pass
     for noisy in ("httpx", "urllib3", "botocore", "s3fs", "fsspec", "aiobotocore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
@@ -147,4 +158,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from preftune.entry import finish
+
+    finish(main())

@@ -169,13 +169,18 @@ class DPOTask:
         if not self.encoded:
             raise UserError(f"no DPO pairs to train on: {_no_pairs_reason(self.data_report)}", where=cfg.data.train)
         self.pad_id = tokenizer.pad_token_id
-        self.ref, self.ref_model = None, None
-        if not self.d.reference_free and self.d.precompute_ref_logps:
-            self.ref = reference_logps(model, self.encoded, cfg, self.pad_id, device)
-        elif not self.d.reference_free:  # run on each batch: the base under LoRA, else a frozen copy
+        self.ref, self.ref_model = None, None  # ref (n, 2): from the checkpoint on a resume, else prepare()
+        if not self.d.reference_free and not self.d.precompute_ref_logps:
+            # run on each batch: the base under LoRA, else a frozen copy
             self.ref_model = model if cfg.model.lora.enabled else load_model(
                 cfg.model, cfg.model.name_or_path, trainable=False).to(device)
         self.stream = IndexStream(len(self.encoded), cfg.seed, cfg.data.shuffle)
+
+    def prepare(self, model) -> None:
+        """The reference log-probs, with `model` still holding the initial (reference) weights,
+        unless the restored checkpoint brought them."""
+        if self.ref is None and not self.d.reference_free and self.d.precompute_ref_logps:
+            self.ref = reference_logps(model, self.encoded, self.cfg, self.pad_id, self.device)
 
     def step(self, model, step: int, stop) -> dict:
         idx = self.stream.take(self.d.batch_size)
@@ -217,7 +222,10 @@ class DPOTask:
         return lp
 
     def state_dict(self) -> dict:
-        return {"stream": self.stream.state_dict()}
+        # the reference log-probs too: a resume on a fresh node then needs no reference pass
+        return {"stream": self.stream.state_dict(), "ref": self.ref}
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state["stream"])
+        if self.d.precompute_ref_logps and state.get("ref") is not None and len(state["ref"]) == len(self.encoded):
+            self.ref = state["ref"]

@@ -72,6 +72,9 @@ class GRPOTask:
             self.ref_model = load_model(cfg.model, cfg.model.name_or_path, trainable=False).to(device)
         self.pending: GRPOBatch | None = None
 
+    def prepare(self, model) -> None:
+        """Nothing to compute from the initial weights (the reference model, if any, is loaded)."""
+
     def step(self, model, step: int, stop) -> dict:
         if self.pending is None or (step - 1) % self.g.num_iterations == 0:
             scored = self.source.make_batch(model, step)

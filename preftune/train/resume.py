@@ -20,7 +20,7 @@ import yaml
 from preftune.config import Config, to_dict
 from preftune.data import memory
 from preftune.errors import UserError
-from preftune.rewards.registry import CALLABLE_PREFIX
+from preftune.rewards import CALLABLE_PREFIX
 from preftune.train import checkpoint as ckpt
 
 log = logging.getLogger("preftune")
