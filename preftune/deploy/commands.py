@@ -9,7 +9,7 @@ import yaml
 from preftune.atomic import atomic_write
 from preftune.config import CHOICES
 from preftune.deploy.cost import format_estimate
-from preftune.errors import UserError
+from preftune.errors import EXIT_OK, UserError
 
 
 def _estimate_flags(p) -> None:
@@ -58,7 +58,7 @@ def add_parser(sub) -> None:
 # ---------------------------------------------------------------- render
 
 
-def render_command(args) -> None:
+def render_command(args) -> int:
     from preftune.deploy.render import render_objects
 
     if not args.output and not args.check:
@@ -82,6 +82,7 @@ def render_command(args) -> None:
     for note in notes:
         print(f"note: {note}")
     print(_hourly(args, d) if report is None else "cost estimate:\n" + format_estimate(report))
+    return EXIT_OK
 
 
 def _hourly(args, d) -> str:
@@ -140,7 +141,7 @@ def write_objects(objects: dict[str, dict], out_dir: Path) -> None:
 # ---------------------------------------------------------------- cost
 
 
-def cost_command(args) -> None:
+def cost_command(args) -> int:
     from preftune.deploy.settings import DeployConfig
 
     cfg = _load(args.config, args.overrides)[0] if args.config else None
@@ -154,6 +155,7 @@ def cost_command(args) -> None:
     if report is None:
         raise UserError("give --hours, or a throughput (--tokens-per-second-per-gpu or --metrics) and a CONFIG")
     print(json.dumps(report, indent=1) if args.json else format_estimate(report))
+    return EXIT_OK
 
 
 def _estimate(args, cfg, nodes: int, gpus_per_node: int, instance_types: list[str], capacity: str) -> dict | None:

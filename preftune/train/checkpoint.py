@@ -19,8 +19,6 @@ import shutil
 import threading
 from pathlib import Path
 
-import torch
-
 from preftune.atomic import atomic_write
 from preftune.errors import UserError, one_line
 
@@ -147,11 +145,15 @@ def save(ckpt_root: Path, step: int, write_files, *, keep: int | None = None) ->
 
 
 def save_state(folder: Path, state: dict) -> None:
+    import torch  # here, not at the top: the completion check reads manifests without torch
+
     torch.save(state, folder / STATE)
 
 
 def load_state(folder: Path) -> dict:
     """Trainer state, read with weights_only=True: tensors and plain containers, never arbitrary objects."""
+    import torch
+
     try:
         return torch.load(folder / STATE, weights_only=True, map_location="cpu")
     except (pickle.UnpicklingError, RuntimeError, EOFError) as e:

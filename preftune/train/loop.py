@@ -22,15 +22,16 @@ from preftune.atomic import atomic_write, copy_atomic
 from preftune.config import Config, to_dict, to_yaml
 from preftune.data.report import write_data_report
 from preftune.errors import Preempted, UserError
-from preftune.models import check_model_path, load_model, load_tokenizer, save_pretrained
+from preftune.models import check_model_path, import_model_libraries, load_model, load_tokenizer, save_pretrained
 from preftune.train import checkpoint as ckpt
 from preftune.train.evaluate import build_evaluator
 from preftune.train.loggers import build_trackers
 from preftune.train.metrics import MetricsLog
 from preftune.train.optim import build_optimizer, clip_and_step, lr_at, set_lr
 from preftune.train.outdir import OutputGuard
-from preftune.train.preemption import Preemption, StepAbandoned
+from preftune.train.preemption import Preemption, StepAbandoned, process_handler
 from preftune.train.resume import CONFIG_FILE, checkpoint_config, find_resume_point
+from preftune.train.startup import StartupClock, process_start
 
 log = logging.getLogger("preftune")
 METRICS = "metrics.jsonl"
@@ -69,6 +70,10 @@ def build_task(cfg: Config, model, tokenizer, device):
         from preftune.train.grpo_task import GRPOTask
 
         return GRPOTask(cfg, model, tokenizer, device)
+    if cfg.algorithm == "sft":
+        from preftune.train.sft import SFTTask
+
+        return SFTTask(cfg, model, tokenizer, device)
     from preftune.train.dpo import DPOTask
 
     return DPOTask(cfg, model, tokenizer, device)
@@ -79,9 +84,11 @@ class Run:
     writes to output_dir; `train()` also guards the folder until the first step (train/outdir.py)."""
 
     on_first_step = None  # called once the first optimizer step has been taken
+    startup: dict = {}  # startup_seconds by phase, until the first training record carries them
 
-    def __init__(self, cfg: Config, *, callbacks=()):
+    def __init__(self, cfg: Config, *, callbacks=(), clock: StartupClock | None = None):
         self.cfg = cfg
+        self.clock = clock = clock or StartupClock()
         # called as cb(step, record) after each logged record; returning True stops the run at this step
         self.callbacks = list(callbacks)
         self.stop_asked = False
@@ -92,11 +99,12 @@ class Run:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.mirror = ckpt.RemoteMirror(cfg.checkpoint_uri, cfg.save_total_limit) if cfg.checkpoint_uri else None
         self.resumed_from = find_resume_point(cfg, self.out, self.ckpt_root, self.mirror)
+        clock.mark("restore")
         seed_everything(cfg.seed)
         base_path = check_model_path(cfg.model.name_or_path)
         self.tokenizer = load_tokenizer(base_path, cfg.model.trust_remote_code)
         self.model = load_model(cfg.model, base_path).to(self.device)
-        # built from the base weights, before the restore: DPO's cached reference log-probs need them
+        clock.mark("model")
         self.task = build_task(cfg, self.model, self.tokenizer, self.device)
         self.evaluator = build_evaluator(cfg, self.tokenizer)
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optim)
@@ -106,6 +114,9 @@ class Run:
         self.step = 0
         if self.resumed_from is not None:
             self._restore(self.resumed_from)
+        else:
+            self.task.prepare(self.model)
+        clock.mark("data")
         self.saved_step = self.step  # the newest state that a resume would reproduce
         atomic_write(self.out / "config.yaml", to_yaml(cfg))
         # a fresh start drops every old record; a resume keeps those up to its checkpoint
@@ -116,16 +127,23 @@ class Run:
                                   progress=cfg.log.progress_bar, trackers=trackers)
 
     def _restore(self, folder: Path) -> None:
+        """The task state first: what it lacks, `prepare` computes from the base weights (DPO's
+        reference log-probs of an older checkpoint), before the checkpoint's weights replace them."""
+        self.clock.mark("data")
         state = ckpt.load_state(folder)
+        self.task.load_state_dict(state["task"])
+        self.clock.mark("restore")
+        self.task.prepare(self.model)
+        self.clock.mark("data")
         load_weights(self.model, folder)
         self.optimizer.load_state_dict(state["optimizer"])
-        self.task.load_state_dict(state["task"])
         set_rng_state(state["rng"])
         self.step = int(state["step"])
         self.tracker_state = state.get("trackers")
         if (folder / METRICS).is_file():  # the records as they were at the save, even into an empty output_dir
             copy_atomic(folder / METRICS, self.out / METRICS)
         log.info("resumed from %s (step %d)", folder, self.step)
+        self.clock.mark("restore")
 
     def _save(self) -> Path:
         def write(tmp: Path) -> None:
@@ -151,6 +169,8 @@ class Run:
             self.evaluated = self.step
 
     def _log(self, m: dict, advance: bool = False) -> None:
+        if advance and self.startup:  # the first training record of this process carries startup_seconds
+            m, self.startup = m | self.startup, {}
         record = self.metrics.log(self.step, m, advance=advance)
         for cb in self.callbacks:
             if cb(self.step, {k: v for k, v in record.items() if k != "step"}) is True:
@@ -196,6 +216,8 @@ class Run:
         cfg = self.cfg
         if self.resumed_from is None:
             self._eval()  # step 0; a resumed run has this record already
+        self.clock.mark("eval")
+        self.startup = self.clock.report()
         stop.training()
         while self.step < cfg.max_steps and not stop.requested and not self.stop_asked:
             m = self._try_step(stop)
@@ -214,11 +236,23 @@ class Run:
                 self._save()
         if stop.requested and self.step < cfg.max_steps:
             self._stop(stop)
-        if self.stop_asked and self.step < cfg.max_steps and self.step != self.saved_step:
-            self._save()  # a callback stopped the run early: resumable, as after a preemption
-        self._eval()
-        final = self._write_final()
-        self._finish_uploads(None)
+        return self._finish(stop)
+
+    def _finish(self, stop: Preemption) -> Path:
+        """The end checkpoint (the complete trainer state, even with save_steps 0: a larger max_steps,
+        or a resume after a callback's early stop, continues from it), the final evaluation, final/,
+        the uploads; then the run is complete and a signal changes nothing. A signal in between lets
+        this finish (bounded work; the end checkpoint makes a kill cost only the final evaluation)."""
+        stop.saving = True
+        if self.step != self.saved_step:
+            self._save()
+        self._eval()  # while the end checkpoint uploads; final/ must not supersede it in the mirror's queue
+        final = self._write_final() if self._finish_uploads(self._upload_wait(stop)) else None
+        if final is None or not self._finish_uploads(self._upload_wait(stop)):
+            self.metrics.close("preempted")
+            raise Preempted(f"preempted at step {self.step} while uploading to {self.cfg.checkpoint_uri}; "
+                            "run again to finish")
+        stop.complete()
         self.metrics.close()
         return final
 
@@ -230,7 +264,7 @@ class Run:
             what = f"checkpoint {folder.name} saved"
         else:
             what = "nothing new since the last checkpoint" if self.step else "nothing trained yet"
-        self._finish_uploads(max(0.0, stop.remaining() - UPLOAD_MARGIN_S))
+        self._finish_uploads(self._upload_wait(stop))
         self.metrics.close("preempted")
         raise Preempted(f"preempted at step {self.step}; {what}; resume to continue")
 
@@ -239,6 +273,7 @@ class Run:
         tmp = self.out / ".tmp-final"
         shutil.rmtree(tmp, ignore_errors=True)
         save_pretrained(self.model, self.tokenizer, tmp, dtype=self.cfg.model.dtype)
+        (tmp / CONFIG_FILE).write_text(checkpoint_config(self.cfg))  # with the manifest's step: "complete"
         ckpt.write_manifest(tmp, self.step)
         ckpt.fsync_tree(tmp)
         ckpt.publish(tmp, final)
@@ -247,10 +282,18 @@ class Run:
             self.mirror.upload(final, scratch_root=self.ckpt_root)
         return final
 
-    def _finish_uploads(self, timeout: float | None) -> None:
+    @staticmethod
+    def _upload_wait(stop: Preemption) -> float | None:
+        """How long the uploads may still take: unbounded, or after a notice what the grace leaves."""
+        return max(0.0, stop.remaining() - UPLOAD_MARGIN_S) if stop.requested else None
+
+    def _finish_uploads(self, timeout: float | None) -> bool:
+        """Wait for the uploads (at most `timeout` s); True when none is left."""
         if self.mirror is not None and not self.mirror.wait(timeout):
             log.warning("checkpoint upload to %s still running after %.0f s; stopping anyway (the remote "
                         "keeps its previous complete checkpoint)", self.cfg.checkpoint_uri, timeout or 0)
+            return False
+        return True
 
 
 def load_weights(model, folder: Path) -> None:
@@ -277,10 +320,31 @@ def load_weights(model, folder: Path) -> None:
 
 def train(cfg: Config, *, callbacks=()) -> Path:
     """Set up and run under one signal handler: a signal during setup stops at once (exit 75,
-    nothing to save); during training it stops at the next step boundary with a checkpoint.
-    The handlers in place before are restored when this returns or raises. Until the first
-    optimizer step, output_dir is guarded: an error leaves it as it was found (train/outdir.py)."""
-    with Preemption(cfg.preemption_grace_seconds) as stop, OutputGuard(Path(cfg.output_dir)) as guard:
-        run = Run(cfg, callbacks=callbacks)
+    nothing to save); during training it stops at the next step boundary with a checkpoint; once
+    the outputs are complete it changes nothing. In the `preftune` process the handler is the
+    process's own (installed at its first line, kept to its exit); otherwise it is installed for
+    this call and the handlers in place before are restored when it returns or raises. Until the
+    first optimizer step, output_dir is guarded: an error leaves it as it was found
+    (train/outdir.py). A run whose outputs are already complete returns its final/ untouched."""
+    stop = process_handler()
+    if stop is None:
+        with Preemption(cfg.preemption_grace_seconds) as stop:
+            return _train(cfg, stop, StartupClock(), callbacks)
+    return _train(cfg, stop, StartupClock(process_start()), callbacks)
+
+
+def _train(cfg: Config, stop: Preemption, clock: StartupClock, callbacks) -> Path:
+    from preftune.train.completion import completed
+
+    done = completed(cfg)
+    if done is not None:
+        log.info("already complete: %s; nothing to do", done)
+        stop.complete()
+        return Path(cfg.output_dir) / "final"
+    import_model_libraries(cfg.model)  # start-up still: a signal here ends the process at once
+    clock.mark("imports")
+    stop.setup(cfg.preemption_grace_seconds)
+    with OutputGuard(Path(cfg.output_dir)) as guard:
+        run = Run(cfg, callbacks=callbacks, clock=clock)
         run.on_first_step = guard.commit
         return run.run(stop)
