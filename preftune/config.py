@@ -128,6 +128,15 @@ class LogConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Data parallel under torchrun (see train/distributed.py); ignored in one plain process."""
+    strategy: str = "fsdp"  # fsdp | ddp | none
+    backend: str = "auto"  # auto (nccl on CUDA, else gloo) | nccl | gloo
+    timeout_seconds: float = 600.0  # a collective waiting longer (a dead rank) fails the run
+    reshard_after_forward: bool = True  # FSDP2: free gathered parameters after each block's forward
+
+
+@dataclass
 class Config:
     algorithm: str = "grpo"  # grpo | dpo
     output_dir: str = "runs/preftune"
@@ -146,6 +155,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     config_dir: str = field(default=".", metadata={"internal": True})
 
 
@@ -161,6 +171,8 @@ CHOICES = {
     "grpo.loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"),
     "grpo.importance_sampling_level": ("token", "sequence"),
     "optim.lr_scheduler": ("constant", "linear", "cosine"),
+    "distributed.strategy": ("fsdp", "ddp", "none"),
+    "distributed.backend": ("auto", "nccl", "gloo"),
 }
 
 
@@ -316,6 +328,8 @@ def validate(cfg: Config) -> None:
         raise UserError("no training data: set data.train", where="data.train")
     if cfg.save_steps < 0:
         raise UserError("must be >= 0", where="save_steps")
+    if not cfg.distributed.timeout_seconds > 0:
+        raise UserError(f"must be > 0, got {cfg.distributed.timeout_seconds}", where="distributed.timeout_seconds")
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:

@@ -102,8 +102,9 @@ def _fingerprint(cfg: Config, encoded: list[EncodedPair]) -> str:
 
 
 @torch.no_grad()
-def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int, device) -> torch.Tensor:
-    """(n, 2) reference [chosen, rejected] log-probs, cached in the output folder."""
+def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int, device, *,
+                    write_cache: bool = True) -> torch.Tensor:
+    """(n, 2) reference [chosen, rejected] log-probs, cached in the output folder (by rank 0)."""
     cache = Path(cfg.output_dir) / "ref_logps.pt"
     key = _fingerprint(cfg, encoded)
     if cache.exists():
@@ -119,6 +120,8 @@ def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int,
         out.append(torch.stack([lp[:b], lp[b:]], dim=1).cpu())
     model.train(was_training)
     logps = torch.cat(out)  # (n, 2)
+    if not write_cache:
+        return logps
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(".tmp")
     torch.save({"fingerprint": key, "logps": logps}, tmp)
@@ -127,10 +130,11 @@ def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int,
 
 
 class DPOTask:
-    def __init__(self, cfg: Config, model, tokenizer, device: torch.device):
+    def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp=None):
+        from preftune.train.distributed import Parallel
         from preftune.train.grpo_task import write_data_report
 
-        self.cfg, self.d, self.device = cfg, cfg.dpo, device
+        self.cfg, self.d, self.device, self.dp = cfg, cfg.dpo, device, dp or Parallel()
         self.loss_types = [self.d.loss_type] if isinstance(self.d.loss_type, str) else list(self.d.loss_type)
         check_dpo_options(self.loss_types, self.d.loss_weights, self.d.beta, self.d.label_smoothing)
         pairs, report = load_pairs(cfg)
@@ -141,13 +145,18 @@ class DPOTask:
         self.pad_id = tokenizer.pad_token_id
         self.ref = None
         if not self.d.reference_free:
-            self.ref = reference_logps(model, self.encoded, cfg, self.pad_id, device)
+            # every rank computes all pairs on gathered parameters (no collective per pass); rank 0
+            # writes the cache (atomically), the others read it when it is already there
+            with self.dp.gathered(model):
+                self.ref = reference_logps(model, self.encoded, cfg, self.pad_id, device,
+                                           write_cache=self.dp.is_main)
         self.stream = IndexStream(len(self.encoded), cfg.seed, cfg.data.shuffle)
 
     def step(self, model, step: int, stop) -> dict:
         idx = self.stream.take(self.d.batch_size)
-        B, totals, tokens = len(idx), {}, 0
-        for sl in microbatches(B, self.d.micro_batch_size):
+        B, totals, tokens = len(idx), {}, 0  # B: the global batch; this rank trains on its share
+        idx = idx[self.dp.split(B, "dpo.batch_size")]
+        for sl in microbatches(len(idx), self.d.micro_batch_size):
             stop.check()
             part = idx[sl]
             batch = [self.encoded[i] for i in part]
@@ -167,7 +176,7 @@ class DPOTask:
                 totals[k] = totals.get(k, 0.0) + v * b / B
             tokens += int(lengths.sum()) + 2 * sum(len(e.prompt) for e in batch)
         totals["num_tokens"] = tokens
-        return totals
+        return self.dp.reduce_metrics(totals)
 
     def state_dict(self) -> dict:
         return {"stream": self.stream.state_dict()}

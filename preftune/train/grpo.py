@@ -43,15 +43,29 @@ class GRPOBatch:
         return cls(rollout=ro, advantages=t["advantages"], ref_logps=t.get("ref_logps"), metrics=state["metrics"])
 
 
-def reward_metrics(s: Scored) -> dict:
+def reward_metrics(s: Scored, lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
+    """Reward and completion metrics of a whole generation batch (`lengths`, `truncated`: (N,))."""
     spread = group_spread(s.total, s.group_sizes)  # (n_groups,)
     m = {"reward": _nanmean(s.total), "reward_std": spread.mean().item() if spread.numel() else 0.0}
     for j, name in enumerate(s.names):
         m[f"reward/{name}"] = _nanmean(s.per_func[:, j])
     m["frac_reward_zero_std"] = (spread == 0).float().mean().item() if spread.numel() else 0.0
-    m["completion_length"] = s.rollout.completion_mask.sum(-1).float().mean().item()
-    m["completions/clipped_ratio"] = s.rollout.truncated.float().mean().item()
+    m["completion_length"] = lengths.float().mean().item()
+    m["completions/clipped_ratio"] = truncated.float().mean().item()
     return m | s.extra
+
+
+def global_view(s: Scored, dp) -> tuple[Scored, torch.Tensor, torch.Tensor, int]:
+    """The rewards of the whole generation batch, every rank's rows in rank order (groups never span
+    ranks), plus completion lengths and truncation flags (N,), and where this rank's rows start."""
+    ro = s.rollout
+    mine = (s.total.cpu(), s.per_func.cpu(), list(s.group_sizes), ro.completion_mask.sum(-1).cpu(), ro.truncated.cpu())
+    parts = dp.gather(mine) if dp.active else [mine]
+    offset = sum(p[0].numel() for p in parts[:dp.rank])
+    total, per_func = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    sizes = [g for p in parts for g in p[2]]
+    whole = Scored(None, per_func, total, s.names, sizes, s.extra)
+    return whole, torch.cat([p[3] for p in parts]), torch.cat([p[4] for p in parts]), offset
 
 
 def _nanmean(x: torch.Tensor) -> float:
@@ -72,19 +86,28 @@ def advantages(s: Scored, scale: str) -> torch.Tensor:
     return torch.cat([group_advantages(g, len(g), scale_rewards=scale) for g in torch.split(s.total, sizes)])
 
 
-def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig) -> GRPOBatch:
+def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig, dp=None) -> GRPOBatch:
     """Advantages, old log-probs (only when the batch is reused) and reference log-probs, all on
     the policy's device (rewards are scored on the CPU; offline rollouts are built there).
-    `ref_model` is None without a KL term, or the policy itself for LoRA (adapters switched off)."""
+    `ref_model` is None without a KL term, or the policy itself for LoRA (adapters switched off).
+    Advantages and reward metrics see the whole generation batch (`dp` gathers every rank's rewards);
+    this rank keeps its own rows. The log-prob passes without backward run on gathered parameters."""
+    from preftune.train.distributed import Parallel
+
+    dp = dp or Parallel()
     device = next(model.parameters()).device
     ro = s.rollout.to(device)
+    whole, lengths, truncated, offset = global_view(s, dp)
+    adv = advantages(whole, cfg.scale_rewards)[offset:offset + ro.completion_ids.size(0)]  # (N_rank,)
     if cfg.num_iterations > 1:
-        ro.old_logps = reference_logps(model, ro, cfg)
+        with dp.gathered(model):
+            ro.old_logps = reference_logps(model, ro, cfg)
     ref = None
     if cfg.beta > 0:
-        ref = reference_logps(ref_model, ro, cfg, without_adapter=ref_model is model)
-    return GRPOBatch(rollout=ro, advantages=advantages(s, cfg.scale_rewards).to(device), ref_logps=ref,
-                     metrics=reward_metrics(s))
+        with dp.gathered(ref_model):
+            ref = reference_logps(ref_model, ro, cfg, without_adapter=ref_model is model)
+    return GRPOBatch(rollout=ro, advantages=adv.to(device), ref_logps=ref,
+                     metrics=reward_metrics(whole, lengths, truncated))
 
 
 @torch.no_grad()
@@ -101,21 +124,30 @@ def reference_logps(model, rollout: Rollout, cfg: GRPOConfig, *, without_adapter
     return torch.cat(out)  # (N, T)
 
 
-def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None) -> dict:
+def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=None) -> dict:
     """Forward/backward over micro-batches of one generation batch; the caller steps the optimizer.
 
     Each micro-batch loss is weighted so the summed gradient equals one pass over the whole batch
-    (`microbatch_weight`), and dapo's normaliser is the whole batch's token count.
+    (`microbatch_weight`), and dapo's normaliser is the whole batch's token count. With data
+    parallel, "the whole batch" is every rank's rows: N and the token count are global, so the
+    gradients summed over ranks equal one pass over the global batch (tested 2 ranks vs 1).
     """
+    from preftune.train.distributed import Parallel
+
+    dp = dp or Parallel()
     ro = batch.rollout
     mask = ro.completion_mask.float()  # (N, T)
     if cfg.mask_truncated_completions:
         mask = mask * (~ro.truncated).float()[:, None]
-    N = mask.size(0)
-    batch_tokens = mask.sum().item()
+    N, batch_tokens = dp.sum(mask.size(0), mask.sum().item())  # global sequences and tokens
+    N = int(N)
+    slices = list(microbatches(mask.size(0), cfg.micro_batch_size))
     totals: dict[str, float] = {}
     ent_sum = 0.0
-    for sl in microbatches(N, cfg.micro_batch_size):
+    for _ in range(int(dp.max(len(slices))[0]) - len(slices)):  # FSDP: every rank runs as many passes
+        check()
+        idle_pass(model, ro)
+    for sl in slices:
         check()  # preemption: may abandon the step between micro-batches
         logps, entropy = completion_logps(model, ro.prompt_ids[sl], ro.prompt_mask[sl], ro.completion_ids[sl],
                                           ro.completion_mask[sl], temperature=cfg.temperature, with_entropy=True)
@@ -143,4 +175,12 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None) -> d
                 totals[k] = totals.get(k, 0.0) + v * (row_share if by_rows else share)
         ent_sum += (entropy * mask[sl]).sum().item()
     totals["entropy"] = ent_sum / max(batch_tokens, 1.0)
-    return totals
+    return dp.reduce_metrics(totals)
+
+
+def idle_pass(model, ro: Rollout) -> None:
+    """A zero-weight forward/backward on one padding token: a rank with fewer micro-batches than the
+    others joins their FSDP all-gathers and reduce-scatters without changing any gradient."""
+    one = torch.ones((1, 1), dtype=ro.prompt_ids.dtype, device=ro.prompt_ids.device)
+    logps, _ = completion_logps(model, one, one, one, one)
+    (logps.sum() * 0.0).backward()

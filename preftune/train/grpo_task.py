@@ -49,8 +49,10 @@ def check_prompt_lengths(tokenizer, prompts: list, limit: int, where: str) -> No
 
 
 class GRPOTask:
-    def __init__(self, cfg: Config, model, tokenizer, device: torch.device):
-        self.cfg, self.g, self.device = cfg, cfg.grpo, device
+    def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp=None):
+        from preftune.train.distributed import Parallel
+
+        self.cfg, self.g, self.device, self.dp = cfg, cfg.grpo, device, dp or Parallel()
         self.truncation = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
         common = dict(seed=cfg.seed, shuffle=cfg.data.shuffle, truncation=self.truncation)
         if self.g.rollout == "online":
@@ -59,7 +61,7 @@ class GRPOTask:
 
             prompts = load_prompts(cfg.data.train, prompt_column=cfg.data.prompt_column)
             self.source = OnlineSource(self.g, tokenizer, prompts, load_reward_funcs(cfg, self.g.reward_funcs),
-                                       device=device, **common)
+                                       device=device, dp=self.dp, **common)
             self.source.state.max_steps = cfg.max_steps  # what TRL's trainer_state.max_steps tells reward functions
             write_data_report(cfg.output_dir, {"prompts": len(prompts)})
         else:
@@ -75,7 +77,8 @@ class GRPOTask:
 
                 raise UserError("no usable GRPO group (each needs >= 2 responses with different rewards)",
                                 where=cfg.data.train)
-            self.source = OfflineSource(self.g, tokenizer, groups, reward_name=cfg.data.reward_column, **common)
+            self.source = OfflineSource(self.g, tokenizer, groups, reward_name=cfg.data.reward_column, dp=self.dp,
+                                        **common)
         if cfg.data.prompt_truncation == "error":  # fail now, not when the long prompt is drawn hours later
             check_prompt_lengths(tokenizer, prompts.prompts if self.g.rollout == "online" else [g.prompt for g in groups],
                                  cfg.data.max_prompt_length, cfg.data.train)
@@ -83,20 +86,22 @@ class GRPOTask:
         if self.g.beta > 0 and cfg.model.lora.enabled:  # the base under the adapters is the reference
             self.ref_model = model
         elif self.g.beta > 0:  # the reference is only needed for the KL term
-            self.ref_model = load_model(cfg.model, resolve_model_path(cfg.model, cfg.config_dir),
-                                        trainable=False).to(device)
+            self.ref_model = self.dp.wrap(load_model(cfg.model, resolve_model_path(cfg.model, cfg.config_dir),
+                                                     trainable=False))  # sharded like the policy
         self.pending: GRPOBatch | None = None
 
     def step(self, model, step: int, stop) -> dict:
         if self.pending is None or (step - 1) % self.g.num_iterations == 0:
-            scored = self.source.make_batch(model, step)
+            with self.dp.gathered(model):  # sampling: whole parameters once per rollout, not per token
+                scored = self.source.make_batch(model, step)
             stop.check()
-            self.pending = new_batch(scored, model, self.ref_model, self.g)
-        m = grpo_step(model, self.pending, self.g, check=stop.check)
+            self.pending = new_batch(scored, model, self.ref_model, self.g, self.dp)
+        m = grpo_step(model, self.pending, self.g, check=stop.check, dp=self.dp)
         m.update(self.pending.metrics)
-        m["num_tokens"] = int(self.pending.rollout.completion_mask.sum() + self.pending.rollout.prompt_mask.sum())
-        m["prompts_truncated"] = self.truncation.truncated
-        m["prompts_dropped"] = self.truncation.dropped
+        ro = self.pending.rollout
+        tokens, truncated, dropped = self.dp.sum(float(ro.completion_mask.sum() + ro.prompt_mask.sum()),
+                                                 self.truncation.truncated, self.truncation.dropped)
+        m["num_tokens"], m["prompts_truncated"], m["prompts_dropped"] = int(tokens), int(truncated), int(dropped)
         return m
 
     def state_dict(self) -> dict:

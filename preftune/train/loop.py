@@ -20,17 +20,19 @@ import numpy as np
 import torch
 
 from preftune.config import Config, to_yaml
-from preftune.errors import Preempted, UserError
-from preftune.models import load_model, load_tokenizer, resolve_model_path, save_pretrained
+from preftune.errors import Preempted
+from preftune.models import load_model, load_tokenizer, resolve_model_path
 from preftune.train import checkpoint as ckpt
+from preftune.train import distributed
+from preftune.train.checkpointer import METRICS, Checkpointer, load_weights, rng_state, set_rng_state  # noqa: F401
+from preftune.train.distributed import Parallel, SharedStop
 from preftune.train.evaluate import build_evaluator
 from preftune.train.metrics import MetricsLog
 from preftune.train.optim import build_optimizer, clip_and_step, lr_at, set_lr
 from preftune.train.preemption import Preemption, StepAbandoned
-from preftune.train.resume import CONFIG_FILE, checkpoint_config, find_resume_point
+from preftune.train.resume import find_resume_point
 
 log = logging.getLogger("preftune")
-METRICS = "metrics.jsonl"
 UPLOAD_MARGIN_S = 5.0  # of the grace period, kept for exiting after the last upload wait
 
 
@@ -40,35 +42,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def rng_state() -> dict:
-    """Every global RNG as plain tensors/ints/floats (loadable with weights_only=True)."""
-    _, py_state, py_gauss = random.getstate()
-    _, mt, pos, has_gauss, gauss = np.random.get_state()
-    state = {"python": list(py_state), "python_gauss": py_gauss,
-             "numpy": torch.from_numpy(mt.astype(np.int64)), "numpy_pos": int(pos),
-             "numpy_gauss": [int(has_gauss), float(gauss)], "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate((3, tuple(state["python"]), state["python_gauss"]))
-    has_gauss, gauss = state["numpy_gauss"]
-    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def build_task(cfg: Config, model, tokenizer, device):
+def build_task(cfg: Config, model, tokenizer, device, dp: Parallel | None = None):
+    dp = dp or Parallel()
     if cfg.algorithm == "grpo":
         from preftune.train.grpo_task import GRPOTask
 
-        return GRPOTask(cfg, model, tokenizer, device)
+        return GRPOTask(cfg, model, tokenizer, device, dp)
     from preftune.train.dpo import DPOTask
 
-    return DPOTask(cfg, model, tokenizer, device)
+    return DPOTask(cfg, model, tokenizer, device, dp)
 
 
 def _copy_atomic(src: Path, dst: Path) -> None:
@@ -78,63 +60,68 @@ def _copy_atomic(src: Path, dst: Path) -> None:
 
 
 class Run:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, dp: Parallel | None = None):
         self.cfg = cfg
+        self.dp = dp = dp or Parallel()
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.mirror = ckpt.RemoteMirror(cfg.checkpoint_uri, cfg.save_total_limit) if cfg.checkpoint_uri else None
-        self.resumed_from = find_resume_point(cfg, self.out, self.ckpt_root, self.mirror)
-        self.out.mkdir(parents=True, exist_ok=True)
-        ckpt.clean_stale(self.ckpt_root)
+        self.device = dp.device
+        self.mirror = ckpt.RemoteMirror(cfg.checkpoint_uri, cfg.save_total_limit) \
+            if cfg.checkpoint_uri and dp.is_main else None
+        # rank 0 decides (it may set damaged checkpoints aside or download one) and tells the others
+        found = dp.on_main(lambda: self._setup_folder())
+        self.resumed_from = Path(found) if found else None
         seed_everything(cfg.seed)
         base_path = resolve_model_path(cfg.model, cfg.config_dir)
         self.tokenizer = load_tokenizer(base_path, cfg.model.trust_remote_code)
-        self.model = load_model(cfg.model, base_path).to(self.device)
+        mixed = cfg.model.dtype == "bfloat16" and not cfg.model.lora.enabled
+        self.model = dp.wrap(load_model(cfg.model, base_path), mixed_bf16=mixed,
+                             reshard_after_forward=cfg.distributed.reshard_after_forward)
         # built from the base weights, before the restore: DPO's cached reference log-probs need them
-        self.task = build_task(cfg, self.model, self.tokenizer, self.device)
+        self.task = build_task(cfg, self.model, self.tokenizer, self.device, dp)
         self.evaluator = build_evaluator(cfg, self.tokenizer)
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optim)
+        self.checkpointer = Checkpointer(cfg, dp, model=self.model, tokenizer=self.tokenizer,
+                                         optimizer=self.optimizer, task=self.task, mirror=self.mirror)
         self.step = 0
         if self.resumed_from is not None:
             self._restore(self.resumed_from)
         self.saved_step = self.step  # the newest state that a resume would reproduce
-        (self.out / "config.yaml").write_text(to_yaml(cfg))
-        # a fresh start drops every old record; a resume keeps those up to its checkpoint
-        self.metrics = MetricsLog(self.out, total_steps=cfg.max_steps, start_step=self.step if self.step else -1,
-                                  progress=cfg.log.progress_bar, tensorboard="tensorboard" in cfg.log.report_to)
+        self.metrics = None
+        if dp.is_main:
+            (self.out / "config.yaml").write_text(to_yaml(cfg))
+            # a fresh start drops every old record; a resume keeps those up to its checkpoint
+            self.metrics = MetricsLog(self.out, total_steps=cfg.max_steps, start_step=self.step if self.step else -1,
+                                      progress=cfg.log.progress_bar,
+                                      tensorboard="tensorboard" in cfg.log.report_to)
+
+    def _setup_folder(self) -> str | None:
+        found = find_resume_point(self.cfg, self.out, self.ckpt_root, self.mirror)
+        self.out.mkdir(parents=True, exist_ok=True)
+        ckpt.clean_stale(self.ckpt_root)
+        return str(found) if found is not None else None
 
     def _restore(self, folder: Path) -> None:
-        state = ckpt.load_state(folder)
-        load_weights(self.model, folder)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.task.load_state_dict(state["task"])
-        set_rng_state(state["rng"])
-        self.step = int(state["step"])
-        if (folder / METRICS).is_file():  # the records as they were at the save, even into an empty output_dir
+        self.step = self.checkpointer.restore(folder)
+        if self.dp.is_main and (folder / METRICS).is_file():  # the records as they were at the save
             _copy_atomic(folder / METRICS, self.out / METRICS)
         log.info("resumed from %s (step %d)", folder, self.step)
 
     def _save(self) -> Path:
-        def write(tmp: Path) -> None:
-            save_pretrained(self.model, self.tokenizer, tmp)
-            if hasattr(self.model, "peft_config"):
-                self.model.save_pretrained(str(tmp / "adapter"))
-            ckpt.save_state(tmp, {"step": self.step, "optimizer": self.optimizer.state_dict(),
-                                  "task": self.task.state_dict(), "rng": rng_state()})
-            (tmp / CONFIG_FILE).write_text(checkpoint_config(self.cfg))
+        if self.metrics is not None:
             self.metrics.file.flush()
-            shutil.copyfile(self.metrics.path, tmp / METRICS)
-
-        folder = ckpt.save(self.ckpt_root, self.step, write, keep=self.cfg.save_total_limit)
+        folder = self.checkpointer.save(self.step, self.out / METRICS)
         self.saved_step = self.step
-        if self.mirror is not None:
-            self.mirror.upload(folder)  # a snapshot; the upload runs in the background
         return folder
+
+    def _log(self, m: dict, **kw) -> None:
+        if self.metrics is not None:  # rank 0 writes; every rank holds the same reduced metrics
+            self.metrics.log(self.step, m, **kw)
 
     def _eval(self) -> None:
         if self.evaluator is not None:
-            self.metrics.log(self.step, self.evaluator(self.model, self.step))
+            with self.dp.gathered(self.model):  # each rank evaluates the whole set; rank 0 logs it
+                self._log(self.evaluator(self.model, self.step))
 
     def _one_step(self, stop: Preemption) -> dict:
         self.step += 1
@@ -142,6 +129,7 @@ class Run:
         set_lr(self.optimizer, lr)
         t0 = time.perf_counter()
         m = self.task.step(self.model, self.step, stop)
+        self.dp.sync_grads(self.model)
         m["grad_norm"] = clip_and_step(self.model, self.optimizer, self.cfg.optim.max_grad_norm)
         m["learning_rate"] = lr
         m["step_time"] = time.perf_counter() - t0
@@ -166,6 +154,8 @@ class Run:
         if stop is None:
             with Preemption(self.cfg.preemption_grace_seconds) as stop:
                 return self.run(stop)
+        if self.dp.active:
+            stop = SharedStop(stop, self.dp)
         cfg = self.cfg
         if self.resumed_from is None:
             self._eval()  # step 0; a resumed run has this record already
@@ -175,8 +165,8 @@ class Run:
             if m is None:
                 break
             if self.step % cfg.log.logging_steps == 0 or self.step == cfg.max_steps:
-                self.metrics.log(self.step, m, advance=True)
-            elif self.metrics.bar is not None:
+                self._log(m, advance=True)
+            elif self.metrics is not None and self.metrics.bar is not None:
                 self.metrics.bar.update(1)
             if cfg.eval.eval_steps and self.step % cfg.eval.eval_steps == 0 and self.step < cfg.max_steps:
                 self._eval()
@@ -187,8 +177,12 @@ class Run:
         self._eval()
         final = self._write_final()
         self._finish_uploads(None)
-        self.metrics.close()
+        self._close_metrics()
         return final
+
+    def _close_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
 
     def _stop(self, stop: Preemption) -> None:
         """Save (unless the newest checkpoint already is this state), flush uploads, raise Preempted."""
@@ -199,21 +193,11 @@ class Run:
         else:
             what = "nothing new since the last checkpoint" if self.step else "nothing trained yet"
         self._finish_uploads(max(0.0, stop.remaining() - UPLOAD_MARGIN_S))
-        self.metrics.close()
+        self._close_metrics()
         raise Preempted(f"preempted at step {self.step}; {what}; resume to continue")
 
     def _write_final(self) -> Path:
-        final = self.out / "final"
-        tmp = self.out / ".tmp-final"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_pretrained(self.model, self.tokenizer, tmp, dtype=self.cfg.model.dtype)
-        ckpt.write_manifest(tmp, self.step)
-        ckpt.fsync_tree(tmp)
-        ckpt.publish(tmp, final)
-        if self.mirror is not None:  # the remote also gets the final model, as URL/final
-            self.ckpt_root.mkdir(parents=True, exist_ok=True)
-            self.mirror.upload(final, scratch_root=self.ckpt_root)
-        return final
+        return self.checkpointer.write_final(self.step)
 
     def _finish_uploads(self, timeout: float | None) -> None:
         if self.mirror is not None and not self.mirror.wait(timeout):
@@ -221,30 +205,14 @@ class Run:
                         "keeps its previous complete checkpoint)", self.cfg.checkpoint_uri, timeout or 0)
 
 
-def load_weights(model, folder: Path) -> None:
-    """Policy weights from a checkpoint: the LoRA adapter when there is one, else the full model."""
-    from safetensors.torch import load_file
-
-    if hasattr(model, "peft_config"):
-        from peft import set_peft_model_state_dict
-
-        set_peft_model_state_dict(model, load_file(str(folder / "adapter" / "adapter_model.safetensors")))
-        return
-    files = sorted(folder.glob("model*.safetensors"))
-    if not files:
-        raise UserError("checkpoint has no model weights", where=str(folder))
-    state = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    if unexpected or [k for k in missing if k not in tied and "lm_head" not in k]:
-        raise UserError(f"checkpoint weights do not fit the model (missing {missing[:3]}, unexpected "
-                        f"{unexpected[:3]})", where=str(folder))
-
-
 def train(cfg: Config) -> Path:
     """Set up and run under one signal handler: a signal during setup stops at once (exit 75,
     nothing to save); during training it stops at the next step boundary with a checkpoint."""
     with Preemption(cfg.preemption_grace_seconds) as stop:
-        return Run(cfg).run(stop)
+        dp = distributed.init(cfg.distributed)
+        try:
+            dp.require_divisible({"grpo.prompts_per_step": cfg.grpo.prompts_per_step} if cfg.algorithm == "grpo"
+                                 else {"dpo.batch_size": cfg.dpo.batch_size})
+            return Run(cfg, dp).run(stop)
+        finally:
+            dp.close()
