@@ -1,4 +1,4 @@
-"""The `preftune` command: train | data inspect | data pairs.
+"""The `preftune` command: train | data inspect | data pairs | launch | export.
 
 Exit codes: 0 finished · 75 preempted, checkpoint saved, resume me · 78 config or data error
 (one line, no traceback) · 1 anything else.
@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from preftune.errors import EXIT_CRASH, EXIT_OK, EXIT_PREEMPTED, EXIT_USER, Preempted, UserError
@@ -43,6 +44,11 @@ def parser() -> argparse.ArgumentParser:
     pairs = dsub.add_parser("pairs", help="write DPO pairs (prompt, chosen, rejected, rewards) to parquet")
     _trace_args(pairs)
     pairs.add_argument("-o", "--output", required=True, help="output .parquet file")
+    from preftune import launch
+    from preftune.train import export
+
+    launch.add_parser(sub)
+    export.add_parser(sub)
     return ap
 
 
@@ -88,8 +94,24 @@ def _data(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Under `preftune launch` (PREFTUNE_STATUS_DIR set), a worker records its pid (the launcher
+    forwards SIGTERM to it) and its exit code (torchrun itself reports 1 for any failed worker)."""
+    from preftune import launch
+
+    status = launch.worker_status_dir()
+    if status is not None:
+        launch.write_status(status, "pid", os.getpid())
+    code = _main(argv)
+    if status is not None:
+        launch.write_status(status, "exit", code)
+    return code
+
+
+def _main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    rank = f" rank {os.environ['RANK']}" if "LOCAL_RANK" in os.environ and "RANK" in os.environ else ""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s" + rank + " %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
     try:  # transformers' own progress bars (loading/writing shards) would bury ours
         from transformers.utils import logging as hf_logging
 
@@ -100,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("httpx", "urllib3", "botocore", "s3fs", "fsspec", "aiobotocore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
+        if hasattr(args, "handler"):  # subcommands registered by their own modules (launch, export)
+            return args.handler(args)
         _train(args) if args.command == "train" else _data(args)
     except UserError as e:
         print(f"preftune: error: {e}", file=sys.stderr)

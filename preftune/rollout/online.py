@@ -42,6 +42,13 @@ def score(tokenizer, reward_funcs, ro: Rollout, prompts: list, columns: dict, G:
     return Scored(ro, res.per_func, res.total, list(res.names), [G] * len(prompts))
 
 
+def empty_scored(n_funcs: int) -> Scored:
+    """A round with no prompts (zero rows), so every rank takes part in every round."""
+    z = torch.zeros((0, 1), dtype=torch.long)
+    ro = Rollout(prompt_ids=z, prompt_mask=z, completion_ids=z, completion_mask=z, truncated=torch.zeros(0, dtype=torch.bool))
+    return Scored(ro, torch.zeros((0, n_funcs)), torch.zeros(0), [], [])
+
+
 class OnlineSource:
     def __init__(self, cfg: GRPOConfig, tokenizer, prompt_set, reward_funcs, *, seed: int, shuffle: bool,
                  truncation: PromptTruncation, device: torch.device, dp=None):
@@ -70,6 +77,8 @@ class OnlineSource:
 
     def _round(self, model, n_prompts: int) -> Scored:
         prompts, columns, ids = self._draw(n_prompts)
+        if not ids:  # a resampling round smaller than the world size leaves some ranks nothing to do
+            return empty_scored(len(self.reward_funcs))
         p_ids, p_mask = left_pad(ids, self.tok.pad_token_id)
         c = self.cfg
         ro = sample(model, p_ids, p_mask, num_generations=c.num_generations, max_new_tokens=c.max_completion_length,
@@ -106,8 +115,9 @@ class OnlineSource:
         n = max(0, min(mine, want - before)) * G if n_groups else mine * G
         kept = kept or [last]
         ro = select(concat([k.rollout for k in kept], self.tok.pad_token_id), list(range(n)))
+        names = next((k.names for k in kept if k.names), last.names)
         out = Scored(ro, torch.cat([k.per_func for k in kept])[:n], torch.cat([k.total for k in kept])[:n],
-                     last.names, [G] * (n // G))
+                     names, [G] * (n // G))
         if self.cfg.dynamic_sampling:
             out.extra = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/dropped_groups": dropped}
         return out

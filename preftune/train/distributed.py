@@ -168,7 +168,9 @@ class Parallel:
             fully_shard(block, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         if any(p.requires_grad for p in model.parameters()):
-            model.set_gradient_divide_factor(1.0)  # sum over ranks, see the module docstring
+            for mod in fsdp_modules(model):  # each block reduces its own gradients
+                mod.set_gradient_divide_factor(1.0)  # sum over ranks, see the module docstring
+                mod.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
         return model
 
     def sync_grads(self, model) -> None:
@@ -186,6 +188,27 @@ class Parallel:
             n = p.grad.numel()
             p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
             offset += n
+
+    def clip_and_step(self, model, optimizer, max_grad_norm: float) -> float:
+        """optim.clip_and_step, with the global gradient norm of sharded gradients (every rank's
+        shards' squares summed by one all-reduce) under FSDP."""
+        from preftune.train.optim import clip_and_step
+
+        if not self.sharded:
+            return clip_and_step(model, optimizer, max_grad_norm)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        local = [g.to_local() for g in grads]
+        sq = torch.stack([g.detach().float().pow(2).sum() for g in local]).sum() if local else torch.zeros(())
+        sq = sq.to(self._comm_device())
+        torch.distributed.all_reduce(sq)
+        norm = sq.sqrt()
+        if max_grad_norm > 0:  # torch's clip_grad_norm_ rule
+            coef = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+            for g in local:
+                g.mul_(coef.to(g.device, g.dtype))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(norm)
 
     @contextlib.contextmanager
     def gathered(self, model):

@@ -59,12 +59,14 @@ def global_view(s: Scored, dp) -> tuple[Scored, torch.Tensor, torch.Tensor, int]
     """The rewards of the whole generation batch, every rank's rows in rank order (groups never span
     ranks), plus completion lengths and truncation flags (N,), and where this rank's rows start."""
     ro = s.rollout
-    mine = (s.total.cpu(), s.per_func.cpu(), list(s.group_sizes), ro.completion_mask.sum(-1).cpu(), ro.truncated.cpu())
+    mine = (s.total.cpu(), s.per_func.cpu(), list(s.group_sizes), ro.completion_mask.sum(-1).cpu(), ro.truncated.cpu(),
+            list(s.names))
     parts = dp.gather(mine) if dp.active else [mine]
+    names = next((p[5] for p in parts if p[5]), s.names)  # a rank with no rows may not know them
     offset = sum(p[0].numel() for p in parts[:dp.rank])
     total, per_func = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     sizes = [g for p in parts for g in p[2]]
-    whole = Scored(None, per_func, total, s.names, sizes, s.extra)
+    whole = Scored(None, per_func, total, names, sizes, s.extra)
     return whole, torch.cat([p[3] for p in parts]), torch.cat([p[4] for p in parts]), offset
 
 

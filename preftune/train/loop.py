@@ -28,7 +28,7 @@ from preftune.train.checkpointer import METRICS, Checkpointer, load_weights, rng
 from preftune.train.distributed import Parallel, SharedStop
 from preftune.train.evaluate import build_evaluator
 from preftune.train.metrics import MetricsLog
-from preftune.train.optim import build_optimizer, clip_and_step, lr_at, set_lr
+from preftune.train.optim import build_optimizer, lr_at, set_lr
 from preftune.train.preemption import Preemption, StepAbandoned
 from preftune.train.resume import find_resume_point
 
@@ -130,7 +130,7 @@ class Run:
         t0 = time.perf_counter()
         m = self.task.step(self.model, self.step, stop)
         self.dp.sync_grads(self.model)
-        m["grad_norm"] = clip_and_step(self.model, self.optimizer, self.cfg.optim.max_grad_norm)
+        m["grad_norm"] = self.dp.clip_and_step(self.model, self.optimizer, self.cfg.optim.max_grad_norm)
         m["learning_rate"] = lr
         m["step_time"] = time.perf_counter() - t0
         m["tokens_per_second"] = m.pop("num_tokens", 0) / max(m["step_time"], 1e-9)

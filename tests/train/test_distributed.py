@@ -1,0 +1,91 @@
+"""Data parallel on CPU with gloo: 2 ranks and 1 rank on the same data give the same loss and
+gradient norm at every step and the same weights after several steps (offline GRPO, DPO, online
+GRPO fed identical rollouts; FSDP2 and ddp); a global batch that does not split evenly is refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from preftune.config import load_config
+from preftune.errors import EXIT_OK, EXIT_USER
+from preftune.train import loop
+from tests.train.ranks import Ranks, final_state, install_fake_sampler, metric_rows
+from tests.train.test_resume import data_dir, one_thread, overrides, write_config  # noqa: F401 - fixtures
+
+STEPS = 4
+# per kind: an even global batch with uneven work per rank (offline groups of unequal size after
+# dropping; online completions of different lengths) and micro-batches, so idle passes are exercised
+EXTRA = {
+    "offline": {"grpo.prompts_per_step": 4, "grpo.micro_batch_size": 3, "grpo.loss_type": "grpo"},
+    # the length reward gives the fake completions (random tokens) a signal; accuracy would be all 0
+    "online": {"grpo.prompts_per_step": 4, "grpo.micro_batch_size": 5, "grpo.scale_rewards": "batch",
+               "grpo.reward_funcs": "[length]", "grpo.dynamic_sampling": "true", "grpo.num_generations": 2,
+               "grpo.loss_type": "bnpo", "grpo.beta": 0.05, "grpo.num_iterations": 2},
+    "dpo": {"dpo.batch_size": 4, "dpo.micro_batch_size": 1},
+}
+
+
+def args(kind: str, out, data_dir, **extra) -> list[str]:
+    o = {"max_steps": STEPS, "save_steps": 0, "optim.lr": 1e-3, "optim.lr_scheduler": "constant",
+         "data.eval": "null", **EXTRA[kind], **extra}
+    return overrides(kind, out, data_dir, **o)
+
+
+@pytest.fixture(scope="module")
+def one_rank(data_dir, tmp_path_factory):
+    """The 1-process runs, in this process (the fake sampler for online GRPO patched in)."""
+    done = {}
+
+    def run(kind: str):
+        if kind not in done:
+            out = tmp_path_factory.mktemp(f"one-{kind}") / "run"
+            with pytest.MonkeyPatch.context() as m:
+                if kind == "online":
+                    import preftune.rollout.online as online
+                    from tests.train.ranks import fake_sample
+
+                    m.setattr(online, "sample", fake_sample)
+                loop.train(load_config(None, args(kind, out, data_dir)))
+            done[kind] = out
+        return done[kind]
+
+    return run
+
+
+def assert_same_training(one, two) -> None:
+    a, b = metric_rows(one), metric_rows(two)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
+    for ra, rb in zip(a, b):
+        for key in ("loss", "grad_norm"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-7), (ra["step"], key)
+    wa, wb = final_state(one), final_state(two)
+    assert wa.keys() == wb.keys()
+    worst = max((wa[k] - wb[k]).abs().max().item() for k in wa)
+    assert worst < 1e-5, f"largest weight difference {worst:.3g}"
+    assert all(r["grad_norm"] > 1e-3 for r in a)  # real gradients: Adam would turn rounding noise on a
+    # zero gradient (e.g. all advantages 0) into full-size steps in random directions, see README
+
+
+
+
+@pytest.mark.parametrize("kind, strategy", [("offline", "fsdp"), ("dpo", "fsdp"), ("online", "fsdp"),
+                                            ("dpo", "ddp")])
+def test_two_ranks_train_like_one(kind, strategy, one_rank, data_dir, tmp_path):
+    out = tmp_path / "run"
+    env = {"PREFTUNE_TEST_FAKE_SAMPLER": "1"} if kind == "online" else {}
+    ranks = Ranks(tmp_path, 2, [write_config(tmp_path / "run.yaml"), *args(kind, out, data_dir, **{"distributed.strategy": strategy})], **env)
+    codes = ranks.wait()
+    assert codes == [EXIT_OK, EXIT_OK], ranks.text(0)[-3000:] + ranks.text(1)[-3000:]
+    assert_same_training(one_rank(kind), out)
+    if kind == "online":  # groups were dropped and resampled, so ranks held unequal rows (idle passes)
+        assert any(r["dynamic_sampling/dropped_groups"] for r in metric_rows(out))
+    assert "rank 1" in ranks.text(1)  # each rank's log lines carry its rank
+    assert not (out / "metrics.jsonl").read_text().count('"step": 1,') > 1  # only rank 0 writes
+
+
+def test_global_batch_not_divisible_is_refused_by_every_rank(data_dir, tmp_path):
+    out = tmp_path / "run"
+    ranks = Ranks(tmp_path, 2, [write_config(tmp_path / "run.yaml"), *args("offline", out, data_dir, **{"grpo.prompts_per_step": 3})])
+    assert ranks.wait() == [EXIT_USER, EXIT_USER]
+    assert "grpo.prompts_per_step=3 not divisible by the world size 2" in ranks.text(0)
+    assert not out.exists()
