@@ -22,13 +22,15 @@ EXTRA = {
                "grpo.reward_funcs": "[length]", "grpo.dynamic_sampling": "true", "grpo.num_generations": 2,
                "grpo.loss_type": "bnpo", "grpo.beta": 0.05, "grpo.num_iterations": 2},
     "dpo": {"dpo.batch_size": 4, "dpo.micro_batch_size": 1},
+    "lora": {"dpo.batch_size": 4, "dpo.micro_batch_size": 2, "model.lora.enabled": "true", "model.lora.r": 4,
+             "save_steps": 2},
 }
 
 
 def args(kind: str, out, data_dir, **extra) -> list[str]:
     o = {"max_steps": STEPS, "save_steps": 0, "optim.lr": 1e-3, "optim.lr_scheduler": "constant",
          "data.eval": "null", **EXTRA[kind], **extra}
-    return overrides(kind, out, data_dir, **o)
+    return overrides("dpo" if kind == "lora" else kind, out, data_dir, **o)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +71,7 @@ def assert_same_training(one, two) -> None:
 
 
 @pytest.mark.parametrize("kind, strategy", [("offline", "fsdp"), ("dpo", "fsdp"), ("online", "fsdp"),
-                                            ("dpo", "ddp")])
+                                            ("dpo", "ddp"), ("lora", "fsdp")])
 def test_two_ranks_train_like_one(kind, strategy, one_rank, data_dir, tmp_path):
     out = tmp_path / "run"
     env = {"PREFTUNE_TEST_FAKE_SAMPLER": "1"} if kind == "online" else {}
@@ -77,6 +79,14 @@ def test_two_ranks_train_like_one(kind, strategy, one_rank, data_dir, tmp_path):
     codes = ranks.wait()
     assert codes == [EXIT_OK, EXIT_OK], ranks.text(0)[-3000:] + ranks.text(1)[-3000:]
     assert_same_training(one_rank(kind), out)
+    if kind == "lora":  # step checkpoints hold the adapter and its optimizer state only
+        from preftune.train import checkpoint as ckpt
+
+        files = ckpt.read_manifest((out / "checkpoints" / "step-2" / ckpt.MANIFEST).read_text())["files"]
+        from tests.train.test_resume import MODEL
+
+        model_bytes = (MODEL / "model.safetensors").stat().st_size  # a full checkpoint: 3x (weights, 2 moments)
+        assert sum(v["size"] for k, v in files.items() if k.startswith("shards/")) < model_bytes / 2
     if kind == "online":  # groups were dropped and resampled, so ranks held unequal rows (idle passes)
         assert any(r["dynamic_sampling/dropped_groups"] for r in metric_rows(out))
     assert "rank 1" in ranks.text(1)  # each rank's log lines carry its rank
