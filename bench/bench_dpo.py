@@ -61,7 +61,7 @@ def dpo_overrides(args, out_dir: str, train: str) -> list[str]:
             f"model.name_or_path={EXAMPLES / 'model'}", f"data.train={train}", "data.invalid=drop",
             f"data.chosen_min={CHOSEN_MIN}", f"data.rejected_max={REJECTED_MAX}", "data.pair_strategy=best_vs_worst",
             "dpo.loss_type=sigmoid", f"dpo.beta={args.beta}", f"dpo.batch_size={args.batch}",
-            f"dpo.micro_batch_size={args.batch}", "dpo.precompute_ref_logps=true", f"optim.lr={args.lr}",
+            f"dpo.micro_batch_size={args.batch}", f"optim.lr={args.lr}",
             "optim.lr_scheduler=constant", "log.progress_bar=false", "log.logging_steps=1"]
 
 

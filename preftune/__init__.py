@@ -1,2 +1,28 @@
-"""preftune: preference and reward fine-tuning for language models."""
+"""preftune: preference and reward fine-tuning for language models.
+
+The public surface: `train`, `load_config`, `TrainResult`, the config dataclasses (`Config`,
+`ModelConfig`, `LoraConfig`, `DataConfig`, `GRPOConfig`, `DPOConfig`, `OptimConfig`, `EvalConfig`,
+`LogConfig`), `losses.grpo_loss`, `losses.dpo_loss`, `UserError` and `Preempted`. Everything else is
+internal. Names are imported on first use, so `import preftune` stays light (no torch).
+"""
 __version__ = "0.1.0"
+
+_CONFIG_CLASSES = ("Config", "ModelConfig", "LoraConfig", "DataConfig", "GRPOConfig", "DPOConfig", "OptimConfig",
+                   "EvalConfig", "LogConfig")
+_HOMES = {"load_config": "preftune.config", "TrainResult": "preftune.api", "UserError": "preftune.errors",
+          "Preempted": "preftune.errors", **dict.fromkeys(_CONFIG_CLASSES, "preftune.config")}
+__all__ = ["train", "losses", *_HOMES]
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in ("train", "losses"):  # subpackages; preftune.train is also callable (preftune/train/__init__.py)
+        return importlib.import_module(f"preftune.{name}")
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'preftune' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -14,24 +14,46 @@ import sys
 from preftune.errors import EXIT_CRASH, EXIT_OK, EXIT_PREEMPTED, EXIT_USER, Preempted, UserError
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """A usage error is a user error: one line, exit 78 (argparse's own code, 2, is not in our table).
+
+    Subparsers inherit this class (argparse builds them with the parent's type), so a subcommand
+    added with `add_parser(subparsers)` in its own module gets the same behaviour.
+    """
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(EXIT_USER)
+
+
+# `preftune data` flags -> DataConfig fields; defaults, types and choices come from the dataclass.
+DATA_FLAGS = {"--prompt-column": "prompt_column", "--response-column": "response_column",
+              "--reward-column": "reward_column", "--reward-range": "reward_range", "--invalid": "invalid",
+              "--duplicates": "duplicates", "--min-reward-threshold": "min_reward_threshold",
+              "--chosen-min": "chosen_min", "--rejected-max": "rejected_max", "--strategy": "pair_strategy",
+              "--max-pairs-per-prompt": "max_pairs_per_prompt", "--min-margin": "min_margin"}
+
+
 def _trace_args(p: argparse.ArgumentParser) -> None:
+    import typing
+
+    from preftune.config import CHOICES, DataConfig
+
     p.add_argument("path", help="a trace file, folder or glob (parquet, jsonl, csv; local or s3://)")
-    p.add_argument("--prompt-column", default="input")
-    p.add_argument("--response-column", default="output")
-    p.add_argument("--reward-column", default="final_reward")
-    p.add_argument("--reward-range", type=float, nargs=2, default=(0.0, 1.0), metavar=("LO", "HI"))
-    p.add_argument("--invalid", choices=("error", "drop"), default="error", help="policy for invalid rows")
-    p.add_argument("--duplicates", choices=("error", "drop", "keep"), default="drop")
-    p.add_argument("--min-reward-threshold", type=float, default=None)
-    p.add_argument("--chosen-min", type=float, default=0.7)
-    p.add_argument("--rejected-max", type=float, default=0.5)
-    p.add_argument("--strategy", choices=("best_vs_worst", "all_pairs"), default="best_vs_worst")
-    p.add_argument("--max-pairs-per-prompt", type=int, default=None)
-    p.add_argument("--min-margin", type=float, default=0.0)
+    defaults, hints = DataConfig(), typing.get_type_hints(DataConfig)
+    for flag, name in DATA_FLAGS.items():
+        tp = next(t for t in (str, int, float) if t == hints[name] or t in typing.get_args(hints[name]))
+        kwargs = dict(dest=name, default=getattr(defaults, name),
+                      help=f"data.{name} in a config (default: %(default)s)")
+        if name == "reward_range":
+            kwargs.update(type=float, nargs=2, metavar=("LO", "HI"))
+        else:
+            kwargs.update(type=tp, choices=CHOICES.get(f"data.{name}"))
+        p.add_argument(flag, **kwargs)
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="preftune", description="Preference and reward fine-tuning (GRPO family, DPO).")
+    ap = ArgumentParser(prog="preftune", description="Preference and reward fine-tuning (GRPO family, DPO).")
     sub = ap.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train a model from a YAML config")
     tr.add_argument("config", help="YAML config file")
@@ -52,45 +74,48 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _options(args):
-    from preftune.data.traces import TraceOptions
+def _data_section(args):
+    """The `data` flags as a checked DataConfig (the same ranges as in a config file)."""
+    from preftune.config import DataConfig, check_section
+    from preftune.errors import UserError
 
-    return TraceOptions(prompt_column=args.prompt_column, response_column=args.response_column,
-                        reward_column=args.reward_column, reward_range=tuple(args.reward_range),
-                        invalid=args.invalid, duplicates=args.duplicates,
-                        min_reward_threshold=args.min_reward_threshold)
+    d = DataConfig(**{name: getattr(args, name) for name in DATA_FLAGS.values()})
+    d.reward_range = list(d.reward_range)
+    try:
+        check_section(d, "data.")
+    except UserError as e:  # name the flag the user typed
+        flags = {f"data.{name}": flag for flag, name in DATA_FLAGS.items()}
+        key = (e.where or "").split("[")[0]
+        raise UserError(e.message, where=flags.get(key, key)) from None
+    return d
 
 
-def _pair_kwargs(args) -> dict:
-    return dict(chosen_min=args.chosen_min, rejected_max=args.rejected_max, strategy=args.strategy,
-                max_pairs_per_prompt=args.max_pairs_per_prompt, min_margin=args.min_margin)
+def _pair_kwargs(d) -> dict:
+    return dict(chosen_min=d.chosen_min, rejected_max=d.rejected_max, strategy=d.pair_strategy,
+                max_pairs_per_prompt=d.max_pairs_per_prompt, min_margin=d.min_margin)
 
 
 def _train(args) -> None:
-    from preftune.config import load_config
-    from preftune.train.loop import train
+    from preftune.api import train  # the command line is a thin layer over the Python API
 
-    cfg = load_config(args.config, args.overrides)
-    final = train(cfg)
-    evals = _eval_rewards(final.parent / "metrics.jsonl")
+    result = train(args.config, overrides=args.overrides)
+    evals = [r["eval/reward"] for r in result.eval if r.get("eval/reward") is not None]
     if len(evals) >= 2:
         print(f"eval/reward: {evals[0]:.3f} (step 0) -> {evals[-1]:.3f} (last step)")
-    print(f"done. model: {final}\n      metrics: {final.parent / 'metrics.jsonl'}")
-
-
-def _eval_rewards(path) -> list[float]:
-    records = [json.loads(line) for line in open(path) if line.strip()]
-    return [r["eval/reward"] for r in records if r.get("eval/reward") is not None]
+    print(f"done. model: {result.model_path}\n      metrics: {result.metrics_path}")
 
 
 def _data(args) -> None:
     from preftune.data import commands
+    from preftune.data.traces import TraceOptions
 
+    d = _data_section(args)
+    opts = TraceOptions.from_config(d)
     if args.data_command == "inspect":
-        report = commands.inspect_report(args.path, _options(args), **_pair_kwargs(args))
+        report = commands.inspect_report(args.path, opts, **_pair_kwargs(d))
         print(json.dumps(report, indent=1) if args.json else commands.format_inspect(report))
     else:
-        print(commands.pairs_command(args.path, args.output, _options(args), **_pair_kwargs(args)))
+        print(commands.pairs_command(args.path, args.output, opts, **_pair_kwargs(d)))
 
 
 def main(argv: list[str] | None = None) -> int:

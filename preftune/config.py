@@ -93,7 +93,7 @@ class DPOConfig:
     beta: float = 0.1
     label_smoothing: float = 0.0
     reference_free: bool = False
-    precompute_ref_logps: bool = True  # cache reference log-probs once; no reference model in memory
+    precompute_ref_logps: bool = True  # false: hold a frozen reference and run it on each batch (TRL's default)
     max_length: int = 512  # prompt + response tokens
     batch_size: int = 16  # pairs per optimiser step
     micro_batch_size: int = 16
@@ -123,8 +123,11 @@ class EvalConfig:
 @dataclass
 class LogConfig:
     logging_steps: int = 1
-    report_to: list[str] = field(default_factory=list)  # [] | [tensorboard]
+    report_to: list[str] = field(default_factory=list)  # any of tensorboard, wandb, mlflow
     progress_bar: bool = True
+    # W&B project / MLflow experiment (None: WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else "preftune")
+    project: str | None = None
+    run_name: str | None = None  # W&B / MLflow run name (None: the output_dir folder name)
 
 
 @dataclass
@@ -174,6 +177,82 @@ CHOICES = {
     "distributed.strategy": ("fsdp", "ddp", "none"),
     "distributed.backend": ("auto", "nccl", "gloo"),
 }
+
+# The valid range of every numeric key, as an interval: "[" / "]" include the bound, "(" / ")"
+# exclude it, "inf" is unbounded. Checked at load time (a null optional value is not checked; a
+# list is checked item by item). A new numeric key needs a row here (tests/test_config.py checks).
+BOUNDS = {
+    "max_steps": "[1, inf)",
+    "save_steps": "[0, inf)",  # 0 = no intermediate checkpoints
+    "seed": "[0, 4294967295]",  # numpy's seed range
+    "save_total_limit": "[1, inf)",
+    "preemption_grace_seconds": "[0, inf)",
+    "model.lora.r": "[1, inf)",
+    "model.lora.alpha": "[1, inf)",
+    "model.lora.dropout": "[0, 1)",
+    "data.reward_range": "[-inf, inf]",
+    "data.min_reward_threshold": "(-inf, inf)",
+    "data.max_prompt_length": "[1, inf)",
+    "data.chosen_min": "(-inf, inf)",
+    "data.rejected_max": "(-inf, inf)",
+    "data.max_pairs_per_prompt": "[1, inf)",
+    "data.min_margin": "[0, inf)",
+    "grpo.prompts_per_step": "[1, inf)",
+    "grpo.num_generations": "[1, inf)",
+    "grpo.micro_batch_size": "[1, inf)",
+    "grpo.max_completion_length": "[1, inf)",
+    "grpo.temperature": "(0, inf)",
+    "grpo.top_p": "(0, 1]",
+    "grpo.top_k": "[0, inf)",
+    "grpo.reward_weights": "(-inf, inf)",
+    "grpo.overlong_buffer_len": "[0, inf)",
+    "grpo.beta": "[0, inf)",
+    "grpo.epsilon": "[0, 1)",  # the ratio is clipped to [1 - epsilon, ...]
+    "grpo.epsilon_high": "[0, inf)",
+    "grpo.delta": "(1, inf)",  # a cap on the ratio above 1 (INTELLECT-2 uses 4)
+    "grpo.num_iterations": "[1, inf)",
+    "grpo.max_resample_rounds": "[0, inf)",
+    "dpo.loss_weights": "[0, inf)",
+    "dpo.beta": "(0, inf)",
+    "dpo.label_smoothing": "[0, 0.5]",
+    "dpo.max_length": "[2, inf)",  # at least one prompt and one response token
+    "dpo.batch_size": "[1, inf)",
+    "dpo.micro_batch_size": "[1, inf)",
+    "optim.lr": "[0, inf)",
+    "optim.weight_decay": "[0, inf)",
+    "optim.adam_beta1": "[0, 1)",
+    "optim.adam_beta2": "[0, 1)",
+    "optim.adam_epsilon": "(0, inf)",
+    "optim.warmup_steps": "[0, inf)",
+    "optim.warmup_ratio": "[0, 1]",
+    "optim.max_grad_norm": "[0, inf)",  # 0 = no clipping
+    "eval.eval_steps": "[0, inf)",  # 0 = only before the first and after the last step
+    "eval.max_new_tokens": "[1, inf)",
+    "eval.batch_size": "[1, inf)",
+    "log.logging_steps": "[1, inf)",
+    "distributed.timeout_seconds": "(0, inf)",
+}
+
+
+@dataclass(frozen=True)
+class Interval:
+    lo: float
+    hi: float
+    lo_closed: bool
+    hi_closed: bool
+    text: str
+
+    @classmethod
+    def parse(cls, text: str) -> "Interval":
+        m = re.fullmatch(r"\s*([\[(])\s*([^,\s]+)\s*,\s*([^\s\])]+)\s*([\])])\s*", text)
+        if not m:
+            raise ValueError(f"bad interval {text!r}; expected e.g. '[0, 1)'")
+        return cls(float(m[2]), float(m[3]), m[1] == "[", m[4] == "]", text.strip())
+
+    def __contains__(self, v: float) -> bool:  # NaN is in no interval
+        above = v >= self.lo if self.lo_closed else v > self.lo
+        below = v <= self.hi if self.hi_closed else v < self.hi
+        return bool(above and below)
 
 
 # ---------------------------------------------------------------- (de)serialisation
@@ -253,11 +332,12 @@ def from_dict(cls, data: dict, prefix: str = ""):
 
 
 def to_dict(cfg) -> dict:
-    return {
-        f.name: to_dict(getattr(cfg, f.name)) if dataclasses.is_dataclass(getattr(cfg, f.name)) else getattr(cfg, f.name)
-        for f in dataclasses.fields(cfg)
-        if not f.metadata.get("internal")
-    }
+    out = {}
+    for f in dataclasses.fields(cfg):
+        if not f.metadata.get("internal"):
+            value = getattr(cfg, f.name)
+            out[f.name] = to_dict(value) if dataclasses.is_dataclass(value) else value
+    return out
 
 
 def to_yaml(cfg) -> str:
@@ -289,28 +369,30 @@ def _get(cfg: Config, dotted: str) -> Any:
     return value
 
 
+def check_key(key: str, value: Any) -> None:
+    """`value` against CHOICES and BOUNDS for `key` (a dotted config key); UserError naming the key."""
+    if key in CHOICES and value not in CHOICES[key]:
+        raise UserError(f"'{value}' is not one of {', '.join(CHOICES[key])}", where=key)
+    if key in BOUNDS and value is not None:
+        interval = Interval.parse(BOUNDS[key])
+        for i, v in enumerate(value) if isinstance(value, list) else [(None, value)]:
+            if v not in interval:
+                where = key if i is None else f"{key}[{i}]"
+                raise UserError(f"must be in {interval.text}, got {v}", where=where)
+
+
+def check_section(section, prefix: str) -> None:
+    """Every key of one config section (a dataclass, e.g. `DataConfig` built from CLI flags)."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            check_section(value, f"{prefix}{f.name}.")
+        elif not f.metadata.get("internal"):
+            check_key(f"{prefix}{f.name}", value)
+
+
 def validate(cfg: Config) -> None:
-    for key, allowed in CHOICES.items():
-        value = _get(cfg, key)
-        if value not in allowed:
-            raise UserError(f"'{value}' is not one of {', '.join(allowed)}", where=key)
-    positive = ["max_steps", "grpo.num_generations", "grpo.prompts_per_step", "grpo.micro_batch_size",
-                "grpo.max_completion_length", "grpo.num_iterations", "dpo.batch_size", "dpo.micro_batch_size",
-                "dpo.max_length", "data.max_prompt_length", "log.logging_steps", "eval.batch_size"]
-    for key in positive:
-        value = _get(cfg, key)
-        if value < 1:
-            raise UserError(f"must be >= 1, got {value}", where=key)
-    # values the training code would otherwise crash on (division by zero, NaN sampling, optimizer checks)
-    for key in ("grpo.beta", "grpo.epsilon", "grpo.top_k", "optim.lr", "eval.eval_steps"):
-        if _get(cfg, key) < 0:
-            raise UserError(f"must be >= 0, got {_get(cfg, key)}", where=key)
-    if not cfg.grpo.temperature > 0:
-        raise UserError(f"must be > 0, got {cfg.grpo.temperature}", where="grpo.temperature")
-    if not 0 < cfg.grpo.top_p <= 1:
-        raise UserError(f"must be in (0, 1], got {cfg.grpo.top_p}", where="grpo.top_p")
-    if cfg.eval.max_new_tokens is not None and cfg.eval.max_new_tokens < 1:
-        raise UserError(f"must be >= 1 (or null), got {cfg.eval.max_new_tokens}", where="eval.max_new_tokens")
+    check_section(cfg, "")
     if cfg.grpo.loss_type == "cispo" and cfg.grpo.epsilon_high is None:
         raise UserError("cispo needs epsilon_high, the cap on the importance ratio (e.g. 5.0)",
                         where="grpo.epsilon_high")
@@ -324,28 +406,70 @@ def validate(cfg: Config) -> None:
     if cfg.grpo.reward_weights is not None and len(cfg.grpo.reward_weights) != len(cfg.grpo.reward_funcs):
         raise UserError(f"{len(cfg.grpo.reward_weights)} weights for {len(cfg.grpo.reward_funcs)} reward functions",
                         where="grpo.reward_weights")
+    if cfg.data.chosen_min < cfg.data.rejected_max:  # one response could be both chosen and rejected
+        raise UserError(f"must be >= data.rejected_max ({cfg.data.rejected_max}), got {cfg.data.chosen_min}",
+                        where="data.chosen_min")
+    if cfg.grpo.overlong_buffer_len > cfg.grpo.max_completion_length:
+        raise UserError(f"must be <= grpo.max_completion_length ({cfg.grpo.max_completion_length}), "
+                        f"got {cfg.grpo.overlong_buffer_len}", where="grpo.overlong_buffer_len")
     if not cfg.data.train:
         raise UserError("no training data: set data.train", where="data.train")
-    if cfg.save_steps < 0:
-        raise UserError("must be >= 0", where="save_steps")
-    if not cfg.distributed.timeout_seconds > 0:
-        raise UserError(f"must be > 0, got {cfg.distributed.timeout_seconds}", where="distributed.timeout_seconds")
+    from preftune.train.loggers import check_report_to
+
+    check_report_to(cfg.log.report_to)
+    check_output_dir(cfg.output_dir)
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    data: dict = {}
-    config_dir = "."
-    if path is not None:
-        path = Path(path)
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except OSError as e:
-            raise UserError(f"cannot read config: {e.strerror}", where=str(path)) from None
-        except yaml.YAMLError as e:
-            raise UserError(f"invalid YAML: {str(e).splitlines()[0]}", where=str(path)) from None
-        config_dir = str(path.parent)
+def check_output_dir(output_dir: str) -> None:
+    """output_dir must be a folder or not exist yet, and must not lie under a file."""
+    p = Path(output_dir).expanduser().absolute()
+    if p.exists() and not p.is_dir():
+        raise UserError(f"{p} is a file, not a folder", where="output_dir")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"{parent} is a file, so {p} cannot be a folder", where="output_dir")
+            break
+
+
+def read_source(source: str | Path | dict | Config | None) -> tuple[dict, str]:
+    """(nested dict, folder relative paths are read from) of a YAML file, a dict or a Config."""
+    if source is None:
+        return {}, "."
+    if isinstance(source, Config):
+        return _copy_tree(to_dict(source)), source.config_dir
+    if isinstance(source, dict):
+        return _copy_tree(source), "."
+    path = Path(source)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise UserError(f"cannot read config: {e.strerror}", where=str(path)) from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"not UTF-8 text (byte {e.start})", where=str(path)) from None
+    except yaml.YAMLError as e:
+        raise UserError(f"invalid YAML: {yaml_problem(e)}", where=str(path)) from None
+    if not isinstance(data, dict):
+        raise UserError(f"expected a mapping of config keys, got a {type(data).__name__}", where=str(path))
+    return data, str(path.parent)
+
+
+def _copy_tree(d: dict) -> dict:
+    """The nested dicts and lists copied, their leaves (which may be data tables or functions) shared."""
+    copy = lambda v: _copy_tree(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v  # noqa: E731
+    return {k: copy(v) for k, v in d.items()}
+
+
+def load_config(source: str | Path | dict | Config | None, overrides: list[str] = ()) -> Config:
+    """A validated Config from a YAML file, a nested dict or a Config, plus dotted KEY=VALUE overrides."""
+    data, config_dir = read_source(source)
     for assignment in overrides:
         apply_override(data, assignment)
+    return build_config(data, config_dir)
+
+
+def build_config(data: dict, config_dir: str = ".") -> Config:
+    """Check, resolve relative paths against `config_dir`, and validate a nested config dict."""
     cfg = from_dict(Config, data)
     cfg.config_dir = config_dir
     cfg.model.name_or_path = resolve_local(cfg.model.name_or_path, config_dir)
@@ -357,6 +481,13 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         cfg.eval.reward_funcs = [resolve_reward_file(s, config_dir) for s in cfg.eval.reward_funcs]
     validate(cfg)
     return cfg
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error as one line with its 1-based line and column."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"line {mark.line + 1} column {mark.column + 1}: {problem}" if mark is not None else problem
 
 
 def resolve_reward_file(spec: str, config_dir: str) -> str:

@@ -18,7 +18,7 @@ class UserError(Exception):
     exit_code = EXIT_USER
 
     def __init__(self, message: str, *, where: str | None = None):
-        self.where = where
+        self.where, self.message = where, message
         super().__init__(f"{where}: {message}" if where else message)
 
 
@@ -26,3 +26,13 @@ class Preempted(Exception):
     """Raised by the training loop after a signal-triggered checkpoint was saved."""
 
     exit_code = EXIT_PREEMPTED
+
+
+def one_line(exc: BaseException, *, with_type: bool = False, limit: int = 300) -> str:
+    """An exception as one short line (whitespace collapsed) for a UserError message."""
+    text = " ".join(str(exc).split())
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    if not text:
+        return type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if with_type else text

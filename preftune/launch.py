@@ -10,7 +10,6 @@ torchrun reports 1 for any failed worker, so each worker writes its code to a st
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import shutil

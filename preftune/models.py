@@ -9,29 +9,44 @@ from pathlib import Path
 
 import torch
 
+from preftune.atomic import atomic_write
 from preftune.config import ModelConfig
-from preftune.errors import UserError
+from preftune.errors import UserError, one_line
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the names of CHOICES["model.dtype"]
 log = logging.getLogger(__name__)
 
 
-def resolve_model_path(cfg: ModelConfig, config_dir: str = ".") -> str:
-    """A relative model path is looked up from the working directory, then beside the config file."""
-    path = cfg.name_or_path
-    if os.path.isabs(path) or os.path.exists(path):
-        return path
-    beside = Path(config_dir) / path
-    if beside.exists():
-        return str(beside)
-    raise UserError(f"model folder not found: {path} (no model hub here: give a local folder)",
-                    where="model.name_or_path")
+# What a broken model folder raises inside transformers / tokenizers / safetensors: a user error.
+def _load_errors() -> tuple[type[BaseException], ...]:
+    from safetensors import SafetensorError
+
+    return (OSError, ValueError, KeyError, EnvironmentError, SafetensorError)
+
+
+def check_model_path(path: str) -> str:
+    """The model must be a local Hugging Face folder with a config.json and weights; `path` was made
+    relative to the config file by `config.resolve_local` (the one place paths are resolved)."""
+    where = "model.name_or_path"
+    if not os.path.exists(path):
+        raise UserError(f"model folder not found: {path} (no model hub here: give a local folder)", where=where)
+    if not os.path.isdir(path):
+        raise UserError(f"{path} is a file; give the model's folder (with config.json and *.safetensors)",
+                        where=where)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UserError(f"{path} has no config.json: not a Hugging Face model folder", where=where)
+    if not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path)):
+        raise UserError(f"{path} has no weights (*.safetensors or *.bin)", where=where)
+    return path
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except _load_errors() as e:
+        raise UserError(f"cannot load tokenizer: {one_line(e)}", where=path) from None
     if tok.pad_token_id is None:
         if tok.eos_token_id is None:
             raise UserError("tokenizer has neither a pad nor an eos token", where=path)
@@ -50,8 +65,8 @@ def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True):
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32 if mixed else DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
         )
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot load model: {str(e).splitlines()[0]}", where=path) from None
+    except _load_errors() as e:  # corrupt or truncated weights, bad config.json
+        raise UserError(f"cannot load model: {one_line(e, with_type=True)}", where=path) from None
     if not trainable:
         model.eval().requires_grad_(False)
         return model
@@ -105,5 +120,5 @@ def save_pretrained(model, tokenizer, out: str | Path, *, dtype: str | None = No
         cfg_file = Path(out) / "config.json"
         cfg_json = json.loads(cfg_file.read_text())
         cfg_json["dtype"] = dtype
-        cfg_file.write_text(json.dumps(cfg_json, indent=2) + "\n")
+        atomic_write(cfg_file, json.dumps(cfg_json, indent=2) + "\n")
     tokenizer.save_pretrained(str(out))

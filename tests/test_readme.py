@@ -26,3 +26,22 @@ def test_every_config_key_is_documented_with_its_default():
 def test_readme_names_the_test_command_ci_runs():
     ci = (README.parent / ".ci" / "run").read_text()
     assert "make test" in ci and "make test" in README.read_text()
+
+
+def test_from_python_examples_run(tmp_path, monkeypatch):
+    """The README's "From Python" code, run as written except shorter (2 steps) and into tmp_path."""
+    text = README.read_text()
+    section = text[text.index("## From Python"):text.index("## Exit codes")]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 2
+    monkeypatch.chdir(README.parent)
+    for code in blocks:
+        for long, short in (("\"max_steps=50\"", "\"max_steps=2\", \"grpo.prompts_per_step=2\", \"grpo.num_generations=2\""),
+                            ("cfg.max_steps = 50", "cfg.max_steps = 2"),
+                            ("runs/", f"{tmp_path}/")):
+            code = code.replace(long, short)
+        assert "max_steps = 2" in code or "max_steps=2" in code
+        namespace: dict = {}
+        exec(compile(code, "README.md", "exec"), namespace)
+        result = namespace["result"]
+        assert result.step == 2 and result.model_path.is_dir() and str(result.output_dir).startswith(str(tmp_path))

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from preftune.data.groups import build_groups
-from preftune.data.pairs import build_pairs, group_by_prompt, write_pairs
-from preftune.data.traces import DropReport, TraceOptions, load_traces
+from preftune.data.pairs import PAIR_DEFAULTS, build_pairs, check_writable_file, group_by_prompt, write_pairs
+from preftune.data.traces import DropReport, TraceOptions, load_traces, no_rows_left
 from preftune.errors import UserError
 
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
@@ -40,15 +40,14 @@ def reward_stats(rewards: list[float], reward_range: tuple[float, float]) -> dic
     }
 
 
-def inspect_report(path: str, opts: TraceOptions, *, chosen_min: float = 0.7, rejected_max: float = 0.5,
-                   strategy: str = "best_vs_worst", max_pairs_per_prompt: int | None = None,
-                   min_margin: float = 0.0, min_group_size: int = 2) -> dict[str, Any]:
-    """A JSON-ready summary of a trace dataset and what DPO / offline GRPO would get from it."""
+def inspect_report(path: str, opts: TraceOptions, *, min_group_size: int = 2, **pair_options) -> dict[str, Any]:
+    """A JSON-ready summary of a trace dataset and what DPO / offline GRPO would get from it.
+    `pair_options`: build_pairs' keywords (defaults: the config's, `PAIR_DEFAULTS`)."""
+    pair_options = PAIR_DEFAULTS | pair_options
     traces, drops = load_traces(path, opts)
     by_prompt = group_by_prompt(traces)
     sizes = Counter(len(g) for g in by_prompt.values())
-    _, pair_report = build_pairs(traces, chosen_min=chosen_min, rejected_max=rejected_max, strategy=strategy,
-                                 max_pairs_per_prompt=max_pairs_per_prompt, min_margin=min_margin)
+    _, pair_report = build_pairs(traces, **pair_options)
     _, group_report = build_groups(traces, min_size=min_group_size)
     return {
         "path": str(path),
@@ -59,9 +58,7 @@ def inspect_report(path: str, opts: TraceOptions, *, chosen_min: float = 0.7, re
         "responses_per_prompt": {str(k): sizes[k] for k in sorted(sizes)},
         "reward": reward_stats([t.reward for t in traces], opts.reward_range),
         "drops": drops.as_dict(),
-        "dpo": {"chosen_min": chosen_min, "rejected_max": rejected_max, "strategy": strategy,
-                "max_pairs_per_prompt": max_pairs_per_prompt, "min_margin": min_margin,
-                **pair_report.as_dict()},
+        "dpo": {**pair_options, **pair_report.as_dict()},
         "grpo": {"min_group_size": min_group_size, **group_report.as_dict()},
     }
 
@@ -107,22 +104,25 @@ def format_inspect(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def pairs_command(path: str, out: str, opts: TraceOptions, *, chosen_min: float = 0.7,
-                  rejected_max: float = 0.5, strategy: str = "best_vs_worst",
-                  max_pairs_per_prompt: int | None = None, min_margin: float = 0.0) -> str:
+def pairs_command(path: str, out: str, opts: TraceOptions, **pair_options) -> str:
     """Build DPO pairs from a trace dataset, write them to `out` and return the printable report.
 
     Zero pairs is a UserError: an empty pairs file would only fail later, in training.
     """
+    if "://" not in str(out):  # before the (possibly long) read: a bad -o fails at once
+        check_writable_file(out, where=f"-o {out}")
+    pair_options = PAIR_DEFAULTS | pair_options
     traces, drops = load_traces(path, opts)
-    pairs, report = build_pairs(traces, chosen_min=chosen_min, rejected_max=rejected_max, strategy=strategy,
-                                max_pairs_per_prompt=max_pairs_per_prompt, min_margin=min_margin)
+    pairs, report = build_pairs(traces, **pair_options)
     if not pairs:
+        if not traces:
+            raise UserError("no DPO pairs: no rows left" + no_rows_left(drops), where=str(path))
+        lo, hi = pair_options["chosen_min"], pair_options["rejected_max"]
         raise UserError(
             f"no DPO pairs: {report.prompts_seen} prompts, {report.prompts_without_chosen} without a chosen "
-            f"(reward >= {chosen_min}), {report.prompts_without_rejected} without a rejected "
-            f"(reward < {rejected_max}), {report.skipped_by_margin} below min_margin; "
-            "adjust chosen_min / rejected_max / min_margin", where=str(path))
+            f"(reward >= --chosen-min {lo}), {report.prompts_without_rejected} without a "
+            f"rejected (reward < --rejected-max {hi}), {report.skipped_by_margin} below --min-margin, "
+            f"{report.skipped_identical} with chosen == rejected", where=str(path))
     write_pairs(pairs, out)
     return "\n".join([f"wrote {len(pairs)} pairs to {out}", report.format(), _drops_text(drops)])
 

@@ -9,9 +9,7 @@ the dataset wins, i.e. the lower (file, row) position in load order.
 """
 from __future__ import annotations
 
-import io
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,12 +18,18 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from preftune.atomic import atomic_path
+from preftune.config import CHOICES, DataConfig
 from preftune.data.traces import (
     Trace, display_path, is_local, normalize_messages, prompt_key, read_rows, require_columns, resolve_files,
     reward_problem, text_problem)
 from preftune.errors import UserError
 
-STRATEGIES = ("best_vs_worst", "all_pairs")
+STRATEGIES = CHOICES["data.pair_strategy"]
+_DATA = DataConfig()  # the pairing defaults; the config dataclass is their one home
+PAIR_DEFAULTS = {"chosen_min": _DATA.chosen_min, "rejected_max": _DATA.rejected_max,
+                 "strategy": _DATA.pair_strategy, "max_pairs_per_prompt": _DATA.max_pairs_per_prompt,
+                 "min_margin": _DATA.min_margin}  # build_pairs' keyword arguments
 PAIR_COLUMNS = ("prompt", "chosen", "rejected", "chosen_reward", "rejected_reward")
 
 
@@ -105,9 +109,10 @@ def _best_vs_worst(chosen: list[tuple[int, Trace]], rejected: list[tuple[int, Tr
     return [(best, worst)]
 
 
-def build_pairs(traces: Sequence[Trace], *, chosen_min: float = 0.7, rejected_max: float = 0.5,
-                strategy: str = "best_vs_worst", max_pairs_per_prompt: int | None = None,
-                min_margin: float = 0.0) -> tuple[list[Pair], PairReport]:
+def build_pairs(traces: Sequence[Trace], *, chosen_min: float = _DATA.chosen_min,
+                rejected_max: float = _DATA.rejected_max, strategy: str = _DATA.pair_strategy,
+                max_pairs_per_prompt: int | None = _DATA.max_pairs_per_prompt,
+                min_margin: float = _DATA.min_margin) -> tuple[list[Pair], PairReport]:
     """DPO pairs per prompt.
 
     best_vs_worst: one pair, the highest-reward chosen vs the lowest-reward rejected.
@@ -178,21 +183,25 @@ def write_pairs(pairs: Sequence[Pair], out_path: str) -> None:
     table = pairs_table(pairs)
     fs, fpath = fsspec.core.url_to_fs(str(out_path))
     if not is_local(fs):
-        buf = io.BytesIO()
-        pq.write_table(table, buf)
-        fs.pipe_file(fpath, buf.getvalue())
+        sink = pa.BufferOutputStream()  # arrow-owned memory, see traces.arrow_input
+        pq.write_table(table, sink)
+        fs.pipe_file(fpath, sink.getvalue().to_pybytes())
         return
-    folder = os.path.dirname(os.path.abspath(fpath))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(fpath)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            pq.write_table(table, f)
-        os.replace(tmp, fpath)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    check_writable_file(fpath, where=str(out_path))
+    with atomic_path(fpath) as tmp:
+        pq.write_table(table, str(tmp))
+
+
+def check_writable_file(path: str, where: str) -> None:
+    """A local output file path must not be a folder nor lie under a file (UserError naming it)."""
+    p = os.path.abspath(path)
+    if os.path.isdir(p):
+        raise UserError("is a folder; give a file name such as pairs.parquet", where=where)
+    parent = os.path.dirname(p)
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent) if os.path.dirname(parent) != parent else ""
+    if parent and not os.path.isdir(parent):
+        raise UserError(f"{parent} is a file, not a folder", where=where)
 
 
 def read_pairs(path: str) -> list[Pair]:

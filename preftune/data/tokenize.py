@@ -3,11 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from preftune.data.messages import is_messages
 from preftune.errors import UserError
-
-
-def is_messages(x) -> bool:
-    return isinstance(x, list) and all(isinstance(m, dict) and "role" in m for m in x)
 
 
 def prompt_text(tokenizer, prompt) -> str:

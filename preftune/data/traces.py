@@ -11,7 +11,6 @@ datasets). Each failure names the file, the 0-based row within that file and the
 """
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -25,27 +24,37 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
-from preftune.errors import UserError
+from preftune.config import CHOICES, DataConfig
+from preftune.data import memory
+from preftune.data.messages import is_messages
+from preftune.errors import UserError, one_line
 
 # Extension -> reader. ".json" holds either JSON lines or one JSON array of objects.
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 _GLOB_CHARS = "*?["
 
-INVALID_POLICIES = ("error", "drop")
-DUPLICATE_POLICIES = ("error", "drop", "keep")
+INVALID_POLICIES = CHOICES["data.invalid"]
+DUPLICATE_POLICIES = CHOICES["data.duplicates"]
+_DATA = DataConfig()  # the defaults; the config dataclass is their one home
 
 
 @dataclass
 class TraceOptions:
-    """How to read a trace dataset; these defaults are the single source of truth for the config."""
+    """How to read a trace dataset: the trace keys of `DataConfig`, with its defaults."""
 
-    prompt_column: str = "input"
-    response_column: str = "output"
-    reward_column: str = "final_reward"
-    reward_range: tuple[float, float] = (0.0, 1.0)
-    invalid: str = "error"  # invalid rows: "error" (first one raises) | "drop" (counted by reason)
-    duplicates: str = "drop"  # exact duplicate (prompt, response, reward): "error" | "drop" | "keep"
-    min_reward_threshold: float | None = None  # rows with reward < this are left out (counted)
+    prompt_column: str = _DATA.prompt_column
+    response_column: str = _DATA.response_column
+    reward_column: str = _DATA.reward_column
+    reward_range: tuple[float, float] = tuple(_DATA.reward_range)
+    invalid: str = _DATA.invalid  # invalid rows: "error" (first one raises) | "drop" (counted by reason)
+    duplicates: str = _DATA.duplicates  # exact duplicate (prompt, response, reward): "error" | "drop" | "keep"
+    min_reward_threshold: float | None = _DATA.min_reward_threshold  # rows with reward < this are left out
+
+    @classmethod
+    def from_config(cls, d: DataConfig) -> "TraceOptions":
+        return cls(prompt_column=d.prompt_column, response_column=d.response_column,
+                   reward_column=d.reward_column, reward_range=tuple(d.reward_range), invalid=d.invalid,
+                   duplicates=d.duplicates, min_reward_threshold=d.min_reward_threshold)
 
 
 @dataclass
@@ -101,13 +110,6 @@ class DropReport:
 # Prompts / responses as python objects
 # ---------------------------------------------------------------------------------------------
 
-def is_messages(value: Any) -> bool:
-    """A chat conversation: a non-empty list of dicts, each with a string role and content."""
-    return (isinstance(value, list) and len(value) > 0 and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in value))
-
-
 def normalize_messages(messages: list[dict]) -> list[dict]:
     """Drop keys whose value is None.
 
@@ -133,7 +135,7 @@ def text_problem(value: Any, what: str) -> tuple[str, str] | None:
     if isinstance(value, list):
         if not value:
             return f"empty_{what}", f"{what} is an empty message list"
-        if not is_messages(value):
+        if not is_messages(value) or not all(isinstance(m["content"], str) for m in value):
             return (f"bad_{what}_type",
                     f"{what} is a list but not chat messages (each needs string 'role' and 'content')")
         if not any(m["content"].strip() for m in value):
@@ -171,12 +173,7 @@ def _filesystem(path: str):
     try:
         return fsspec.core.url_to_fs(path, skip_instance_cache=True)
     except (ImportError, ValueError) as e:
-        raise UserError(f"cannot open filesystem: {_one_line(e)}", where=path) from None
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text[:300] or type(e).__name__
+        raise UserError(f"cannot open filesystem: {one_line(e)}", where=path) from None
 
 
 def display_path(fs, p: str) -> str:
@@ -196,6 +193,9 @@ def _supported(p: str) -> bool:
 
 def resolve_files(path: str) -> tuple[Any, list[str]]:
     """(fs, files): a file, every supported file under a folder (recursive, sorted), or a glob."""
+    if memory.is_memory(path):  # a table handed to preftune.train(): one 'file'
+        memory.rows(path)
+        return memory.FS, [path]
     fs, fpath = _filesystem(str(path))
     try:
         if any(c in fpath for c in _GLOB_CHARS):
@@ -213,7 +213,7 @@ def resolve_files(path: str) -> tuple[Any, list[str]]:
     except UserError:
         raise
     except Exception as e:  # network, permissions, credentials
-        raise UserError(f"cannot list: {_one_line(e)}", where=path) from None
+        raise UserError(f"cannot list: {one_line(e)}", where=path) from None
     if os.path.splitext(fpath)[1].lower() not in FORMATS:
         raise UserError(f"unsupported file type; use one of {', '.join(FORMATS)}", where=path)
     return fs, [fpath]
@@ -225,7 +225,11 @@ def _read_json_rows(data: bytes, where: str) -> list[dict]:
     Parsed with the json module rather than pyarrow so that a row whose types differ from the
     others (a string reward, say) becomes a row-level error instead of failing the whole file.
     """
-    text = data.decode("utf-8-sig")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise UserError(f"line {line}: not UTF-8 text (byte {e.start})", where=where) from None
     if text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
@@ -246,17 +250,31 @@ def _read_json_rows(data: bytes, where: str) -> list[dict]:
     return rows
 
 
+def arrow_input(data: bytes) -> pa.BufferReader:
+    """`data` copied into arrow-owned memory, as a native input stream.
+
+    Never hand arrow a Python object to read (io.BytesIO, a Python file, or a buffer that references
+    a bytes object): arrow's reader threads then take the GIL to read or to drop their reference,
+    and a thread still doing so when the interpreter shuts down is ended by CPython with
+    pthread_exit, whose unwinding through arrow's noexcept C++ frames calls std::terminate
+    ("terminate called without an active exception", exit 134) after the command has answered.
+    """
+    sink = pa.BufferOutputStream()
+    sink.write(data)
+    return pa.BufferReader(sink.getvalue())
+
+
 def _read_table(data: bytes, kind: str, text_columns: Sequence[str] | None) -> pa.Table:
     """text_columns: CSV columns kept as text even when they look like numbers (None = all)."""
     if kind == "parquet":
-        return pq.read_table(io.BytesIO(data))
+        return pq.read_table(arrow_input(data))
     if text_columns is None:
-        with pa_csv.open_csv(io.BytesIO(data)) as reader:  # reads only the first block
+        with pa_csv.open_csv(arrow_input(data)) as reader:  # reads only the first block
             text_columns = reader.schema.names
     # Only "" is null so that "nan"/"inf" rewards parse as floats and are reported as such.
     opts = pa_csv.ConvertOptions(column_types={c: pa.string() for c in text_columns},
                                  null_values=[""], strings_can_be_null=False)
-    return pa_csv.read_csv(io.BytesIO(data), convert_options=opts)
+    return pa_csv.read_csv(arrow_input(data), convert_options=opts)
 
 
 def read_rows(fs, fpath: str, text_columns: Sequence[str] | None = ()) -> tuple[list[dict], list[str] | None]:
@@ -264,20 +282,22 @@ def read_rows(fs, fpath: str, text_columns: Sequence[str] | None = ()) -> tuple[
 
     Column names are None for a JSON file without rows: it has no schema to check.
     """
+    if fs is memory.FS:
+        return memory.rows(fpath)
     where = display_path(fs, fpath)
     kind = FORMATS[os.path.splitext(fpath)[1].lower()]
     try:
         with fs.open(fpath, "rb") as f:
             data = f.read()
     except Exception as e:
-        raise UserError(f"cannot read file: {_one_line(e)}", where=where) from None
+        raise UserError(f"cannot read file: {one_line(e)}", where=where) from None
     if kind == "json":
         rows = _read_json_rows(data, where)
         return rows, list(dict.fromkeys(k for r in rows for k in r)) if rows else None
     try:
         table = _read_table(data, kind, text_columns)
     except (pa.ArrowException, OSError, ValueError) as e:
-        raise UserError(f"cannot read {kind}: {_one_line(e)}", where=where) from None
+        raise UserError(f"cannot read {kind}: {one_line(e)}", where=where) from None
     return table.to_pylist(), table.column_names
 
 
@@ -341,8 +361,10 @@ def load_traces(path: str, opts: TraceOptions | None = None) -> tuple[Traces, Dr
     needed = (opts.prompt_column, opts.response_column, opts.reward_column)
     for fpath in files:
         where = display_path(fs, fpath)
-        rows, columns = read_rows(fs, fpath, text_columns=needed[:2])
+        rows, columns = read_rows(fs, fpath, text_columns=needed)
         require_columns(columns, needed, where)
+        if _is_csv(fpath):
+            _parse_csv_numbers(rows, opts.reward_column)
         for i, row in enumerate(rows):
             report.total_rows += 1
             reason = _drop_reason(row, i, where, opts, seen)
@@ -352,6 +374,24 @@ def load_traces(path: str, opts: TraceOptions | None = None) -> tuple[Traces, Dr
                 kept.append(_to_trace(row, opts, where, i))
     report.kept = len(kept)
     return Traces(kept, [display_path(fs, f) for f in files]), report
+
+
+def _is_csv(fpath: str) -> bool:
+    return FORMATS.get(os.path.splitext(fpath)[1].lower()) == "csv"
+
+
+def _parse_csv_numbers(rows: list[dict], column: str) -> None:
+    """CSV cells are text: read the reward column as numbers row by row, so that one text cell
+    is reported at its own row (letting arrow infer the column would make every row a string)."""
+    for row in rows:
+        value = row.get(column)
+        if isinstance(value, str) and not value.strip():
+            row[column] = None  # an empty cell: a missing reward
+        elif isinstance(value, str):
+            try:
+                row[column] = float(value)
+            except ValueError:
+                pass  # stays text: reward_problem reports this row
 
 
 def _drop_reason(row: dict, i: int, where: str, opts: TraceOptions, seen: dict) -> str | None:
@@ -380,3 +420,17 @@ def _drop_reason(row: dict, i: int, where: str, opts: TraceOptions, seen: dict) 
 
 def _key(value: Any) -> str:
     return prompt_key(normalize_messages(value) if isinstance(value, list) else value)
+
+
+# The setting that decides each drop reason, named both ways (config key / `preftune data` flag).
+_DROP_KEYS = {"duplicate": "data.duplicates / --duplicates",
+              "below_min_reward": "data.min_reward_threshold / --min-reward-threshold"}
+_INVALID_KEY = "data.invalid / --invalid"
+
+
+def no_rows_left(drops: DropReport) -> str:
+    """'; all N rows were dropped: ...' naming the settings that dropped them, or '' if rows remain."""
+    if drops.kept or not drops.total_rows:
+        return ""
+    parts = [f"{n} {reason} ({_DROP_KEYS.get(reason, _INVALID_KEY)})" for reason, n in sorted(drops.dropped.items())]
+    return f"; all {drops.total_rows} rows were dropped: " + ", ".join(parts)

@@ -1,16 +1,25 @@
 """Group-relative advantages (GRPO, DeepSeekMath arXiv:2402.03300, section 4.1.2).
 
-Rewards arrive flat, group-contiguous: rows [k*G, (k+1)*G) are the G completions of prompt k.
+Rewards arrive flat, group-contiguous: rows [k*G, (k+1)*G) are the G completions of prompt k
+(online sampling), or groups of unequal sizes (offline traces: the responses each prompt has).
 NaN marks a row with no reward (every reward function returned None): it is left out of every
 mean and std and gets advantage 0, so it neither shifts its group's baseline nor moves the policy.
+Unequal groups are padded with NaN to the largest size, which gives them exactly these semantics.
+
+This module is the one home of NaN-aware reward statistics (advantages, reward_std and
+frac_reward_zero_std, dynamic sampling's spread test, eval means).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
-SCALE_REWARDS = ("group", "batch", "none")
+from preftune.config import CHOICES
+
+SCALE_REWARDS = CHOICES["grpo.scale_rewards"]
+GroupSizes = int | Sequence[int]  # G for equal groups, or the size of each group in order
 
 
 class GroupStats(NamedTuple):
@@ -20,7 +29,7 @@ class GroupStats(NamedTuple):
     std: torch.Tensor  # Bessel-corrected std of the group's valid rewards (NaN if fewer than 2)
 
 
-def _nan_mean_std(x: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def nan_mean_std(x: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """NaN-ignoring mean and Bessel-corrected std (n - 1 divisor, as torch.std); std is NaN for n < 2."""
     valid = ~torch.isnan(x)
     n = valid.sum(dim=dim, keepdim=True).to(x.dtype)
@@ -30,31 +39,69 @@ def _nan_mean_std(x: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, torch
     return mean, std
 
 
-def _grouped(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+def nanmean(x: torch.Tensor) -> float:
+    """Mean of the non-NaN entries as a float (NaN when there are none)."""
+    return nan_mean_std(x.reshape(-1), dim=None)[0].item()
+
+
+def _grouped(rewards: torch.Tensor, sizes: GroupSizes) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(groups (n, Gmax) padded with NaN, flat index of the real rows in it or None when unpadded)."""
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D (N,), got shape {tuple(rewards.shape)}")
-    if num_generations < 1 or rewards.numel() % num_generations != 0:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of num_generations={num_generations}")
     if torch.isinf(rewards).any():
         raise ValueError("rewards must be finite (use NaN for 'no reward')")
-    return rewards.view(-1, num_generations)  # (N/G, G)
+    if isinstance(sizes, int):
+        if sizes < 1 or rewards.numel() % sizes != 0:
+            raise ValueError(f"{rewards.numel()} rewards do not split into groups of num_generations={sizes}")
+        return rewards.view(-1, sizes), None  # (N/G, G)
+    sizes = list(sizes)
+    if sum(sizes) != rewards.numel() or min(sizes, default=1) < 1:
+        raise ValueError(f"group sizes {sizes} do not cover {rewards.numel()} rewards")
+    if len(set(sizes)) <= 1:
+        return rewards.view(len(sizes), -1), None
+    width = max(sizes)
+    offsets = torch.cat([torch.arange(s, device=rewards.device) for s in sizes])  # (N,)
+    index = torch.repeat_interleave(torch.arange(len(sizes), device=rewards.device),
+                                    torch.tensor(sizes, device=rewards.device)) * width + offsets  # (N,)
+    padded = torch.full((len(sizes) * width,), torch.nan, dtype=rewards.dtype, device=rewards.device)
+    padded[index] = rewards
+    return padded.view(len(sizes), width), index  # (n, Gmax)
 
 
-def group_stats(rewards: torch.Tensor, num_generations: int) -> GroupStats:
+def _ungroup(grouped: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    flat = grouped.reshape(-1)
+    return flat if index is None else flat[index]
+
+
+def group_spread(rewards: torch.Tensor, sizes: GroupSizes) -> torch.Tensor:
+    """Bessel std of each group's valid rewards, 0 with fewer than two. -> (n_groups,)
+
+    `(group_spread(...) == 0)` marks the groups that carry no learning signal (all valid rewards
+    equal): TRL's `frac_reward_zero_std`, and the groups DAPO's dynamic sampling drops.
+    """
+    if rewards.numel() == 0:
+        return torch.zeros(0, dtype=rewards.dtype)
+    _, std = nan_mean_std(_grouped(rewards, sizes)[0], dim=1)  # (n, 1)
+    return torch.nan_to_num(std.squeeze(1), nan=0.0)
+
+
+def group_stats(rewards: torch.Tensor, num_generations: GroupSizes) -> GroupStats:
     """Mean and std of each row's group, broadcast back to rows: two (N,) tensors.
 
     A loop logs `frac_reward_zero_std` as `torch.isclose(std, 0).float().mean()`: the share of
     rows whose group carries no learning signal (all valid rewards equal).
     """
-    grouped = _grouped(rewards, num_generations)  # (N/G, G)
-    mean, std = _nan_mean_std(grouped, dim=1)  # (N/G, 1) each
-    return GroupStats(mean.expand_as(grouped).reshape(-1), std.expand_as(grouped).reshape(-1))
+    grouped, index = _grouped(rewards, num_generations)  # (n, G)
+    mean, std = nan_mean_std(grouped, dim=1)  # (n, 1) each
+    return GroupStats(_ungroup(mean.expand_as(grouped), index), _ungroup(std.expand_as(grouped), index))
 
 
 def group_advantages(
-    rewards: torch.Tensor, num_generations: int, *, scale_rewards: str = "group", eps: float = 1e-4
+    rewards: torch.Tensor, num_generations: GroupSizes, *, scale_rewards: str = "group", eps: float = 1e-4
 ) -> torch.Tensor:
     """A_i = (r_i - mean_g(i)) / (std + eps) for flat group-contiguous rewards (N,) -> (N,).
+
+    `num_generations` is G (equal groups) or the list of group sizes (offline traces).
 
     scale_rewards:
         "group": std = Bessel std of the row's group (GRPO).
@@ -67,15 +114,15 @@ def group_advantages(
     """
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"unknown scale_rewards {scale_rewards!r}; expected one of {', '.join(SCALE_REWARDS)}")
-    grouped = _grouped(rewards, num_generations)  # (N/G, G)
-    mean, group_std = _nan_mean_std(grouped, dim=1)  # (N/G, 1)
-    centred = grouped - mean  # (N/G, G)
+    grouped, index = _grouped(rewards, num_generations)  # (n, G), NaN-padded when unequal
+    mean, group_std = nan_mean_std(grouped, dim=1)  # (n, 1)
+    centred = grouped - mean  # (n, G)
     if scale_rewards == "group":
         adv = centred / (group_std + eps)
     elif scale_rewards == "batch":
-        adv = centred / (_nan_mean_std(grouped, dim=None)[1] + eps)
+        adv = centred / (nan_mean_std(grouped, dim=None)[1] + eps)
     else:
         adv = centred
     # NaN arises only from a NaN reward, or from a NaN std (< 2 valid rewards) divided into an
     # exact 0 (a lone reward is its own mean): both mean "no signal". Infinities were rejected.
-    return torch.nan_to_num(adv, nan=0.0).reshape(-1)
+    return _ungroup(torch.nan_to_num(adv, nan=0.0), index)

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+from preftune.config import CHOICES
+
+LOSS_TYPES = CHOICES["grpo.loss_type"]
+IMPORTANCE_SAMPLING_LEVELS = CHOICES["grpo.importance_sampling_level"]
 # Losses with PPO-style hard clipping of the ratio (the others gate it differently).
 _CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo")
 

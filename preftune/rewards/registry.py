@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from preftune.errors import UserError
+from preftune.data.messages import is_messages
+from preftune.errors import UserError, one_line
 from preftune.rewards.builtin import BUILTINS
 
 # Dataset columns TRL never forwards (they are passed positionally-named instead).
@@ -50,11 +51,46 @@ class RewardResult:
     names: list[str]  # F metric names, unique
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    line = text[0] if text else ""
-    line = line if len(line) <= 200 else line[:197] + "..."
-    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+# ---------------------------------------------------------------------------------------------
+# Python functions handed to preftune.train(reward_funcs=[...])
+
+CALLABLE_PREFIX = "callable:"
+CALLABLES: dict[str, Callable] = {}  # spec -> function, while train() runs
+
+
+def qualified_name(func: Callable) -> str:
+    """`module.qualname` of a function (of the wrapped one for a functools.partial, of the class for
+    a callable object): how config.yaml records it and how a resume recognises it."""
+    while isinstance(func, functools.partial):
+        func = func.func
+    target = func if hasattr(func, "__qualname__") else type(func)
+    return f"{getattr(target, '__module__', None) or '?'}.{target.__qualname__}"
+
+
+def register_callables(funcs: Sequence[Any]) -> list[str]:
+    """Replace the callables in `funcs` by `callable:<module>.<qualname>` specs (registered for
+    `load_reward_function`); strings pass through. Two different functions with one name get `#2`, `#3`."""
+    specs, named = [], {}
+    for func in funcs:
+        if isinstance(func, str) or not callable(func):
+            specs.append(func)
+            continue
+        base = spec = f"{CALLABLE_PREFIX}{qualified_name(func)}"
+        n = 1
+        while named.get(spec, func) is not func:
+            n += 1
+            spec = f"{base}#{n}"
+        named[spec] = CALLABLES[spec] = func
+        specs.append(spec)
+    return specs
+
+
+def check_callables(specs: Sequence[str] | None, key: str) -> None:
+    """Every `callable:` spec names a function handed to this preftune.train() call."""
+    for spec in specs or ():
+        if isinstance(spec, str) and spec.startswith(CALLABLE_PREFIX) and spec not in CALLABLES:
+            raise UserError(f"'{spec}' is a Python function that was handed to preftune.train(reward_funcs=...); "
+                            "pass the same function again (a command line or a config file cannot)", where=key)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,6 +109,9 @@ def load_reward_function(spec: str, *, base_dir: str | Path = ".", **builtin_opt
     spec = str(spec).strip()
     if not spec:
         raise UserError("empty reward spec", where=where)
+    if spec.startswith(CALLABLE_PREFIX):
+        check_callables([spec], where)
+        return CALLABLES[spec]
     if ":" not in spec:
         if spec not in BUILTINS:
             near = difflib.get_close_matches(spec, list(BUILTINS), n=1)
@@ -99,7 +138,7 @@ def _import_module(name: str, base_dir: Path, where: str):
         try:
             return importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 -- any import-time failure is the user's module
-            raise UserError(f"cannot import module '{name}': {_one_line(exc)}", where=where) from exc
+            raise UserError(f"cannot import module '{name}': {one_line(exc, with_type=True)}", where=where) from exc
 
 
 def _load_file(target: str, base_dir: Path, where: str):
@@ -124,7 +163,7 @@ def _load_file(target: str, base_dir: Path, where: str):
             module_spec.loader.exec_module(module)
         except Exception as exc:  # noqa: BLE001
             del sys.modules[mod_name]
-            raise UserError(f"error importing {path}: {_one_line(exc)}", where=where) from exc
+            raise UserError(f"error importing {path}: {one_line(exc, with_type=True)}", where=where) from exc
     return module
 
 
@@ -177,19 +216,10 @@ def _unique(names: list[str]) -> list[str]:
 # scoring
 
 
-def is_conversational(prompt: Any) -> bool:
-    """A chat prompt: a list of {role, content} message dicts."""
-    return (
-        isinstance(prompt, (list, tuple))
-        and len(prompt) > 0
-        and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in prompt)
-    )
-
-
 def as_completions(prompts: Sequence[Any], texts: Sequence[str]) -> list[Any]:
     """Completions in the form TRL passes to rewards: the decoded string for text prompts, or
     `[{"role": "assistant", "content": text}]` when the prompts are chat messages."""
-    if prompts and is_conversational(prompts[0]):
+    if prompts and is_messages(prompts[0]):
         return [[{"role": "assistant", "content": t}] for t in texts]
     return list(texts)
 
@@ -223,7 +253,7 @@ def _call_reward(func: Callable, name: str, args: dict) -> Any:
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 -- a failing reward is reported as the user's error
-        raise UserError(f"raised {_one_line(exc)}", where=f"reward '{name}'") from exc
+        raise UserError(f"raised {one_line(exc, with_type=True)}", where=f"reward '{name}'") from exc
 
 
 async def _await(awaitable):
@@ -298,3 +328,9 @@ def compute_rewards(
     total = (per_func * w.unsqueeze(0)).nansum(dim=1)  # (N,)
     total[torch.isnan(per_func).all(dim=1)] = torch.nan
     return RewardResult(per_func=per_func, total=total, names=names)
+
+
+def load_reward_funcs(specs: Sequence[str], grpo, base_dir: str | Path = ".") -> list[Callable]:
+    """Every reward function of a run; `grpo` (a `GRPOConfig`) configures the length-based builtins."""
+    return [load_reward_function(s, base_dir=base_dir, max_completion_length=grpo.max_completion_length,
+                                 overlong_buffer_len=grpo.overlong_buffer_len) for s in specs]

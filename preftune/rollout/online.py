@@ -9,7 +9,8 @@ from preftune.data.tokenize import PromptTruncation, encode_prompt
 from preftune.errors import UserError
 from preftune.rewards.registry import RewardState, as_completions, compute_rewards
 from preftune.rollout.sampler import Rollout, concat, left_pad, sample, select
-from preftune.rollout.scored import Scored, group_spread
+from preftune.losses.advantages import group_spread
+from preftune.rollout.scored import Scored
 
 
 def completion_texts(tokenizer, rollout: Rollout, prompts: list) -> tuple[list, list[list[int]]]:
@@ -45,7 +46,8 @@ def score(tokenizer, reward_funcs, ro: Rollout, prompts: list, columns: dict, G:
 def empty_scored(n_funcs: int) -> Scored:
     """A round with no prompts (zero rows), so every rank takes part in every round."""
     z = torch.zeros((0, 1), dtype=torch.long)
-    ro = Rollout(prompt_ids=z, prompt_mask=z, completion_ids=z, completion_mask=z, truncated=torch.zeros(0, dtype=torch.bool))
+    ro = Rollout(prompt_ids=z, prompt_mask=z, completion_ids=z, completion_mask=z,
+                 truncated=torch.zeros(0, dtype=torch.bool))
     return Scored(ro, torch.zeros((0, n_funcs)), torch.zeros(0), [], [])
 
 

@@ -4,7 +4,7 @@
 stopping criteria, cache bookkeeping). This loop does only what GRPO needs: prefill each distinct
 prompt once, copy its cache G times, then one forward per new token with the last-token logits.
 Positions come from the attention mask, so a left-padded prompt sees the same positions as an
-unpadded one, here and in the training forward pass (`train/grpo.py` uses the same rule).
+unpadded one, here and in the training forward pass (`train/logps.py` calls `positions_from_mask`).
 """
 from __future__ import annotations
 
@@ -137,7 +137,8 @@ def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id, t
 def _assemble(prompt_ids, prompt_mask, tokens, eos_id) -> Rollout:
     is_eos = tokens == eos_id  # (N, T)
     has_eos = is_eos.any(-1)  # (N,)
-    first_eos = torch.where(has_eos, is_eos.float().argmax(-1), torch.full_like(has_eos, tokens.size(1), dtype=torch.long))
+    no_eos = torch.full_like(has_eos, tokens.size(1), dtype=torch.long)  # (N,)
+    first_eos = torch.where(has_eos, is_eos.float().argmax(-1), no_eos)
     idx = torch.arange(tokens.size(1), device=tokens.device)[None]  # (1, T)
     completion_mask = (idx <= first_eos[:, None]).long()  # (N, T) includes the EOS token
     length = int(completion_mask.sum(-1).max().item()) if tokens.numel() else 0

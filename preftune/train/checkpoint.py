@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from preftune.errors import UserError
+from preftune.atomic import atomic_write
+from preftune.errors import UserError, one_line
 
 log = logging.getLogger("preftune")
 MANIFEST = "MANIFEST.json"
@@ -74,11 +75,7 @@ def content_files(folder: Path) -> list[str]:
 def write_manifest(folder: Path, step: int, files: dict | None = None) -> None:
     """MANIFEST.json, written last; `files` are entries hashed elsewhere (by each rank, in parallel)."""
     files = file_entries(folder) if files is None else dict(sorted(files.items()))
-    tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / MANIFEST)
+    atomic_write(folder / MANIFEST, json.dumps({"step": step, "files": files}, indent=1), fsync=True)
 
 
 def _safe_rel(name: str) -> bool:
@@ -184,8 +181,7 @@ def load_state(folder: Path, name: str = STATE) -> dict:
     try:
         return torch.load(folder / name, weights_only=True, map_location="cpu")
     except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{name} is not plain trainer state (refusing to unpickle it): {first[:200]}",
+        raise UserError(f"{name} is not plain trainer state (refusing to unpickle it): {one_line(e, limit=200)}",
                         where=str(folder)) from None
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from preftune.errors import UserError
-from preftune.models import load_model, resolve_model_path, save_pretrained
+from preftune.models import load_model, save_pretrained
 from preftune.train import checkpoint as ckpt
 from preftune.train import distributed as dist
 from preftune.train.resume import CONFIG_FILE, checkpoint_config
@@ -75,23 +75,24 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- save
 
-    def save(self, step: int, metrics_path: Path | None = None) -> Path:
-        """Every rank calls this at the same step; returns the published folder."""
+    def save(self, step: int, metrics_path: Path | None = None, extra: dict | None = None) -> Path:
+        """Every rank calls this at the same step; returns the published folder. `extra`: more plain
+        state for rank 0's trainer_state.pt (e.g. the trackers' run ids)."""
         if not self.dp.active:
-            folder = ckpt.save(self.root, step, lambda tmp: self._write(tmp, step, metrics_path),
+            folder = ckpt.save(self.root, step, lambda tmp: self._write(tmp, step, metrics_path, extra),
                                keep=self.cfg.save_total_limit)
         else:
-            folder = self._save_together(step, metrics_path)
+            folder = self._save_together(step, metrics_path, extra)
         if self.mirror is not None:
             self.mirror.upload(folder)  # a snapshot; the upload runs in the background
         return folder
 
-    def _save_together(self, step: int, metrics_path: Path | None) -> Path:
+    def _save_together(self, step: int, metrics_path: Path | None, extra: dict | None) -> Path:
         """All ranks write into one scratch folder; each hashes and fsyncs a share of the files; rank 0
         writes the manifest from those hashes after a barrier, then renames."""
         dp = self.dp
         tmp = Path(dp.on_main(lambda: str(ckpt.begin(self.root, step))))
-        self._write(tmp, step, metrics_path)
+        self._write(tmp, step, metrics_path, extra)
         dp.barrier()  # every rank's files are complete before anyone hashes or publishes
         names = ckpt.content_files(tmp)[dp.rank::dp.world]
         entries = ckpt.file_entries(tmp, names)
@@ -105,7 +106,7 @@ class Checkpointer:
 
         return Path(dp.on_main(publish))
 
-    def _write(self, tmp: Path, step: int, metrics_path: Path | None) -> None:
+    def _write(self, tmp: Path, step: int, metrics_path: Path | None, extra: dict | None) -> None:
         dp, model = self.dp, self.model
         if dp.sharded:
             dist.save_sharded(model, self.optimizer, tmp / SHARDS, trainable_only=is_lora(model))
@@ -121,16 +122,16 @@ class Checkpointer:
             own["optimizer"] = dist.optimizer_state(model, self.optimizer)
         self.tokenizer.save_pretrained(str(tmp))
         model.config.save_pretrained(str(tmp))
-        ckpt.save_state(tmp, {"step": step, "world_size": dp.world, **own})
+        ckpt.save_state(tmp, {"step": step, "world_size": dp.world, **own, **(extra or {})})
         (tmp / CONFIG_FILE).write_text(checkpoint_config(self.cfg))
         if metrics_path is not None and metrics_path.is_file():
             shutil.copyfile(metrics_path, tmp / METRICS)
 
     # ---------------------------------------------------------------- restore
 
-    def restore(self, folder: Path) -> int:
+    def restore(self, folder: Path) -> dict:
         """Weights, optimizer state, task state and RNGs from `folder` (any layout, any world size);
-        returns the step. Every rank calls this."""
+        returns rank 0's trainer state (step, trackers, ...). Every rank calls this."""
         state = ckpt.load_state(folder)
         saved_world = int(state.get("world_size", 1))
         if self.dp.world != saved_world:
@@ -144,7 +145,7 @@ class Checkpointer:
             load_weights(self.model, folder, self.optimizer, state.get("optimizer"))
         self.task.load_state_dict(own["task"])
         set_rng_state(own["rng"])
-        return int(state["step"])
+        return state
 
     # ---------------------------------------------------------------- final
 
@@ -171,7 +172,7 @@ class Checkpointer:
 
 def fresh_model(cfg, weights: dict):
     """A plain (unsharded, CPU) policy of `cfg` holding `weights` (whole tensors keyed by name)."""
-    model = load_model(cfg.model, resolve_model_path(cfg.model, cfg.config_dir))
+    model = load_model(cfg.model, cfg.model.name_or_path)
     check_fit(model, *model.load_state_dict(weights, strict=False), where="weights")
     return model
 

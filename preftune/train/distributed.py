@@ -263,6 +263,8 @@ def init(cfg, env=os.environ) -> Parallel:
         torch.cuda.set_device(device)
     torch.distributed.init_process_group(backend=backend, rank=rank, world_size=world,
                                          timeout=datetime.timedelta(seconds=cfg.timeout_seconds))
+    log.info("rank %d of %d (local %d): strategy %s, backend %s, device %s", rank, world, local, cfg.strategy,
+             backend, device)
     return Parallel(rank, world, local, cfg.strategy, device)
 
 

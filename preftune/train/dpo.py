@@ -2,10 +2,13 @@
 
 Reference log-probs are computed once, before the first step, with the initial policy (which *is*
 the reference), and cached in OUTPUT_DIR/ref_logps.pt keyed by a fingerprint of the model and the
-tokenised pairs; no reference model is held during training.
+tokenised pairs; no reference model is held during training (TRL's `precompute_ref_log_probs`).
+With `dpo.precompute_ref_logps: false` a frozen reference (the base under LoRA adapters) runs on
+each micro-batch instead.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -13,11 +16,13 @@ from pathlib import Path
 
 import torch
 
+from preftune.atomic import atomic_path
 from preftune.config import Config
 from preftune.data.stream import IndexStream
 from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response
 from preftune.errors import UserError
 from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
+from preftune.models import load_model
 from preftune.rollout.sampler import left_pad, right_pad
 from preftune.train.logps import completion_logps, microbatches
 
@@ -41,10 +46,9 @@ def load_pairs(cfg: Config) -> tuple[list, dict]:
     if columns and {"prompt", "chosen", "rejected"} <= set(columns):
         pairs = read_pairs(cfg.data.train)
         return pairs, {"pairs_file": len(pairs)}
-    from preftune.data.traces import load_traces
-    from preftune.train.grpo_task import trace_options
+    from preftune.data.traces import TraceOptions, load_traces
 
-    traces, drops = load_traces(cfg.data.train, trace_options(cfg))
+    traces, drops = load_traces(cfg.data.train, TraceOptions.from_config(cfg.data))
     d = cfg.data
     pairs, report = build_pairs(traces, chosen_min=d.chosen_min, rejected_max=d.rejected_max,
                                 strategy=d.pair_strategy, max_pairs_per_prompt=d.max_pairs_per_prompt,
@@ -122,34 +126,50 @@ def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int,
     logps = torch.cat(out)  # (n, 2)
     if not write_cache:
         return logps
-    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
-    torch.save({"fingerprint": key, "logps": logps}, tmp)
-    tmp.replace(cache)
+    with atomic_path(cache) as tmp:
+        torch.save({"fingerprint": key, "logps": logps}, tmp)
     return logps
 
 
+def _no_pairs_reason(report: dict) -> str:
+    """Why pairing made nothing, naming the keys that decide it (the report is not written on error)."""
+    p = report.get("pairs")
+    if p is None:
+        return f"{report.get('encoded', {}).get('prompts_dropped', 0)} dropped by data.prompt_truncation"
+    drops = report["traces"]
+    if not drops["kept"]:
+        return f"all {drops['total_rows']} trace rows were dropped ({drops['dropped']}; data.invalid, " \
+               "data.duplicates, data.min_reward_threshold)"
+    return (f"{p['prompts_seen']} prompts, {p['prompts_without_chosen']} without a chosen (data.chosen_min), "
+            f"{p['prompts_without_rejected']} without a rejected (data.rejected_max), {p['skipped_by_margin']} "
+            f"below data.min_margin, {p['skipped_identical']} with chosen == rejected")
+
+
 class DPOTask:
+    """Builds everything; the loop writes `data_report` once setup has succeeded."""
+
     def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp=None):
         from preftune.train.distributed import Parallel
-        from preftune.train.grpo_task import write_data_report
 
         self.cfg, self.d, self.device, self.dp = cfg, cfg.dpo, device, dp or Parallel()
         self.loss_types = [self.d.loss_type] if isinstance(self.d.loss_type, str) else list(self.d.loss_type)
         check_dpo_options(self.loss_types, self.d.loss_weights, self.d.beta, self.d.label_smoothing)
         pairs, report = load_pairs(cfg)
         self.encoded, stats = encode_pairs(pairs, tokenizer, cfg)
-        write_data_report(cfg.output_dir, report | {"encoded": stats})
+        self.data_report = report | {"encoded": stats}
         if not self.encoded:
-            raise UserError("no DPO pairs to train on (see data_report.json)", where=cfg.data.train)
+            raise UserError(f"no DPO pairs to train on: {_no_pairs_reason(self.data_report)}", where=cfg.data.train)
         self.pad_id = tokenizer.pad_token_id
-        self.ref = None
-        if not self.d.reference_free:
+        self.ref, self.ref_model = None, None
+        if not self.d.reference_free and self.d.precompute_ref_logps:
             # every rank computes all pairs on gathered parameters (no collective per pass); rank 0
             # writes the cache (atomically), the others read it when it is already there
             with self.dp.gathered(model):
                 self.ref = reference_logps(model, self.encoded, cfg, self.pad_id, device,
                                            write_cache=self.dp.is_main)
+        elif not self.d.reference_free:  # run on each batch: the base under LoRA, else a frozen copy
+            self.ref_model = model if cfg.model.lora.enabled else self.dp.wrap(load_model(
+                cfg.model, cfg.model.name_or_path, trainable=False))  # sharded like the policy
         self.stream = IndexStream(len(self.encoded), cfg.seed, cfg.data.shuffle)
 
     def step(self, model, step: int, stop) -> dict:
@@ -166,6 +186,9 @@ class DPOTask:
             if self.ref is not None:
                 ref = self.ref[part].to(lp.device)  # (b, 2)
                 ref_c, ref_r = ref[:, 0], ref[:, 1]
+            elif self.ref_model is not None:
+                ref = self._live_reference(model, batch)  # (2b,)
+                ref_c, ref_r = ref[:b], ref[b:]
             loss, m = dpo_loss_multi(lp[:b], lp[b:], ref_c, ref_r, loss_types=self.loss_types,
                                      loss_weights=self.d.loss_weights, beta=self.d.beta,
                                      label_smoothing=self.d.label_smoothing, chosen_lengths=lengths[:b],
@@ -177,6 +200,17 @@ class DPOTask:
             tokens += int(lengths.sum()) + 2 * sum(len(e.prompt) for e in batch)
         totals["num_tokens"] = tokens
         return self.dp.reduce_metrics(totals)
+
+    @torch.no_grad()
+    def _live_reference(self, model, batch: list[EncodedPair]) -> torch.Tensor:
+        """Summed reference log-probs (2b,), in eval mode like the precomputed ones."""
+        ref = self.ref_model
+        with ref.disable_adapter() if ref is model else contextlib.nullcontext():
+            was_training = ref.training
+            ref.eval()
+            lp, _ = sequence_logps(ref, batch, self.pad_id, self.device)
+            ref.train(was_training)
+        return lp
 
     def state_dict(self) -> dict:
         return {"stream": self.stream.state_dict()}

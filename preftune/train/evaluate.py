@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from preftune.data.tokenize import PromptTruncation
+from preftune.losses.advantages import nanmean
 from preftune.rollout.online import encode_prompts, score
 from preftune.rollout.sampler import left_pad, sample
 
@@ -27,11 +28,9 @@ def evaluate(model, tokenizer, prompt_set, reward_funcs, *, weights, max_new_tok
         names = s.names
     total = torch.cat(totals)  # (n,)
     pf = torch.cat(per_func)  # (n, F)
-    valid = ~total.isnan()
-    out = {"eval/reward": total[valid].mean().item() if valid.any() else float("nan"), "eval/num_prompts": len(total)}
+    out = {"eval/reward": nanmean(total), "eval/num_prompts": len(total)}
     for j, name in enumerate(names):
-        col = pf[:, j][~pf[:, j].isnan()]
-        out[f"eval/reward/{name}"] = col.mean().item() if col.numel() else float("nan")
+        out[f"eval/reward/{name}"] = nanmean(pf[:, j])
     return out
 
 
@@ -40,12 +39,11 @@ def build_evaluator(cfg, tokenizer):
     if not cfg.data.eval:
         return None
     from preftune.data.prompts import load_prompts
-    from preftune.rewards.registry import RewardState
-    from preftune.train.grpo_task import load_reward_funcs
+    from preftune.rewards.registry import RewardState, load_reward_funcs
 
     prompt_set = load_prompts(cfg.data.eval, prompt_column=cfg.data.prompt_column)
     specs = cfg.eval.reward_funcs or cfg.grpo.reward_funcs
-    funcs = load_reward_funcs(cfg, specs)
+    funcs = load_reward_funcs(specs, cfg.grpo, cfg.config_dir)
     weights = cfg.grpo.reward_weights if cfg.eval.reward_funcs is None else None
     truncation = PromptTruncation(cfg.data.max_prompt_length, "left")
     max_new = cfg.eval.max_new_tokens or cfg.grpo.max_completion_length

@@ -28,7 +28,7 @@ def run(args) -> int:
 
 def export(folder: Path, out: Path) -> Path:
     from preftune.config import load_config
-    from preftune.models import load_model, load_tokenizer, resolve_model_path, save_pretrained
+    from preftune.models import load_model, load_tokenizer, save_pretrained
     from preftune.train import checkpoint as ckpt
     from preftune.train import distributed as dist
     from preftune.train.checkpointer import SHARDS, is_lora, load_weights
@@ -40,7 +40,7 @@ def export(folder: Path, out: Path) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError("output folder exists and is not empty", where=str(out))
     cfg = load_config(folder / CONFIG_FILE)
-    model = load_model(cfg.model, resolve_model_path(cfg.model, cfg.config_dir))
+    model = load_model(cfg.model, cfg.model.name_or_path)
     if (folder / SHARDS).is_dir():
         dist.load_sharded(model, None, folder / SHARDS, trainable_only=is_lora(model), weights_only=True)
     else:

@@ -13,10 +13,10 @@ import torch
 
 from preftune.config import GRPOConfig
 from preftune.losses import grpo_loss
-from preftune.losses.advantages import group_advantages
+from preftune.losses.advantages import group_advantages, group_spread, nanmean
 from preftune.losses.grpo import microbatch_weight
 from preftune.rollout.sampler import Rollout
-from preftune.rollout.scored import Scored, group_spread
+from preftune.rollout.scored import Scored
 from preftune.train.logps import completion_logps, microbatches
 
 
@@ -46,9 +46,9 @@ class GRPOBatch:
 def reward_metrics(s: Scored, lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
     """Reward and completion metrics of a whole generation batch (`lengths`, `truncated`: (N,))."""
     spread = group_spread(s.total, s.group_sizes)  # (n_groups,)
-    m = {"reward": _nanmean(s.total), "reward_std": spread.mean().item() if spread.numel() else 0.0}
+    m = {"reward": nanmean(s.total), "reward_std": spread.mean().item() if spread.numel() else 0.0}
     for j, name in enumerate(s.names):
-        m[f"reward/{name}"] = _nanmean(s.per_func[:, j])
+        m[f"reward/{name}"] = nanmean(s.per_func[:, j])
     m["frac_reward_zero_std"] = (spread == 0).float().mean().item() if spread.numel() else 0.0
     m["completion_length"] = lengths.float().mean().item()
     m["completions/clipped_ratio"] = truncated.float().mean().item()
@@ -70,24 +70,6 @@ def global_view(s: Scored, dp) -> tuple[Scored, torch.Tensor, torch.Tensor, int]
     return whole, torch.cat([p[3] for p in parts]), torch.cat([p[4] for p in parts]), offset
 
 
-def _nanmean(x: torch.Tensor) -> float:
-    v = x[~x.isnan()]
-    return v.mean().item() if v.numel() else float("nan")
-
-
-def advantages(s: Scored, scale: str) -> torch.Tensor:
-    """Group-relative advantages; groups of unequal size (offline traces) are normalised one by one."""
-    sizes = s.group_sizes
-    if len(set(sizes)) == 1:
-        return group_advantages(s.total, sizes[0], scale_rewards=scale)
-    if scale == "batch":  # one std over the batch, means per group: normalise each, then rescale
-        valid = s.total[~s.total.isnan()]
-        std = valid.std() if valid.numel() >= 2 else torch.zeros(())
-        parts = [group_advantages(g, len(g), scale_rewards="none") for g in torch.split(s.total, sizes)]
-        return torch.cat(parts) / (std + 1e-4)
-    return torch.cat([group_advantages(g, len(g), scale_rewards=scale) for g in torch.split(s.total, sizes)])
-
-
 def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig, dp=None) -> GRPOBatch:
     """Advantages, old log-probs (only when the batch is reused) and reference log-probs, all on
     the policy's device (rewards are scored on the CPU; offline rollouts are built there).
@@ -100,7 +82,8 @@ def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig, dp=None) -> GRPOBatc
     device = next(model.parameters()).device
     ro = s.rollout.to(device)
     whole, lengths, truncated, offset = global_view(s, dp)
-    adv = advantages(whole, cfg.scale_rewards)[offset:offset + ro.completion_ids.size(0)]  # (N_rank,)
+    adv = group_advantages(whole.total, whole.group_sizes, scale_rewards=cfg.scale_rewards)  # (N_global,)
+    adv = adv[offset:offset + ro.completion_ids.size(0)]  # (N_rank,)
     if cfg.num_iterations > 1:
         with dp.gathered(model):
             ro.old_logps = reference_logps(model, ro, cfg)

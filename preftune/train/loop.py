@@ -9,26 +9,29 @@ function of the step, so a resumed run repeats the uninterrupted one bit for bit
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 import random
-import shutil
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from preftune.config import Config, to_yaml
+from preftune.atomic import atomic_write, copy_atomic
+from preftune.config import Config, to_dict, to_yaml
+from preftune.data.report import write_data_report
 from preftune.errors import Preempted
-from preftune.models import load_model, load_tokenizer, resolve_model_path
+from preftune.models import check_model_path, load_model, load_tokenizer
 from preftune.train import checkpoint as ckpt
 from preftune.train import distributed
 from preftune.train.checkpointer import METRICS, Checkpointer, load_weights, rng_state, set_rng_state  # noqa: F401
 from preftune.train.distributed import Parallel, SharedStop
 from preftune.train.evaluate import build_evaluator
+from preftune.train.loggers import build_trackers
 from preftune.train.metrics import MetricsLog
 from preftune.train.optim import build_optimizer, lr_at, set_lr
+from preftune.train.outdir import OutputGuard
 from preftune.train.preemption import Preemption, StepAbandoned
 from preftune.train.resume import find_resume_point
 
@@ -53,26 +56,30 @@ def build_task(cfg: Config, model, tokenizer, device, dp: Parallel | None = None
     return DPOTask(cfg, model, tokenizer, device, dp)
 
 
-def _copy_atomic(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(dst.name + ".tmp")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
-
-
 class Run:
-    def __init__(self, cfg: Config, dp: Parallel | None = None):
+    """Setup validates and builds everything (model, data, reward functions, eval set) before it
+    writes to output_dir; `train()` also guards the folder until the first step (train/outdir.py)."""
+
+    on_first_step = None  # called once the first optimizer step has been taken
+
+    def __init__(self, cfg: Config, dp: Parallel | None = None, *, callbacks=()):
         self.cfg = cfg
         self.dp = dp = dp or Parallel()
+        # called as cb(step, record) after each logged record; returning True stops the run at this step
+        self.callbacks = list(callbacks)
+        self.stop_asked = False
+        self.tracker_state: dict | None = None  # tracker run ids from the checkpoint
+        self.evaluated: int | None = None  # the step of the latest evaluation
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
         self.device = dp.device
         self.mirror = ckpt.RemoteMirror(cfg.checkpoint_uri, cfg.save_total_limit) \
             if cfg.checkpoint_uri and dp.is_main else None
         # rank 0 decides (it may set damaged checkpoints aside or download one) and tells the others
-        found = dp.on_main(lambda: self._setup_folder())
+        found = dp.on_main(lambda: find_resume_point(cfg, self.out, self.ckpt_root, self.mirror))
         self.resumed_from = Path(found) if found else None
         seed_everything(cfg.seed)
-        base_path = resolve_model_path(cfg.model, cfg.config_dir)
+        base_path = check_model_path(cfg.model.name_or_path)
         self.tokenizer = load_tokenizer(base_path, cfg.model.trust_remote_code)
         mixed = cfg.model.dtype == "bfloat16" and not cfg.model.lora.enabled
         self.model = dp.wrap(load_model(cfg.model, base_path), mixed_bf16=mixed,
@@ -83,45 +90,57 @@ class Run:
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optim)
         self.checkpointer = Checkpointer(cfg, dp, model=self.model, tokenizer=self.tokenizer,
                                          optimizer=self.optimizer, task=self.task, mirror=self.mirror)
+        if dp.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)  # everything above is validated: now write
+            ckpt.clean_stale(self.ckpt_root)
+            write_data_report(self.out, self.task.data_report)
+        dp.barrier()  # the folder exists before any rank writes into it
         self.step = 0
         if self.resumed_from is not None:
             self._restore(self.resumed_from)
         self.saved_step = self.step  # the newest state that a resume would reproduce
         self.metrics = None
-        if dp.is_main:
-            (self.out / "config.yaml").write_text(to_yaml(cfg))
-            # a fresh start drops every old record; a resume keeps those up to its checkpoint
-            self.metrics = MetricsLog(self.out, total_steps=cfg.max_steps, start_step=self.step if self.step else -1,
-                                      progress=cfg.log.progress_bar,
-                                      tensorboard="tensorboard" in cfg.log.report_to)
-
-    def _setup_folder(self) -> str | None:
-        found = find_resume_point(self.cfg, self.out, self.ckpt_root, self.mirror)
-        self.out.mkdir(parents=True, exist_ok=True)
-        ckpt.clean_stale(self.ckpt_root)
-        return str(found) if found is not None else None
+        if not dp.is_main:  # rank 0 writes metrics, reports and the progress bar
+            return
+        atomic_write(self.out / "config.yaml", to_yaml(cfg))
+        # a fresh start drops every old record; a resume keeps those up to its checkpoint
+        start = self.step if self.step else -1
+        trackers = build_trackers(cfg.log.report_to, self.out, config=to_dict(cfg), project=cfg.log.project,
+                                  run_name=cfg.log.run_name, start_step=start, state=self.tracker_state)
+        self.metrics = MetricsLog(self.out, total_steps=cfg.max_steps, start_step=start,
+                                  progress=cfg.log.progress_bar, trackers=trackers)
 
     def _restore(self, folder: Path) -> None:
-        self.step = self.checkpointer.restore(folder)
+        state = self.checkpointer.restore(folder)
+        self.step = int(state["step"])
+        self.tracker_state = state.get("trackers")
         if self.dp.is_main and (folder / METRICS).is_file():  # the records as they were at the save
-            _copy_atomic(folder / METRICS, self.out / METRICS)
+            copy_atomic(folder / METRICS, self.out / METRICS)
         log.info("resumed from %s (step %d)", folder, self.step)
 
     def _save(self) -> Path:
+        extra, path = {}, None
         if self.metrics is not None:
             self.metrics.file.flush()
-        folder = self.checkpointer.save(self.step, self.out / METRICS)
+            extra, path = {"trackers": self.metrics.state_dict()}, self.metrics.path
+        folder = self.checkpointer.save(self.step, path, extra)
         self.saved_step = self.step
         return folder
 
-    def _log(self, m: dict, **kw) -> None:
-        if self.metrics is not None:  # rank 0 writes; every rank holds the same reduced metrics
-            self.metrics.log(self.step, m, **kw)
-
     def _eval(self) -> None:
-        if self.evaluator is not None:
+        if self.evaluator is not None and self.evaluated != self.step:  # an early stop may follow an eval
             with self.dp.gathered(self.model):  # each rank evaluates the whole set; rank 0 logs it
-                self._log(self.evaluator(self.model, self.step))
+                m = self.evaluator(self.model, self.step)
+            self._log(m)
+            self.evaluated = self.step
+
+    def _log(self, m: dict, advance: bool = False) -> None:
+        if self.metrics is None:  # not rank 0: every rank holds the same reduced metrics
+            return
+        record = self.metrics.log(self.step, m, advance=advance)
+        for cb in self.callbacks:
+            if cb(self.step, {k: v for k, v in record.items() if k != "step"}) is True:
+                self.stop_asked = True
 
     def _one_step(self, stop: Preemption) -> dict:
         self.step += 1
@@ -156,14 +175,32 @@ class Run:
                 return self.run(stop)
         if self.dp.active:
             stop = SharedStop(stop, self.dp)
+        try:
+            return self._run(stop)
+        except BaseException:
+            self._close_metrics("failed")  # no-op after a preemption closed it
+            raise
+
+    def _close_metrics(self, status: str | None = None) -> None:
+        if self.metrics is not None:
+            self.metrics.close(status) if status else self.metrics.close()
+
+    def _callback_stop(self) -> bool:
+        """A callback (rank 0's) asked to stop: every rank stops at the same step."""
+        return self.dp.any(self.stop_asked) if self.dp.active else self.stop_asked
+
+    def _run(self, stop: Preemption) -> Path:
         cfg = self.cfg
         if self.resumed_from is None:
             self._eval()  # step 0; a resumed run has this record already
         stop.training()
-        while self.step < cfg.max_steps and not stop.requested:
+        while self.step < cfg.max_steps and not stop.requested and not self._callback_stop():
             m = self._try_step(stop)
             if m is None:
                 break
+            if self.on_first_step is not None:
+                self.on_first_step()
+                self.on_first_step = None
             if self.step % cfg.log.logging_steps == 0 or self.step == cfg.max_steps:
                 self._log(m, advance=True)
             elif self.metrics is not None and self.metrics.bar is not None:
@@ -174,15 +211,13 @@ class Run:
                 self._save()
         if stop.requested and self.step < cfg.max_steps:
             self._stop(stop)
+        if self._callback_stop() and self.step < cfg.max_steps and self.step != self.saved_step:
+            self._save()  # a callback stopped the run early: resumable, as after a preemption
         self._eval()
         final = self._write_final()
         self._finish_uploads(None)
         self._close_metrics()
         return final
-
-    def _close_metrics(self) -> None:
-        if self.metrics is not None:
-            self.metrics.close()
 
     def _stop(self, stop: Preemption) -> None:
         """Save (unless the newest checkpoint already is this state), flush uploads, raise Preempted."""
@@ -193,7 +228,7 @@ class Run:
         else:
             what = "nothing new since the last checkpoint" if self.step else "nothing trained yet"
         self._finish_uploads(max(0.0, stop.remaining() - UPLOAD_MARGIN_S))
-        self._close_metrics()
+        self._close_metrics("preempted")
         raise Preempted(f"preempted at step {self.step}; {what}; resume to continue")
 
     def _write_final(self) -> Path:
@@ -205,14 +240,25 @@ class Run:
                         "keeps its previous complete checkpoint)", self.cfg.checkpoint_uri, timeout or 0)
 
 
-def train(cfg: Config) -> Path:
+def train(cfg: Config, *, callbacks=()) -> Path:
     """Set up and run under one signal handler: a signal during setup stops at once (exit 75,
-    nothing to save); during training it stops at the next step boundary with a checkpoint."""
+    nothing to save); during training it stops at the next step boundary with a checkpoint.
+    The handlers in place before are restored when this returns or raises. Until the first
+    optimizer step, output_dir is guarded: an error leaves it as it was found (train/outdir.py)."""
     with Preemption(cfg.preemption_grace_seconds) as stop:
-        dp = distributed.init(cfg.distributed)
+        dp = distributed.init(cfg.distributed)  # one plain process without torchrun's environment
         try:
             dp.require_divisible({"grpo.prompts_per_step": cfg.grpo.prompts_per_step} if cfg.algorithm == "grpo"
                                  else {"dpo.batch_size": cfg.dpo.batch_size})
-            return Run(cfg, dp).run(stop)
+            # rank 0 owns output_dir: only it guards (and may roll back) the folder
+            with OutputGuard(Path(cfg.output_dir)) if dp.is_main else contextlib.nullcontext() as guard:
+                run = Run(cfg, dp, callbacks=callbacks)
+                run.on_first_step = getattr(guard, "commit", None)
+                final = run.run(stop)
+            dp.barrier()  # no rank tears the process group down while another still uses it
+            return final
+        except Preempted:  # every rank stops at the same boundary, after the same collective save
+            dp.barrier()
+            raise
         finally:
             dp.close()

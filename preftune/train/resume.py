@@ -18,7 +18,9 @@ from pathlib import Path
 import yaml
 
 from preftune.config import Config, to_dict
+from preftune.data import memory
 from preftune.errors import UserError
+from preftune.rewards.registry import CALLABLE_PREFIX
 from preftune.train import checkpoint as ckpt
 
 log = logging.getLogger("preftune")
@@ -48,9 +50,13 @@ def comparable(d: dict) -> dict:
     working directory (paths resolve beside the config file) still matches."""
     for section, key in _PATH_KEYS:
         v = d.get(section, {}).get(key)
-        if isinstance(v, str) and v and "://" not in v:
+        if isinstance(v, str) and v and "://" not in v and not memory.is_memory(v):
             d[section][key] = os.path.abspath(v)
     return d
+
+
+def _python_rewards(d: dict, key: str) -> list[str]:
+    return [s for s in _get(d, key) or () if isinstance(s, str) and s.startswith(CALLABLE_PREFIX)]
 
 
 def checkpoint_config(cfg: Config) -> str:
@@ -59,7 +65,13 @@ def checkpoint_config(cfg: Config) -> str:
 
 def config_differences(saved: dict, cfg: Config) -> list[str]:
     saved, now = comparable(saved), comparable(to_dict(cfg))
-    return [f"{k}: {_get(saved, k)!r} -> {_get(now, k)!r}" for k in MUST_MATCH if _get(saved, k) != _get(now, k)]
+    diffs = [f"{k}: {_get(saved, k)!r} -> {_get(now, k)!r}" for k in MUST_MATCH if _get(saved, k) != _get(now, k)]
+    # named rewards may change on a resume; Python functions must be handed again, the same ones
+    for key in ("grpo.reward_funcs", "eval.reward_funcs"):
+        was, then = _python_rewards(saved, key), _python_rewards(now, key)
+        if was != then:
+            diffs.append(f"{key} (Python functions): {was!r} -> {then!r}")
+    return diffs
 
 
 def check_compatible(folder: Path, cfg: Config) -> None:

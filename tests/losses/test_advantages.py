@@ -125,3 +125,26 @@ def test_matches_trl(scale):
     if scale != "batch":  # TRL's batch mode logs whether the single batch std is zero instead
         std = group_stats(rewards, 4).std
         assert torch.isclose(std, torch.zeros_like(std)).float().mean().item() == pytest.approx(frac_zero_std)
+
+
+def test_unequal_groups_equal_each_group_alone():
+    """Offline groups of different sizes: one call, the same as each group normalised by itself."""
+    from preftune.losses.advantages import group_spread, nanmean
+
+    groups = [[1.0, 0.0, 0.5], [0.2, float("nan"), 0.9], [0.3, 0.3, 0.6, 0.0, 1.0]]
+    flat = torch.tensor([r for g in groups for r in g], dtype=F64)
+    sizes = [len(g) for g in groups]
+    for scale in ("group", "none"):
+        alone = torch.cat([group_advantages(torch.tensor(g, dtype=F64), len(g), scale_rewards=scale) for g in groups])
+        torch.testing.assert_close(group_advantages(flat, sizes, scale_rewards=scale), alone, rtol=0, atol=1e-12)
+    valid = flat[~flat.isnan()]
+    centred = group_advantages(flat, sizes, scale_rewards="none")
+    torch.testing.assert_close(group_advantages(flat, sizes, scale_rewards="batch"), centred / (valid.std() + 1e-4))
+    stats = group_stats(flat, sizes)
+    assert stats.mean[3].item() == pytest.approx(0.55) and stats.std[3].item() == pytest.approx(0.7 / 2 ** 0.5)
+    spread = group_spread(flat, sizes)  # (3,)
+    assert spread[1].item() == pytest.approx(0.7 / 2 ** 0.5) and spread.shape == (3,)
+    assert group_spread(torch.tensor([1.0, 1.0, float("nan"), 2.0]), [2, 2]).tolist() == [0.0, 0.0]
+    assert nanmean(flat) == pytest.approx(valid.mean().item()) and math.isnan(nanmean(torch.tensor([float("nan")])))
+    with pytest.raises(ValueError, match="do not cover"):
+        group_advantages(flat, [3, 3])

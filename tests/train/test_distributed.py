@@ -4,12 +4,11 @@ GRPO fed identical rollouts; FSDP2 and ddp); a global batch that does not split 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from preftune.config import load_config
 from preftune.errors import EXIT_OK, EXIT_USER
 from preftune.train import loop
-from tests.train.ranks import Ranks, final_state, install_fake_sampler, metric_rows
+from tests.train.ranks import Ranks, final_state, metric_rows
 from tests.train.test_resume import data_dir, one_thread, overrides, write_config  # noqa: F401 - fixtures
 
 STEPS = 4
@@ -89,7 +88,7 @@ def test_two_ranks_train_like_one(kind, strategy, one_rank, data_dir, tmp_path):
         assert sum(v["size"] for k, v in files.items() if k.startswith("shards/")) < model_bytes / 2
     if kind == "online":  # groups were dropped and resampled, so ranks held unequal rows (idle passes)
         assert any(r["dynamic_sampling/dropped_groups"] for r in metric_rows(out))
-    assert "rank 1" in ranks.text(1)  # each rank's log lines carry its rank
+    assert " rank 1 INFO rank 1 of 2" in ranks.text(1)  # each rank's log lines carry its rank
     assert not (out / "metrics.jsonl").read_text().count('"step": 1,') > 1  # only rank 0 writes
 
 

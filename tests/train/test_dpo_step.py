@@ -181,3 +181,35 @@ def test_pairs_from_a_folder_whose_first_file_is_empty(make_config, tmp_path):
     write_jsonl(folder / "b.jsonl", arith_traces(3))
     pairs, report = load_pairs(make_config("algorithm=dpo", f"data.train={folder}"))
     assert len(pairs) == 3 and report["pairs"]["pairs_made"] == 3
+
+
+def test_reference_per_batch_equals_the_precomputed_one(make_config, traces_file, model, tokenizer):
+    """dpo.precompute_ref_logps=false: a frozen reference run on each batch gives the same step."""
+    cached = DPOTask(_cfg(make_config, traces_file), model, tokenizer, CPU)
+    live_cfg = _cfg(make_config, traces_file, "dpo.precompute_ref_logps=false",
+                    f"output_dir={cached.cfg.output_dir}-live")
+    live = DPOTask(live_cfg, model, tokenizer, CPU)
+    assert live.ref is None and live.ref_model is not None and live.ref_model is not model
+    assert not (Path(live_cfg.output_dir) / "ref_logps.pt").exists()
+    _shift(model)  # the policy moves; both references stay at the initial weights
+    g_cached, m_cached = _step(cached, model, 6)
+    g_live, m_live = _step(live, model, 3)
+    assert m_live["loss"] == pytest.approx(m_cached["loss"], rel=1e-5) and m_live["loss"] != pytest.approx(math.log(2))
+    torch.testing.assert_close(g_live, g_cached, rtol=1e-4, atol=1e-6)
+
+
+def test_reference_per_batch_with_lora_is_the_base_under_the_adapters(make_config, traces_file, tokenizer):
+    from preftune.models import load_model
+
+    cfg = _cfg(make_config, traces_file, "dpo.precompute_ref_logps=false", "model.lora.enabled=true")
+    policy = load_model(cfg.model, cfg.model.name_or_path)
+    task = DPOTask(cfg, policy, tokenizer, CPU)
+    assert task.ref_model is policy  # no second model in memory
+    _, m = _step(task, policy, 6)
+    assert m["loss"] == pytest.approx(math.log(2), abs=1e-5)  # fresh adapters are zero: policy == base
+    with torch.no_grad():  # move the adapters only: the base (the reference) stays
+        for p in policy.parameters():
+            if p.requires_grad:
+                p.add_(0.05)
+    _, m = _step(task, policy, 6)
+    assert m["loss"] != pytest.approx(math.log(2), abs=1e-3)

@@ -44,7 +44,8 @@ def small_eval(tmp_path) -> Path:
 
 def test_online_grpo_run(make_config, small_eval):
     cfg = make_config("max_steps=4", "save_steps=2", "eval.eval_steps=2", f"data.eval={small_eval}",
-                      "grpo.beta=0.04", "log.report_to=[tensorboard]", "grpo.loss_type=grpo", "optim.lr_scheduler=constant")
+                      "grpo.beta=0.04", "log.report_to=[tensorboard]", "grpo.loss_type=grpo",
+                      "optim.lr_scheduler=constant")
     run = Run(cfg)
     final = run.run()
     out = Path(cfg.output_dir)

@@ -14,7 +14,8 @@ from preftune.data.tokenize import PromptTruncation
 from preftune.rollout.online import OnlineSource
 from preftune.rollout.sampler import Rollout, left_pad, right_pad
 from preftune.rollout.scored import Scored
-from preftune.train.grpo import GRPOBatch, advantages, grpo_step, new_batch, reference_logps
+from preftune.losses.advantages import group_advantages
+from preftune.train.grpo import GRPOBatch, grpo_step, new_batch, reference_logps
 from preftune.train.logps import completion_logps
 from tests.conftest import flat_grads
 
@@ -207,6 +208,11 @@ def test_batch_state_dict_round_trip(tokenizer):
 
 
 # ---------------------------------------------------------------- advantages
+
+
+def advantages(s, scale: str):
+    """What new_batch computes: one function for equal and unequal (offline) groups."""
+    return group_advantages(s.total, s.group_sizes, scale_rewards=scale)
 
 
 def _std(xs):

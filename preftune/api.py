@@ -1,0 +1,149 @@
+"""`preftune.train()`: what `preftune train` runs, from Python, with in-memory rewards, data and callbacks.
+
+The command line is a thin layer over this function: it is called with the YAML path and the
+overrides, and maps `UserError` to exit 78 and `Preempted` to exit 75. Importing this module
+imports neither torch nor transformers; `train()` does.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from preftune.config import Config, apply_override, build_config, read_source
+from preftune.errors import UserError
+
+# A callback: cb(step, record) after each logged training step and each evaluation, with the record
+# as written to metrics.jsonl (without "step"). Returning True stops the run at this step boundary.
+Callback = Callable[[int, dict], Any]
+
+
+@dataclass
+class TrainResult:
+    """What a run produced. `metrics` is the last training record, `eval` every evaluation record
+    (step 0, every eval_steps, the last step), both as in metrics.jsonl."""
+
+    model_path: Path  # OUTPUT_DIR/final, a Hugging Face model folder
+    output_dir: Path
+    step: int  # the last optimiser step
+    metrics: dict = field(default_factory=dict)
+    eval: list[dict] = field(default_factory=list)
+    stopped_early: bool = False  # a callback stopped the run before max_steps (a checkpoint was saved)
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.output_dir / "metrics.jsonl"
+
+
+def train(config: str | Path | dict | Config, *, overrides: Sequence[str] | Mapping[str, Any] = (),
+          reward_funcs: Sequence[str | Callable] | None = None, train_data: Any = None, eval_data: Any = None,
+          callbacks: Sequence[Callback] | None = None) -> TrainResult:
+    """Train as `preftune train CONFIG KEY=VALUE...` does, and return what it produced.
+
+    config: a YAML path, a nested dict or a `Config`. overrides: `["grpo.beta=0.04", ...]` as on the
+    command line, or `{"grpo.beta": 0.04}`. reward_funcs: TRL-contract functions and/or the names the
+    config accepts; replaces `grpo.reward_funcs`. train_data / eval_data: a `datasets.Dataset`, a pandas
+    DataFrame or a list of dicts in place of `data.train` / `data.eval`. Raises `UserError` for what
+    the command line reports with exit 78 and `Preempted` after a signal-triggered checkpoint.
+    """
+    from preftune.data import memory
+    from preftune.rewards import registry
+
+    data, config_dir = read_source(config)
+    _apply_overrides(data, overrides)
+    with _scoped(memory.TABLES, registry.CALLABLES):
+        cfg = _with_objects(data, config_dir, reward_funcs, train_data, eval_data)
+        return run(cfg, callbacks=callbacks or ())
+
+
+def run(cfg: Config, *, callbacks: Sequence[Callback] = ()) -> TrainResult:
+    """Run a validated config; functions and tables it names must be registered (see `train`)."""
+    from preftune.data import memory
+    from preftune.rewards.registry import check_callables
+    from preftune.train.loop import train as train_loop
+    from preftune.train.metrics import read_records
+
+    # before anything is loaded or written: a run's config.yaml names objects only Python can hand over
+    memory.check_registered(cfg.data.train, "data.train")
+    memory.check_registered(cfg.data.eval, "data.eval")
+    check_callables(cfg.grpo.reward_funcs, "grpo.reward_funcs")
+    check_callables(cfg.eval.reward_funcs, "eval.reward_funcs")
+    with _quiet_transformers():
+        final = train_loop(cfg, callbacks=callbacks)
+    trained, evals = [], []
+    for r in read_records(final.parent / "metrics.jsonl"):
+        (evals if any(k.startswith("eval/") for k in r) else trained).append(r)
+    step = trained[-1]["step"] if trained else 0
+    return TrainResult(model_path=final, output_dir=final.parent, step=step, metrics=trained[-1] if trained else {},
+                       eval=evals, stopped_early=step < cfg.max_steps)
+
+
+def _apply_overrides(data: dict, overrides: Sequence[str] | Mapping[str, Any]) -> None:
+    if isinstance(overrides, str):
+        raise UserError(f"overrides must be a list of KEY=VALUE strings or a dict, got the string {overrides!r}")
+    if isinstance(overrides, Mapping):
+        for key, value in overrides.items():
+            node = data
+            for part in str(key).split(".")[:-1]:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise UserError(f"override '{key}': '{part}' is not a section")
+            node[str(key).split(".")[-1]] = value
+        return
+    for assignment in overrides:
+        apply_override(data, assignment)
+
+
+def _with_objects(data: dict, config_dir: str, reward_funcs, train_data, eval_data) -> Config:
+    """The config with Python objects (given as arguments or as config values) replaced by the names
+    that stand for them: `callable:<module>.<qualname>` and `in-memory:<name>@<hash>`."""
+    from preftune.data import memory
+    from preftune.rewards.registry import register_callables
+
+    if reward_funcs is not None:
+        if isinstance(reward_funcs, str) or callable(reward_funcs):
+            reward_funcs = [reward_funcs]
+        data.setdefault("grpo", {})["reward_funcs"] = list(reward_funcs)
+    for section, key in (("grpo", "reward_funcs"), ("eval", "reward_funcs")):
+        specs = (data.get(section) or {}).get(key)
+        if isinstance(specs, list):
+            data[section][key] = register_callables(specs)
+    for key, obj in (("train", train_data), ("eval", eval_data)):
+        if obj is not None:
+            data.setdefault("data", {})[key] = obj
+        value = (data.get("data") or {}).get(key)
+        if value is not None and not isinstance(value, (str, Path)):  # a table given as the config value
+            data["data"][key] = memory.register(value, f"{key}_data")
+        elif isinstance(value, Path):
+            data["data"][key] = str(value)
+    return build_config(data, config_dir)
+
+
+@contextmanager
+def _scoped(*registries: dict):
+    """Forget what gets registered in `registries` inside the block: the names stand for objects of this call only."""
+    before = [set(r) for r in registries]
+    try:
+        yield
+    finally:
+        for registry, keys in zip(registries, before):
+            for key in set(registry) - keys:
+                del registry[key]
+
+
+@contextmanager
+def _quiet_transformers():
+    """transformers' own bars (loading, writing shards) would bury the run's; its settings are put back after."""
+    from transformers.utils import logging as hf_logging
+
+    bars, level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+        hf_logging.set_verbosity(level)
