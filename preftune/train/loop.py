@@ -257,8 +257,9 @@ def train(cfg: Config, *, callbacks=()) -> Path:
                 final = run.run(stop)
             dp.barrier()  # no rank tears the process group down while another still uses it
             return final
-        except Preempted:  # every rank stops at the same boundary, after the same collective save
-            dp.barrier()
+        except Preempted:
+            if not stop.immediate:  # in training every rank stops at the same boundary, after one save;
+                dp.barrier()  # a signal during setup stops only its rank (the others fail at a collective)
             raise
         finally:
             dp.close()
