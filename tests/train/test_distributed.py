@@ -8,8 +8,9 @@ import pytest
 from preftune.config import load_config
 from preftune.errors import EXIT_OK, EXIT_USER
 from preftune.train import loop
+from preftune.train.metrics import read_records
 from tests.train.ranks import Ranks, final_state, metric_rows
-from tests.train.test_resume import data_dir, one_thread, overrides, write_config  # noqa: F401 - fixtures
+from tests.train.test_resume import data_dir, one_thread, overrides, small_eval, write_config  # noqa: F401
 
 STEPS = 4
 # per kind: an even global batch with uneven work per rank (offline groups of unequal size after
@@ -27,8 +28,10 @@ EXTRA = {
 
 
 def args(kind: str, out, data_dir, **extra) -> list[str]:
+    # offline GRPO also evaluates (greedy generation on gathered parameters, every 2 steps)
+    ev = {"data.eval": small_eval(data_dir), "eval.eval_steps": 2} if kind == "offline" else {"data.eval": "null"}
     o = {"max_steps": STEPS, "save_steps": 0, "optim.lr": 1e-3, "optim.lr_scheduler": "constant",
-         "data.eval": "null", **EXTRA[kind], **extra}
+         **ev, **EXTRA[kind], **extra}
     return overrides("dpo" if kind == "lora" else kind, out, data_dir, **o)
 
 
@@ -59,6 +62,8 @@ def assert_same_training(one, two) -> None:
     for ra, rb in zip(a, b):
         for key in ("loss", "grad_norm"):
             assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-7), (ra["step"], key)
+    evals = [[r["eval/reward"] for r in read_records(out / "metrics.jsonl") if "eval/reward" in r] for out in (one, two)]
+    assert evals[0] == evals[1]  # empty, or the same greedy eval rewards at the same steps
     wa, wb = final_state(one), final_state(two)
     assert wa.keys() == wb.keys()
     worst = max((wa[k] - wb[k]).abs().max().item() for k in wa)
@@ -78,6 +83,8 @@ def test_two_ranks_train_like_one(kind, strategy, one_rank, data_dir, tmp_path):
     codes = ranks.wait()
     assert codes == [EXIT_OK, EXIT_OK], ranks.text(0)[-3000:] + ranks.text(1)[-3000:]
     assert_same_training(one_rank(kind), out)
+    if kind == "offline":
+        assert len([r for r in read_records(out / "metrics.jsonl") if "eval/reward" in r]) == 3  # steps 0, 2, 4
     if kind == "lora":  # step checkpoints hold the adapter and its optimizer state only
         from preftune.train import checkpoint as ckpt
 
