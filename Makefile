@@ -19,9 +19,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
+# `make bench` runs the full table (preftune vs TRL); `make bench BENCH=quick` a small version
+BENCH ?= full
 bench: $(STAMP)
-	$(PY) bench/bench_grpo.py
-	$(PY) bench/bench_dpo.py
+	$(PY) bench/suite.py --size $(BENCH) --json bench-$(BENCH).json
 
 clean:
 	rm -rf runs .pytest_cache

@@ -17,48 +17,71 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 if __package__:
-    from bench.bench_grpo import (EXAMPLES, check_args, common_args, first_last, quiet_hf, quiet_trainer,
-                                  read_jsonl, read_metrics, report, run_frameworks, step_timer, summarize)
+    from bench import workload
+    from bench.bench_grpo import (check_args, common_args, finish, first_last, model_args, quiet_hf, quiet_trainer,
+                                  read_metrics, report, run_frameworks, step_timer, summarize)
 else:  # run as a script: bench/ is on sys.path
-    from bench_grpo import (EXAMPLES, check_args, common_args, first_last, quiet_hf, quiet_trainer, read_jsonl,
+    import workload
+    from bench_grpo import (check_args, common_args, finish, first_last, model_args, quiet_hf, quiet_trainer,
                             read_metrics, report, run_frameworks, step_timer, summarize)
+
+EXAMPLES = workload.EXAMPLES
 
 CHOSEN_MIN, REJECTED_MAX = 0.7, 0.5
 
 
-def synthetic_pairs(n: int = 128) -> list:
-    """a+b pairs: chosen = the right sum, rejected = a sum off by 1..3 (deterministic)."""
+def synthetic_pairs(n: int = 128, prefix: int = 0, response: int = 0) -> list:
+    """a+b pairs: chosen = the right sum, rejected = a sum off by 1..3 (deterministic); `prefix`
+    tokens of shared text before each prompt, responses lengthened to about `response` tokens."""
     from preftune.data.pairs import Pair
 
-    rows = read_jsonl(EXAMPLES / "data" / "train_prompts.jsonl")[:n]
-    return [Pair(r["input"], r["answer"], str(int(r["answer"]) + 1 + i % 3), 1.0, 0.0) for i, r in enumerate(rows)]
+    rows = workload.prompt_rows(prefix)[:n]
+    tail = (workload.FILLER * (response // len(workload.FILLER) + 1))[:max(response - 3, 0)]
+    return [Pair(r["input"], r["answer"] + tail, str(int(r["answer"]) + 1 + i % 3) + tail, 1.0, 0.0)
+            for i, r in enumerate(rows)]
 
 
-def dpo_data(traces: Path, tmp: str) -> tuple[str, list]:
-    """(the file preftune trains on, the pairs TRL trains on): traces when they exist, else synthetic pairs."""
+def dpo_data(traces: Path, tmp: str, prefix: int = 0, response: int = 0) -> tuple[str, list]:
+    """(the file preftune trains on, the pairs TRL trains on): traces when they exist (and no length
+    is asked for), else synthetic pairs."""
     from preftune.data.pairs import build_pairs, write_pairs
     from preftune.data.traces import TraceOptions, load_traces
 
-    if traces.exists():
+    if traces.exists() and not (prefix or response):
         # The example traces hold a few empty completions (an immediate EOS); preftune's default
         # data.invalid=error rejects them, so both sides drop them.
         rows, _ = load_traces(str(traces), TraceOptions(invalid="drop"))
         pairs, _ = build_pairs(rows, chosen_min=CHOSEN_MIN, rejected_max=REJECTED_MAX, strategy="best_vs_worst")
         return str(traces), pairs
-    pairs = synthetic_pairs()
+    pairs = synthetic_pairs(prefix=prefix, response=response)
     path = os.path.join(tmp, "pairs.parquet")
     write_pairs(pairs, path)
     return path, pairs
 
 
-def dpo_overrides(args, out_dir: str, train: str) -> list[str]:
+def dpo_work(args, model: Path, pairs: list) -> tuple[dict, float]:
+    """Nominal FLOPs per step by phase and response tokens per step (mean lengths of these pairs)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    sample = pairs[:64]
+    prompt = statistics.fmean(len(tok(p.prompt).input_ids) for p in sample)
+    response = statistics.fmean(len(tok(p.chosen).input_ids) + len(tok(p.rejected).input_ids) for p in sample) / 2
+    flops = workload.dpo_flops(workload.model_shape(model), pairs=args.batch, prompt=prompt, response=response)
+    return flops, 2 * args.batch * response
+
+
+def dpo_overrides(args, out_dir: str, train: str, model: Path) -> list[str]:
     return ["algorithm=dpo", f"output_dir={out_dir}", f"max_steps={args.steps}", "save_steps=0", f"seed={args.seed}",
-            f"model.name_or_path={EXAMPLES / 'model'}", f"data.train={train}", "data.invalid=drop",
+            f"model.name_or_path={model}", f"data.train={train}", "data.invalid=drop",
+            f"data.max_prompt_length={args.prompt_prefix + 64}",
+            f"dpo.max_length={args.prompt_prefix + 64 + args.response_len}",
             f"data.chosen_min={CHOSEN_MIN}", f"data.rejected_max={REJECTED_MAX}", "data.pair_strategy=best_vs_worst",
             "dpo.loss_type=sigmoid", f"dpo.beta={args.beta}", f"dpo.batch_size={args.batch}",
             f"dpo.micro_batch_size={args.batch}", f"optim.lr={args.lr}",
@@ -68,22 +91,28 @@ def dpo_overrides(args, out_dir: str, train: str) -> list[str]:
 def run_preftune_dpo(args) -> dict:
     import json
 
+    import preftune.train.dpo as dpo
     from preftune.config import load_config
     from preftune.train.loop import Run
 
+    timer = workload.PhaseTimer()
     with tempfile.TemporaryDirectory() as tmp:
-        train, _ = dpo_data(Path(args.traces), tmp)
+        model = workload.model_dir(args.model, args.model_cache or tmp)
+        train, pairs = dpo_data(Path(args.traces), tmp, args.prompt_prefix, args.response_len)
         out = os.path.join(tmp, "run")
-        run = Run(load_config(None, dpo_overrides(args, out, train)))  # reference log-probs cached here
+        run = Run(load_config(None, dpo_overrides(args, out, train, model)))  # reference log-probs cached here
+        timer.wrap(dpo, "completion_logps")
+        timer.wrap_backward()
         t0 = time.perf_counter()
         run.run()
         wall = time.perf_counter() - t0
         records = read_metrics(out)
         n_pairs = json.loads(Path(out, "data_report.json").read_text())["encoded"]["pairs"]
+        flops, tokens = dpo_work(args, model, pairs)
     result = summarize([r["step_time"] for r in records], args.warmup) | {"wall_s": wall}
     result["extra"] = {"pairs": str(n_pairs), "loss first->last": first_last([r.get("loss") for r in records]),
                        "reward acc first->last": first_last([r.get("rewards/accuracies") for r in records])}
-    return result
+    return finish(result, timer, flops, tokens, len(records))
 
 
 def run_trl_dpo(args) -> dict:
@@ -92,29 +121,35 @@ def run_trl_dpo(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    model_dir = EXAMPLES / "model"
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    timer = step_timer()
+    timer = workload.PhaseTimer()
+    step_times = step_timer()
     with tempfile.TemporaryDirectory() as tmp:
-        _, pairs = dpo_data(Path(args.traces), tmp)
+        model_path = workload.model_dir(args.model, args.model_cache or tmp)
+        tok = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        _, pairs = dpo_data(Path(args.traces), tmp, args.prompt_prefix, args.response_len)
         ds = Dataset.from_list([{"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected} for p in pairs])
         cfg = DPOConfig(
             output_dir=os.path.join(tmp, "run"), max_steps=args.steps, per_device_train_batch_size=args.batch,
             learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, beta=args.beta,
-            loss_type=["sigmoid"], precompute_ref_log_probs=True, max_length=512, max_grad_norm=1.0,
-            gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(), bf16=False, report_to="none",
-            save_strategy="no", logging_steps=1, seed=args.seed, dataloader_num_workers=0, disable_tqdm=True)
-        trainer = DPOTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[timer])
+            loss_type=["sigmoid"], precompute_ref_log_probs=True,
+            max_length=args.prompt_prefix + 64 + args.response_len,
+            max_grad_norm=1.0, gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(), bf16=False,
+            report_to="none", save_strategy="no", logging_steps=1, seed=args.seed, dataloader_num_workers=0,
+            disable_tqdm=True)
+        trainer = DPOTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[step_times])
         quiet_trainer(trainer)
+        timer.wrap(trainer, "compute_loss", "forward")
+        timer.wrap_backward()
         t0 = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - t0
+        flops, tokens = dpo_work(args, model_path, pairs)
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    result = summarize(timer.times, args.warmup) | {"wall_s": wall}
+    result = summarize(step_times.times, args.warmup) | {"wall_s": wall}
     result["extra"] = {"pairs": str(len(pairs)), "loss first->last": first_last([h["loss"] for h in logs]),
                        "reward acc first->last": first_last([h.get("rewards/accuracies") for h in logs])}
-    return result
+    return finish(result, timer, flops, tokens, len(step_times.times))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--beta", type=float, default=0.1)
     ap.add_argument("--traces", default=str(EXAMPLES / "data" / "traces.parquet"),
                     help="labeled traces to pair; when missing, synthetic a+b pairs are used")
+    ap.add_argument("--response-len", type=int, default=0,
+                    help="synthetic pairs with responses of about this many tokens (0: the traces' own)")
+    model_args(ap)
     return ap
 
 
@@ -135,9 +173,11 @@ def main(argv: list[str] | None = None) -> dict:
     quiet_hf()
     load_before = os.getloadavg()[0]
     results = run_frameworks(__file__, args, {"preftune": run_preftune_dpo, "trl": run_trl_dpo})
-    source = "traces" if Path(args.traces).exists() else "synthetic pairs"
+    source = "traces" if Path(args.traces).exists() and not (args.prompt_prefix or args.response_len) \
+        else "synthetic pairs"
     title = (f"DPO: {args.steps} steps ({args.warmup} warmup untimed), {args.batch} pairs/step from {source}, "
-             f"sigmoid, beta {args.beta:g}, lr {args.lr:g}, precomputed reference log-probs")
+             f"sigmoid, beta {args.beta:g}, lr {args.lr:g}, precomputed reference log-probs, model {args.model}, "
+             f"prompt prefix {args.prompt_prefix}, responses {args.response_len or 'as in the data'}")
     return report(title, args, results, load_before)
 
 

@@ -27,8 +27,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
+if __package__:
+    from bench import workload
+else:  # run as a script: bench/ is on sys.path
+    import workload
+
+ROOT = workload.ROOT
+EXAMPLES = workload.EXAMPLES
 FRAMEWORKS = ("preftune", "trl")
 
 # ---------------------------------------------------------------------------------------------
@@ -41,7 +46,7 @@ def summarize(step_times: list[float], warmup: int) -> dict:
     if not timed:
         raise ValueError(f"no timed steps: {len(step_times)} steps, {warmup} warmup")
     return {"timed_steps": len(timed), "median_s": statistics.median(timed), "mean_s": statistics.fmean(timed),
-            "steps_per_s": len(timed) / sum(timed)}
+            "steps_per_s": len(timed) / sum(timed), "step_times": timed}
 
 
 def first_last(values: list[float], k: int = 10) -> str:
@@ -229,35 +234,87 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> 
     return sum(rewards) / len(rewards)
 
 
-def grpo_overrides(args, out_dir: str) -> list[str]:
+def grpo_overrides(args, out_dir: str, model: Path, train: str) -> list[str]:
     return [f"output_dir={out_dir}", f"max_steps={args.steps}", "save_steps=0", f"seed={args.seed}",
+            f"model.name_or_path={model}", f"data.train={train}", f"data.max_prompt_length={args.prompt_prefix + 64}",
             "data.eval=null", "log.progress_bar=false", "log.logging_steps=1",
             f"grpo.prompts_per_step={args.prompts}", f"grpo.num_generations={args.generations}",
             f"grpo.micro_batch_size={args.prompts * args.generations}",
             f"grpo.max_completion_length={args.max_new_tokens}", "grpo.temperature=1.0",
-            "grpo.reward_funcs=[accuracy]", "grpo.loss_type=dapo", "grpo.beta=0.0",
-            f"optim.lr={args.lr}", "optim.lr_scheduler=constant"]
+            f"grpo.reward_funcs=[{reward_spec(args)}]", "grpo.loss_type=dapo", f"grpo.beta={args.beta}",
+            f"grpo.num_iterations={args.num_iterations}", f"optim.lr={args.lr}", "optim.lr_scheduler=constant"]
+
+
+def reward_spec(args) -> str:
+    return "accuracy" if args.reward == "accuracy" else f"{ROOT / 'bench' / 'workload.py'}:digit_fraction"
+
+
+def reward_func(args):
+    from preftune.rewards.builtin import accuracy
+
+    return accuracy if args.reward == "accuracy" else workload.digit_fraction
+
+
+def train_rows(args, tmp: str) -> tuple[str, list[dict]]:
+    """The prompts file preftune reads and the same rows for TRL (long shared prefix when asked)."""
+    rows = workload.prompt_rows(args.prompt_prefix)
+    path = Path(tmp) / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path), rows
+
+
+def grpo_work(args, model: Path, completion: float) -> dict:
+    """Nominal FLOPs per step by phase for these settings (see bench/workload.py)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    prompt = statistics.fmean(len(tok(r["input"]).input_ids) for r in workload.prompt_rows(args.prompt_prefix)[:64])
+    return workload.grpo_flops(workload.model_shape(model), prompts=args.prompts, G=args.generations, prompt=prompt,
+                               completion=completion, beta=args.beta, num_iterations=args.num_iterations)
+
+
+def finish(result: dict, timer, flops: dict, tokens_per_step: float, steps: int) -> dict:
+    """Throughput columns: completion tokens trained per second, nominal FLOPs per step and by phase,
+    achieved FLOP/s by phase (over all steps, nominal FLOPs / time in the phase), peak RSS."""
+    result["completion_tokens_per_s"] = tokens_per_step / result["median_s"]
+    result["flops_per_step"] = sum(flops.values())
+    result["phase_s"] = dict(timer.seconds)
+    result["phase_gflops"] = {k: steps * flops[k] / timer.seconds[k] / 1e9 for k in flops
+                              if timer.seconds.get(k) and flops[k]}
+    result["peak_rss_mb"] = workload.peak_rss_mb()
+    return result
 
 
 def run_preftune_grpo(args) -> dict:
+    import preftune.rollout.online as online
+    import preftune.train.grpo as grpo
     from preftune.config import load_config
     from preftune.train.loop import Run
 
     evals = read_jsonl(EXAMPLES / "data" / "eval_prompts.jsonl")
+    timer = workload.PhaseTimer()
     with tempfile.TemporaryDirectory() as out:
-        cfg = load_config(EXAMPLES / "grpo.yaml", grpo_overrides(args, out))
+        model = workload.model_dir(args.model, args.model_cache or out)
+        train, _ = train_rows(args, out)
+        cfg = load_config(EXAMPLES / "grpo.yaml", grpo_overrides(args, os.path.join(out, "run"), model, train))
         run = Run(cfg)
         before = greedy_accuracy(run.model, run.tokenizer, evals, args.max_new_tokens) if args.eval else None
+        timer.wrap(online, "sample", "sampling")
+        timer.wrap(grpo, "completion_logps")
+        timer.wrap_backward()
         t0 = time.perf_counter()
         run.run()
         wall = time.perf_counter() - t0
-        records = read_metrics(out)
+        records = read_metrics(os.path.join(out, "run"))
+        completion = statistics.fmean(r["completion_length"] for r in records)
+        flops = grpo_work(args, model, completion)
     result = summarize([r["step_time"] for r in records], args.warmup) | {"wall_s": wall}
     result["extra"] = {"train reward first->last": first_last([r.get("reward") for r in records])}
+    result["rows_skipped_per_step"] = statistics.fmean(r.get("rows_skipped", 0.0) for r in records)
     if args.eval:
         after = greedy_accuracy(run.model, run.tokenizer, evals, args.max_new_tokens)
         result["extra"]["eval acc before->after"] = f"{before:.2f} -> {after:.2f}"
-    return result
+    return finish(result, timer, flops, args.prompts * args.generations * completion, len(records))
 
 
 def run_trl_grpo(args) -> dict:
@@ -266,38 +323,42 @@ def run_trl_grpo(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from preftune.rewards.builtin import accuracy
-
-    model_dir = EXAMPLES / "model"
-    train = read_jsonl(EXAMPLES / "data" / "train_prompts.jsonl")
     evals = read_jsonl(EXAMPLES / "data" / "eval_prompts.jsonl")
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    before = greedy_accuracy(model, tok, evals, args.max_new_tokens) if args.eval else None
-    ds = Dataset.from_list([{"prompt": r["input"], "answer": r["answer"]} for r in train])
-    batch = args.prompts * args.generations  # TRL counts completions, not prompts
-    timer = step_timer()
+    timer = workload.PhaseTimer()
     with tempfile.TemporaryDirectory() as out:
+        model_path = workload.model_dir(args.model, args.model_cache or out)
+        _, train = train_rows(args, out)
+        tok = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        before = greedy_accuracy(model, tok, evals, args.max_new_tokens) if args.eval else None
+        ds = Dataset.from_list([{"prompt": r["input"], "answer": r["answer"]} for r in train])
+        batch = args.prompts * args.generations  # TRL counts completions, not prompts
+        step_times = step_timer()
         cfg = GRPOConfig(
-            output_dir=out, max_steps=args.steps, per_device_train_batch_size=batch, generation_batch_size=batch,
-            num_generations=args.generations, max_completion_length=args.max_new_tokens, temperature=1.0,
-            learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, beta=0.0, loss_type="dapo",
-            max_grad_norm=1.0, gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(), bf16=False,
-            report_to="none", save_strategy="no", logging_steps=1, seed=args.seed, dataloader_num_workers=0,
-            disable_tqdm=True)
-        trainer = GRPOTrainer(model=model, reward_funcs=accuracy, args=cfg, train_dataset=ds,
-                              processing_class=tok, callbacks=[timer])
+            output_dir=os.path.join(out, "run"), max_steps=args.steps, per_device_train_batch_size=batch,
+            generation_batch_size=batch, num_generations=args.generations, max_completion_length=args.max_new_tokens,
+            temperature=1.0, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, beta=args.beta,
+            num_iterations=args.num_iterations, loss_type="dapo", max_grad_norm=1.0, gradient_checkpointing=False,
+            use_cpu=not torch.cuda.is_available(), bf16=False, report_to="none", save_strategy="no", logging_steps=1,
+            seed=args.seed, dataloader_num_workers=0, disable_tqdm=True)
+        trainer = GRPOTrainer(model=model, reward_funcs=reward_func(args), args=cfg, train_dataset=ds,
+                              processing_class=tok, callbacks=[step_times])
         quiet_trainer(trainer)
+        timer.wrap(trainer, "_generate", "sampling")
+        timer.wrap(trainer, "_get_per_token_logps_and_entropies")
+        timer.wrap_backward()
         t0 = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - t0
-    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    result = summarize(timer.times, args.warmup) | {"wall_s": wall}
-    result["extra"] = {"train reward first->last": first_last(rewards)}
+        logs = [h for h in trainer.state.log_history if "reward" in h]
+        completion = statistics.fmean(h["completions/mean_length"] for h in logs)
+        flops = grpo_work(args, model_path, completion)
+    result = summarize(step_times.times, args.warmup) | {"wall_s": wall}
+    result["extra"] = {"train reward first->last": first_last([h["reward"] for h in logs])}
     if args.eval:
         after = greedy_accuracy(trainer.model, tok, evals, args.max_new_tokens)
         result["extra"]["eval acc before->after"] = f"{before:.2f} -> {after:.2f}"
-    return result
+    return finish(result, timer, flops, args.prompts * args.generations * completion, len(step_times.times))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -308,7 +369,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--eval", action="store_true", help="also held-out greedy accuracy before and after")
+    ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 runs a reference model)")
+    ap.add_argument("--num-iterations", type=int, default=1, help="optimiser steps per generation batch")
+    ap.add_argument("--reward", choices=("accuracy", "digits"), default="accuracy",
+                    help="accuracy vs the answer, or the dense digit fraction (for random-init models)")
+    model_args(ap)
     return ap
+
+
+def model_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="demo", help="demo (examples/model), rand3m (random-init ~3M) or a path")
+    ap.add_argument("--model-cache", help="folder for generated models (default: a temporary one)")
+    ap.add_argument("--prompt-prefix", type=int, default=0, help="tokens of shared text before each prompt")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -319,7 +391,8 @@ def main(argv: list[str] | None = None) -> dict:
     load_before = os.getloadavg()[0]
     results = run_frameworks(__file__, args, {"preftune": run_preftune_grpo, "trl": run_trl_grpo})
     title = (f"GRPO: {args.steps} steps ({args.warmup} warmup untimed), {args.prompts} prompts x "
-             f"{args.generations} completions, {args.max_new_tokens} new tokens, lr {args.lr:g}, beta 0, dapo")
+             f"{args.generations} completions, {args.max_new_tokens} new tokens, lr {args.lr:g}, beta {args.beta:g}, "
+             f"dapo, num_iterations {args.num_iterations}, model {args.model}, prompt prefix {args.prompt_prefix}")
     return report(title, args, results, load_before)
 
 

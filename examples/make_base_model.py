@@ -7,21 +7,25 @@ What it makes
     plain-text chat template (messages are concatenated, an assistant turn ends with <eos>, so the
     user message "12+7=" renders as "12+7=");
   - a random-init Qwen2 (hidden 128, 4 layers, 4 heads / 2 KV heads, MLP 512, 64 positions,
-    tied embeddings), supervised on the train split of examples/arith.py (loss on answer + EOS)
-    only until it *half-knows* the task: held-out greedy accuracy in [TARGET_ACC, MAX_ACC].
+    tied embeddings), supervised with preftune's own SFT (`examples/sft.yaml`, completion-only loss
+    on answer + EOS) on the train split of examples/arith.py only until it *half-knows* the task:
+    held-out greedy accuracy in [TARGET_ACC, MAX_ACC].
     RL sharpens what a base half-knows; a base that knows nothing or everything gives no signal.
     Measured with check_trl_grpo.py: a 0.24 base gained ~0 held-out, this 0.33 one +0.2..0.4;
   - examples/data/{train,eval}_prompts.jsonl with rows {"input": "12+7=", "answer": "19"}.
 
-Rerun (deterministic, one thread, ~30 s on a CPU core), from the repo root, then make_traces.py:
+Rerun (deterministic, one thread, a few minutes on a CPU core), from the repo root, then make_traces.py:
     .venv/bin/python examples/make_base_model.py
+The committed examples/model was made by an earlier version of this script with a hand-written
+SFT loop (same model, data, LR and batch size, its own batch sampling): 0.33 held-out. This version
+reaches the same band with preftune's SFT; `--out runs/base` leaves the committed model alone.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -102,22 +106,6 @@ def build_model(tok: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(config)
 
 
-def sft_batch(tok, rows: list[dict]) -> dict[str, torch.Tensor]:
-    """Right-padded batch of prompt+answer+EOS; labels mask the prompt and the padding (-100)."""
-    seqs, labels = [], []
-    for row in rows:
-        p = tok(row["input"])["input_ids"]
-        a = tok(row["answer"])["input_ids"] + [tok.eos_token_id]
-        seqs.append(p + a)
-        labels.append([-100] * len(p) + a)
-    width = max(len(s) for s in seqs)
-    pad = tok.pad_token_id
-    ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])  # (B, T)
-    lab = torch.tensor([l + [-100] * (width - len(l)) for l in labels])  # (B, T)
-    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])  # (B, T)
-    return {"input_ids": ids, "attention_mask": mask, "labels": lab}
-
-
 @torch.no_grad()
 def greedy_completions(model, tok, prompts: list[str], max_new_tokens: int = MAX_NEW_TOKENS) -> list[str]:
     """Greedy continuations (left-padded batch), decoded with special tokens kept so the
@@ -141,28 +129,34 @@ def greedy_accuracy(model, tok, rows: list[dict]) -> float:
     return sum(arith.score(c, r["answer"]) for c, r in zip(comps, rows)) / len(rows)
 
 
-def sft_until_band(model, tok, train: list[dict], evals: list[dict], seed: int = SEED) -> tuple[int, float]:
-    """AdamW on answer+EOS tokens; every EVAL_EVERY steps past MIN_STEPS, stop once held-out greedy
-    accuracy is in [TARGET_ACC, MAX_ACC]. Returns (steps, accuracy).
+def sft_until_band(init: Path, train: list[dict], work: Path) -> tuple[int, float, Path]:
+    """Supervise the random-init model with preftune's SFT (examples/sft.yaml with overrides: the
+    answer + EOS is the completion, the prompt carries no loss) on TRL prompt/completion rows, in
+    segments of EVAL_EVERY steps: each segment resumes the previous one exactly (same data order,
+    optimizer, RNG) with a larger max_steps and ends with a held-out greedy evaluation; stop at the
+    first evaluation past MIN_STEPS inside [TARGET_ACC, MAX_ACC]. Returns (steps, accuracy, model folder).
 
     Constant LR on purpose: at equal greedy accuracy, a cosine-decayed base had flatter sampling
     (fewer correct samples at temperature 1), so GRPO got less signal and gained less.
     """
-    rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    model.train()
-    for step in range(1, MAX_STEPS + 1):
-        loss = model(**sft_batch(tok, rng.sample(train, BATCH_SIZE))).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if step % EVAL_EVERY:
-            continue
-        acc = greedy_accuracy(model, tok, evals)
-        print(f"step {step:4d}  loss {loss.item():.3f}  held-out greedy acc {acc:.2f}", flush=True)
-        if step >= MIN_STEPS and TARGET_ACC <= acc <= MAX_ACC:
-            return step, acc
-        if step >= MIN_STEPS and acc > MAX_ACC:
+    from preftune.config import load_config
+    from preftune.train.loop import train as preftune_train
+
+    data = work / "sft_train.jsonl"
+    write_jsonl(data, [{"prompt": r["input"], "completion": r["answer"]} for r in train])
+    overrides = [f"model.name_or_path={init}", f"data.train={data}", f"output_dir={work / 'run'}",
+                 f"seed={SEED}", f"optim.lr={LR}", "optim.lr_scheduler=constant", "optim.max_grad_norm=0",
+                 f"sft.batch_size={BATCH_SIZE}", f"sft.micro_batch_size={BATCH_SIZE}", f"save_steps={EVAL_EVERY}",
+                 "save_total_limit=1", "log.progress_bar=false", "eval.eval_steps=0"]
+    for steps in range(MIN_STEPS, MAX_STEPS + 1, EVAL_EVERY):
+        final = preftune_train(load_config(HERE / "sft.yaml", overrides + [f"max_steps={steps}"]))
+        records = [json.loads(x) for x in (final.parent / "metrics.jsonl").read_text().splitlines()]
+        acc = [r["eval/reward"] for r in records if "eval/reward" in r][-1]
+        loss = [r["loss"] for r in records if "loss" in r][-1]
+        print(f"step {steps:4d}  loss {loss:.3f}  held-out greedy acc {acc:.2f}", flush=True)
+        if TARGET_ACC <= acc <= MAX_ACC:
+            return steps, acc, final
+        if acc > MAX_ACC:
             break
     sys.exit(f"SFT never stopped inside the band [{TARGET_ACC}, {MAX_ACC}]; retune LR/steps")
 
@@ -176,11 +170,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=HERE / "model")
     ap.add_argument("--data", type=Path, default=HERE / "data")
+    ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
     args = ap.parse_args()
 
     # One thread: the same bits on any machine (reduction order depends on the thread count), and
     # no spin-wait slowdown when the 2 cores are shared; the model is too small to gain from more.
     torch.set_num_threads(1)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a load and a save per segment: keep the log to one line each
     torch.manual_seed(SEED)
     train, evals = arith.make_split()
     write_jsonl(args.data / "train_prompts.jsonl", train)
@@ -190,12 +188,17 @@ def main() -> None:
     model = build_model(tok)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params: {n_params:,}  vocab: {len(tok)}  train/eval: {len(train)}/{len(evals)}")
-    steps, acc = sft_until_band(model, tok, train, evals)
-
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.save_pretrained(args.out, safe_serialization=True)
-    tok.padding_side = "right"
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.work or Path(tmp)
+        init = work / "init"
+        model.generation_config.pad_token_id = tok.pad_token_id
+        model.generation_config.eos_token_id = tok.eos_token_id
+        model.save_pretrained(init, safe_serialization=True)
+        tok.padding_side = "right"
+        save_tokenizer(tok, init)
+        steps, acc, final = sft_until_band(init, train, work)
+        model = Qwen2ForCausalLM.from_pretrained(final, dtype=torch.float32)  # final/ is float32 (model.dtype)
+        model.save_pretrained(args.out, safe_serialization=True)
     save_tokenizer(tok, args.out)
     print(f"saved {args.out}: {steps} SFT steps, held-out greedy accuracy {acc:.2f}, "
           f"train greedy accuracy {greedy_accuracy(model, tok, train):.2f}")

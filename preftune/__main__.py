@@ -1,6 +1,6 @@
-"""`python -m preftune` (and `torchrun -m preftune train CONFIG`): the CLI."""
-import sys
+"""`python -m preftune`: the same process as the `preftune` command."""
+import preftune.entry  # noqa: F401, I001 - first: the signal handler before any other import
 
-from preftune.cli import main
+from preftune.entry import main
 
-sys.exit(main())
+main()

@@ -1,9 +1,12 @@
-"""The `preftune` command: train | data inspect | data pairs | launch | export.
+"""The `preftune` command: train | data inspect | data pairs | eval | registry list | report | launch | export.
 
 Exit codes: 0 finished · 75 preempted, checkpoint saved, resume me · 78 config or data error
 (one line, no traceback) · 1 anything else.
 """
 from __future__ import annotations
+
+if __name__ == "__main__":  # `python -m preftune.cli`: the signal handler before any other import
+    import preftune.entry  # noqa: F401
 
 import argparse
 import json
@@ -67,8 +70,12 @@ def parser() -> argparse.ArgumentParser:
     _trace_args(pairs)
     pairs.add_argument("-o", "--output", required=True, help="output .parquet file")
     from preftune import launch
+    from preftune.evaluation.commands import add_parser as add_eval_parsers
+    from preftune.report.commands import add_parser as add_report_parser
     from preftune.train import export
 
+    add_eval_parsers(sub)  # eval, registry list: each sets args.handler
+    add_report_parser(sub)
     launch.add_parser(sub)
     export.add_parser(sub)
     return ap
@@ -96,6 +103,16 @@ def _pair_kwargs(d) -> dict:
 
 
 def _train(args) -> None:
+    from preftune.config import load_config
+    from preftune.train.completion import completed
+    from preftune.train.preemption import process_handler
+
+    done = completed(load_config(args.config, args.overrides))  # before torch: a finished run exits at once
+    if done is not None:
+        if process_handler() is not None:
+            process_handler().complete()  # a notice from here on changes nothing
+        print(f"preftune: already complete: {done}; nothing to do")
+        return
     from preftune.api import train  # the command line is a thin layer over the Python API
 
     result = train(args.config, overrides=args.overrides)
@@ -108,6 +125,11 @@ def _train(args) -> None:
 def _data(args) -> None:
     from preftune.data import commands
     from preftune.data.traces import TraceOptions
+    from preftune.train.preemption import process_handler
+
+    stop = process_handler()
+    if stop is not None:  # files may be written from here: a signal unwinds (exit 75) instead of exiting at once
+        stop.setup(stop.grace)
 
     d = _data_section(args)
     opts = TraceOptions.from_config(d)
@@ -137,18 +159,12 @@ def _main(argv: list[str] | None = None) -> int:
     rank = f" rank {os.environ['RANK']}" if "LOCAL_RANK" in os.environ and "RANK" in os.environ else ""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s" + rank + " %(levelname)s %(message)s",
                         datefmt="%H:%M:%S")
-    try:  # transformers' own progress bars (loading/writing shards) would bury ours
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except ImportError:
-        pass
     for noisy in ("httpx", "urllib3", "botocore", "s3fs", "fsspec", "aiobotocore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        if hasattr(args, "handler"):  # subcommands registered by their own modules (launch, export)
-            return args.handler(args)
+        handler = getattr(args, "handler", None)
+        if handler is not None:
+            return handler(args)
         _train(args) if args.command == "train" else _data(args)
     except UserError as e:
         print(f"preftune: error: {e}", file=sys.stderr)
@@ -163,4 +179,6 @@ def _main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from preftune.entry import finish
+
+    finish(main())

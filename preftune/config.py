@@ -100,6 +100,15 @@ class DPOConfig:
 
 
 @dataclass
+class SFTConfig:
+    min_reward: float = 0.7  # labeled traces: train on responses with final_reward >= this (rejection sampling)
+    max_length: int = 512  # prompt + completion tokens
+    batch_size: int = 16  # examples per optimiser step
+    micro_batch_size: int = 16  # examples per forward/backward
+    packing: bool = True  # several examples per row (attention kept within each) when it saves positions
+
+
+@dataclass
 class OptimConfig:
     lr: float = 1e-6
     weight_decay: float = 0.0
@@ -118,6 +127,18 @@ class EvalConfig:
     max_new_tokens: int | None = None  # None = grpo.max_completion_length
     batch_size: int = 128
     reward_funcs: list[str] | None = None  # None = grpo.reward_funcs (weighted sum)
+    num_samples: int = 1  # k > 1: also k completions per prompt at grpo.temperature (pass@k, mean@k)
+    split: float = 0.0  # without data.eval: hold out this fraction of the training prompts (by prompt hash)
+
+
+@dataclass
+class GateConfig:
+    min_reward: float | None = None  # eval/reward of the checkpoint must reach this
+    min_improvement: float | None = None  # lower confidence bound of (checkpoint - baseline) must exceed this
+    max_length_growth: float | None = None  # mean completion length ratio checkpoint / baseline at most this
+    confidence: float = 0.95  # bootstrap confidence level of the improvement's lower bound
+    bootstrap_samples: int = 2000
+    registry: str | None = None  # local path or fsspec URL of a JSONL model registry; a pass appends a record
 
 
 @dataclass
@@ -141,7 +162,7 @@ class DistributedConfig:
 
 @dataclass
 class Config:
-    algorithm: str = "grpo"  # grpo | dpo
+    algorithm: str = "grpo"  # grpo | dpo | sft
     output_dir: str = "runs/preftune"
     max_steps: int = 100
     save_steps: int = 50
@@ -155,15 +176,17 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
     log: LogConfig = field(default_factory=LogConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     config_dir: str = field(default=".", metadata={"internal": True})
 
 
 CHOICES = {
-    "algorithm": ("grpo", "dpo"),
+    "algorithm": ("grpo", "dpo", "sft"),
     "model.dtype": ("float32", "bfloat16"),
     "data.invalid": ("error", "drop"),
     "data.duplicates": ("error", "drop", "keep"),
@@ -229,6 +252,17 @@ BOUNDS = {
     "eval.eval_steps": "[0, inf)",  # 0 = only before the first and after the last step
     "eval.max_new_tokens": "[1, inf)",
     "eval.batch_size": "[1, inf)",
+    "eval.num_samples": "[1, inf)",
+    "eval.split": "[0, 1)",
+    "sft.min_reward": "(-inf, inf)",
+    "sft.max_length": "[2, inf)",  # at least one prompt and one completion token
+    "sft.batch_size": "[1, inf)",
+    "sft.micro_batch_size": "[1, inf)",
+    "gate.min_reward": "(-inf, inf)",
+    "gate.min_improvement": "(-inf, inf)",
+    "gate.max_length_growth": "(0, inf)",
+    "gate.confidence": "(0, 1)",
+    "gate.bootstrap_samples": "[1, inf)",
     "log.logging_steps": "[1, inf)",
     "distributed.timeout_seconds": "(0, inf)",
 }

@@ -40,6 +40,21 @@ def check_model_path(path: str) -> str:
     return path
 
 
+def import_model_libraries(cfg: ModelConfig) -> None:
+    """Import transformers and the model's own modeling module now (seconds: most of a restart on
+    a small model), so start-up time shows as `startup/imports` and a signal then still finds the
+    process in its start-up phase. Best effort: load_model reports any problem with the folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if cfg.trust_remote_code:
+        return
+    try:
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(cfg.name_or_path))]
+    except Exception:  # noqa: BLE001 - an unknown or missing model: load_model says what is wrong
+        pass
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 

@@ -47,6 +47,15 @@ class PromptTruncation:
         return ids[-self.max_length:]
 
 
+def fit_prompt(truncation: PromptTruncation, ids: list[int], max_length: int, where: str) -> list[int] | None:
+    """A prompt under the data.max_prompt_length policy, then cut from the left so that at least one
+    response token fits in `max_length` (prompt + response); None when the policy drops it."""
+    ids = truncation.apply(ids, where)
+    if ids is not None and len(ids) >= max_length:
+        ids, truncation.truncated = ids[-(max_length - 1):], truncation.truncated + 1
+    return ids
+
+
 def encode_prompt(tokenizer, prompt) -> list[int]:
     text = prompt_text(tokenizer, prompt)
     return tokenizer(text, add_special_tokens=not is_messages(prompt)).input_ids

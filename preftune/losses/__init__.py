@@ -1,7 +1,8 @@
 """Training losses. `dpo_loss` is imported on first use so this package stays light."""
 from preftune.losses.grpo import grpo_loss
+from preftune.losses.sft import sft_loss
 
-__all__ = ["grpo_loss", "dpo_loss"]
+__all__ = ["grpo_loss", "dpo_loss", "sft_loss"]
 
 
 def __getattr__(name: str):

@@ -140,7 +140,7 @@ def _nan_extreme(x: torch.Tensor, largest: bool) -> torch.Tensor:
     return torch.where(torch.isinf(out), torch.nan, out)
 
 
-_CLIP_KEYS = ("low_mean", "high_mean", "region_mean", "low_min", "high_max")
+CLIP_KEYS = ("low_mean", "high_mean", "region_mean", "low_min", "high_max")
 
 
 @torch.no_grad()
@@ -165,7 +165,7 @@ def _clip_metrics(
         low = torch.zeros_like(high)
     else:
         zero = mask.new_zeros(())
-        return {f"clip_ratio/{k}": zero for k in _CLIP_KEYS}
+        return {f"clip_ratio/{k}": zero for k in CLIP_KEYS}
     low, high = low.to(mask.dtype), high.to(mask.dtype)
     values = (
         _masked_mean(low, mask),
@@ -174,7 +174,7 @@ def _clip_metrics(
         _nan_extreme(_row_fractions(low, mask), largest=False),
         _nan_extreme(_row_fractions(high, mask), largest=True),
     )
-    return {f"clip_ratio/{k}": v for k, v in zip(_CLIP_KEYS, values)}
+    return {f"clip_ratio/{k}": v for k, v in zip(CLIP_KEYS, values)}
 
 
 def _validate(loss_type, importance_sampling_level, beta, ref_logps, epsilon_high, logps, advantages, mask):

@@ -28,6 +28,7 @@ import torch
 
 from preftune.data.messages import is_messages
 from preftune.errors import UserError, one_line
+from preftune.rewards import CALLABLE_PREFIX
 from preftune.rewards.builtin import BUILTINS
 
 # Dataset columns TRL never forwards (they are passed positionally-named instead).
@@ -54,7 +55,6 @@ class RewardResult:
 # ---------------------------------------------------------------------------------------------
 # Python functions handed to preftune.train(reward_funcs=[...])
 
-CALLABLE_PREFIX = "callable:"
 CALLABLES: dict[str, Callable] = {}  # spec -> function, while train() runs
 
 

@@ -2,12 +2,15 @@
 
 `generate()` spends most of a small model's step in per-token Python machinery (logits processors,
 stopping criteria, cache bookkeeping). This loop does only what GRPO needs: prefill each distinct
-prompt once, copy its cache G times, then one forward per new token with the last-token logits.
+prompt once, copy its cache G times into preallocated buffers, then one forward per new token with
+the last-token logits, a Gumbel-max draw, and one host sync per token (stop when all rows are
+done; rows that finished leave the batch once they are an eighth of it).
 Positions come from the attention mask, so a left-padded prompt sees the same positions as an
 unpadded one, here and in the training forward pass (`train/logps.py` calls `positions_from_mask`).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -107,31 +110,92 @@ def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id, t
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions_from_mask(prompt_mask),
                 use_cache=True, logits_to_keep=1, **{kw: cache})
     logits = out.logits[:, -1].float()  # (B, V)
-    if G > 1:  # prefill once per distinct prompt, then copy
-        cache.batch_repeat_interleave(G)
-        logits = logits.repeat_interleave(G, 0)  # (N, V)
-    mask = prompt_mask.repeat_interleave(G, 0)  # (N, P)
-    next_pos = mask.sum(-1, keepdim=True)  # (N, 1)
+    P = prompt_ids.size(1)
+    copies = torch.arange(prompt_ids.size(0), device=device).repeat_interleave(G)  # (N,) prompt of each row
+    # prefill once per distinct prompt, then its keys/values G times into buffers of the final length
+    cache.layers = [preallocated_layer()(layer.keys[copies], layer.values[copies], P + max_new_tokens - 1)
+                    for layer in cache.layers]
+    logits = logits[copies]  # (N, V)
     N = logits.size(0)
+    attn = torch.zeros(N, P + max_new_tokens, dtype=prompt_mask.dtype, device=device)  # (N, P+T) filled as we go
+    attn[:, :P] = prompt_mask[copies]
+    next_pos = attn.sum(-1, keepdim=True)  # (N, 1)
     tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)  # (N, T)
-    done = torch.zeros(N, dtype=torch.bool, device=device)  # (N,)
+    rows = torch.arange(N, device=device)  # (n,) the rollout row of each row still in the batch
+    done = torch.zeros(N, dtype=torch.bool, device=device)  # (n,)
     for t in range(max_new_tokens):
-        if greedy:
-            tok = logits.argmax(-1)  # (N,)
-        else:
-            probs = filter_logits(logits / temperature, top_k, top_p).softmax(-1)  # (N, V)
-            tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (N,)
-        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
-        tokens[:, t] = tok
-        done |= tok == eos_id
-        if bool(done.all()) or t == max_new_tokens - 1:
+        tok = draw(logits, temperature, top_k, top_p, greedy, generator).masked_fill(done, pad_id)  # (n,)
+        tokens[rows, t] = tok
+        attn[:, P + t] = (~done).to(attn.dtype)  # a finished row's pad is not attended to
+        done = done | (tok == eos_id)
+        if t == max_new_tokens - 1:
             break
-        mask = torch.cat([mask, (~done | (tok == eos_id)).long()[:, None]], dim=1)  # (N, P+t+1)
-        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, use_cache=True,
-                    **{kw: cache})
-        logits = out.logits[:, -1].float()
+        finished = int(done.sum())  # the one host sync per token: stop, or drop finished rows
+        if finished == done.numel():
+            break
+        if finished * 8 >= done.numel():  # compaction: finished rows leave the batch (and the cache)
+            keep = (~done).nonzero().squeeze(1)  # (n',)
+            rows, done, tok, attn, next_pos = rows[keep], done[keep], tok[keep], attn[keep], next_pos[keep]
+            cache.batch_select_indices(keep)
+        out = model(input_ids=tok[:, None], attention_mask=attn[:, :P + t + 1], position_ids=next_pos,
+                    use_cache=True, **{kw: cache})
+        logits = out.logits[:, -1].float()  # (n, V)
         next_pos = next_pos + 1
-    return _assemble(prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0), tokens, eos_id)
+    return _assemble(prompt_ids[copies], prompt_mask[copies], tokens, eos_id)
+
+
+def draw(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, greedy: bool,
+         generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row (n, V) -> (n,): argmax, or a sample by the Gumbel-max trick
+    (argmax of logits/T + Gumbel noise, noise = -log E with E ~ Exp(1)), which needs no softmax,
+    cumulative sum or multinomial."""
+    if greedy:
+        return logits.argmax(-1)
+    scores = filter_logits(logits / temperature, top_k, top_p)  # (n, V)
+    noise = torch.empty_like(scores).exponential_(generator=generator).log_()  # (n, V): -Gumbel
+    return (scores - noise).argmax(-1)
+
+
+@functools.cache
+def preallocated_layer():
+    """The class of a KV-cache layer whose keys/values live in buffers of the final length: a decode
+    step writes its column in place (a DynamicLayer concatenates, copying the whole cache per token).
+    Built on first use, so importing this module does not import transformers."""
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
+            super().__init__()
+            b, h, n, d = keys.shape
+            self.kbuf = keys.new_empty(b, h, max(capacity, n), d)  # (N, H, cap, D)
+            self.vbuf = values.new_empty(b, h, max(capacity, n), values.size(-1))
+            self.kbuf[:, :, :n], self.vbuf[:, :, :n] = keys, values
+            self.device, self.is_initialized = keys.device, True
+            self._view(n)
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            n, q = self.length, key_states.shape[-2]
+            self.kbuf[:, :, n:n + q] = key_states
+            self.vbuf[:, :, n:n + q] = value_states
+            self._view(n + q)
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices):
+            self.kbuf, self.vbuf = _select(self.kbuf, indices, self.length), _select(self.vbuf, indices, self.length)
+            self._view(self.length)
+
+        def _view(self, n):
+            self.length = n
+            self.keys, self.values = self.kbuf[:, :, :n], self.vbuf[:, :, :n]  # (n, H, L, D) views
+
+    return PreallocatedLayer
+
+
+def _select(buf: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """The rows of a cache buffer, copying only the n filled columns."""
+    out = buf.new_empty(rows.numel(), *buf.shape[1:])
+    out[:, :, :n] = buf[rows, :, :n]
+    return out
 
 
 def _assemble(prompt_ids, prompt_mask, tokens, eos_id) -> Rollout:

@@ -19,8 +19,6 @@ import shutil
 import threading
 from pathlib import Path
 
-import torch
-
 from preftune.atomic import atomic_write
 from preftune.errors import UserError, one_line
 
@@ -173,11 +171,15 @@ def finish(ckpt_root: Path, tmp: Path, step: int, *, keep: int | None = None) ->
 
 
 def save_state(folder: Path, state: dict, name: str = STATE) -> None:
+    import torch  # here, not at the top: the completion check reads manifests without torch
+
     torch.save(state, folder / name)
 
 
 def load_state(folder: Path, name: str = STATE) -> dict:
     """Trainer state, read with weights_only=True: tensors and plain containers, never arbitrary objects."""
+    import torch
+
     try:
         return torch.load(folder / name, weights_only=True, map_location="cpu")
     except (pickle.UnpicklingError, RuntimeError, EOFError) as e:

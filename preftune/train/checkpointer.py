@@ -58,6 +58,13 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def prepare_task(task, model) -> None:
+    """What a task computes from the initial weights (DPO's reference log-probs); SFT has nothing."""
+    prepare = getattr(task, "prepare", None)
+    if prepare is not None:
+        prepare(model)
+
+
 def is_lora(model) -> bool:
     return hasattr(model, "peft_config")
 
@@ -139,11 +146,14 @@ class Checkpointer:
                         "bit as it would have at %d", saved_world, self.dp.world, saved_world)
         mine = self.dp.rank % saved_world
         own = state if mine == 0 else ckpt.load_state(folder, rank_file(mine))
+        # the task state first: what it lacks, `prepare` computes from the base weights (DPO's
+        # reference log-probs of an older checkpoint), before the checkpoint's weights replace them
+        self.task.load_state_dict(own["task"])
+        prepare_task(self.task, self.model)
         if (folder / SHARDS).is_dir():
             dist.load_sharded(self.model, self.optimizer, folder / SHARDS, trainable_only=is_lora(self.model))
         else:
             load_weights(self.model, folder, self.optimizer, state.get("optimizer"))
-        self.task.load_state_dict(own["task"])
         set_rng_state(own["rng"])
         return state
 
@@ -159,6 +169,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             model = self.model if full is None else fresh_model(self.cfg, full)
             save_pretrained(model, self.tokenizer, tmp, dtype=self.cfg.model.dtype)
+            (tmp / CONFIG_FILE).write_text(checkpoint_config(self.cfg))  # with the manifest's step: "complete"
             ckpt.write_manifest(tmp, step)
             ckpt.fsync_tree(tmp)
             ckpt.publish(tmp, final)

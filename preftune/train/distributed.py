@@ -339,6 +339,9 @@ class SharedStop:
     def __init__(self, stop, dp: Parallel):
         self.stop, self.dp = stop, dp
 
+    def __getattr__(self, name: str):  # everything local (complete, setup, grace, ...) is the handler's
+        return getattr(self.stop, name)
+
     @property
     def requested(self) -> bool:
         return self.dp.any(self.stop.requested)
@@ -350,9 +353,6 @@ class SharedStop:
     @saving.setter
     def saving(self, value: bool) -> None:
         self.stop.saving = value
-
-    def training(self) -> None:
-        self.stop.training()
 
     def elapsed(self) -> float:
         return self.dp.max(self.stop.elapsed())[0]

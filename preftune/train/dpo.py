@@ -19,12 +19,12 @@ import torch
 from preftune.atomic import atomic_path
 from preftune.config import Config
 from preftune.data.stream import IndexStream
-from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response
+from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response, fit_prompt
 from preftune.errors import UserError
 from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
 from preftune.models import load_model
 from preftune.rollout.sampler import left_pad, right_pad
-from preftune.train.logps import completion_logps, microbatches
+from preftune.train.logps import completion_logps, length_buckets, microbatches
 
 log = logging.getLogger("preftune")
 
@@ -39,21 +39,24 @@ class EncodedPair:
 def load_pairs(cfg: Config) -> tuple[list, dict]:
     """A pairs file (prompt/chosen/rejected columns, TRL's format) or labeled traces paired on the fly."""
     from preftune.data.pairs import build_pairs, read_pairs
+    from preftune.data.split import drop_held_out
     from preftune.data.traces import read_rows, resolve_files
 
     fs, files = resolve_files(cfg.data.train)
     columns = next((c for c in (read_rows(fs, f)[1] for f in files) if c), None)  # first non-empty file
     if columns and {"prompt", "chosen", "rejected"} <= set(columns):
-        pairs = read_pairs(cfg.data.train)
-        return pairs, {"pairs_file": len(pairs)}
+        pairs, held_out = drop_held_out(read_pairs(cfg.data.train), cfg.eval.split)
+        return pairs, {"pairs_file": len(pairs)} | ({"held_out_pairs": held_out} if cfg.eval.split else {})
     from preftune.data.traces import TraceOptions, load_traces
 
     traces, drops = load_traces(cfg.data.train, TraceOptions.from_config(cfg.data))
+    traces, held_out = drop_held_out(list(traces), cfg.eval.split)
     d = cfg.data
     pairs, report = build_pairs(traces, chosen_min=d.chosen_min, rejected_max=d.rejected_max,
                                 strategy=d.pair_strategy, max_pairs_per_prompt=d.max_pairs_per_prompt,
                                 min_margin=d.min_margin)
-    return pairs, {"traces": drops.as_dict(), "pairs": report.as_dict()}
+    return pairs, {"traces": drops.as_dict(), "pairs": report.as_dict()} | (
+        {"held_out_rows": held_out} if cfg.eval.split else {})
 
 
 def encode_pairs(pairs, tokenizer, cfg: Config) -> tuple[list[EncodedPair], dict]:
@@ -61,11 +64,9 @@ def encode_pairs(pairs, tokenizer, cfg: Config) -> tuple[list[EncodedPair], dict
     trunc = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
     out, cut = [], 0
     for i, p in enumerate(pairs):
-        prompt = trunc.apply(encode_prompt(tokenizer, p.prompt), where=f"pair {i}")
+        prompt = fit_prompt(trunc, encode_prompt(tokenizer, p.prompt), cfg.dpo.max_length, where=f"pair {i}")
         if prompt is None:
             continue
-        if len(prompt) >= cfg.dpo.max_length:  # leave room for at least one response token
-            prompt, trunc.truncated = prompt[-(cfg.dpo.max_length - 1):], trunc.truncated + 1
         room = cfg.dpo.max_length - len(prompt)
         chosen, rejected = encode_response(tokenizer, p.chosen), encode_response(tokenizer, p.rejected)
         cut += (len(chosen) > room) + (len(rejected) > room)
@@ -76,17 +77,30 @@ def encode_pairs(pairs, tokenizer, cfg: Config) -> tuple[list[EncodedPair], dict
 
 
 def pair_tensors(batch: list[EncodedPair], pad_id: int):
-    """2b rows: the b chosen sequences, then the b rejected ones (one forward for both)."""
-    p_ids, p_mask = left_pad([e.prompt for e in batch] * 2, pad_id)  # (2b, P)
-    c_ids, c_mask = right_pad([e.chosen for e in batch] + [e.rejected for e in batch], pad_id)  # (2b, T)
+    """2b rows, pair by pair: chosen_i then rejected_i, next to each other so their one prompt is
+    computed once (the shared layout of `completion_logps`)."""
+    p_ids, p_mask = left_pad([e.prompt for e in batch for _ in (0, 1)], pad_id)  # (2b, P)
+    c_ids, c_mask = right_pad([r for e in batch for r in (e.chosen, e.rejected)], pad_id)  # (2b, T)
     return p_ids, p_mask, c_ids, c_mask
 
 
 def sequence_logps(model, batch: list[EncodedPair], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed completion log-probs (2b,) and completion lengths (2b,)."""
-    p_ids, p_mask, c_ids, c_mask = (t.to(device) for t in pair_tensors(batch, pad_id))
-    logps, _ = completion_logps(model, p_ids, p_mask, c_ids, c_mask)  # (2b, T)
-    return (logps * c_mask).sum(-1), c_mask.sum(-1)
+    """Summed completion log-probs (2b,) and completion lengths (2b,): the b chosen, then the b rejected.
+
+    Pairs of similar length run together (`length_buckets`), so little padding is computed; the
+    sums come back in the batch's order (one graph, so one backward covers every bucket)."""
+    lengths = [len(e.prompt) + max(len(e.chosen), len(e.rejected)) for e in batch]
+    sums = counts = None
+    for rows in length_buckets(lengths):
+        p_ids, p_mask, c_ids, c_mask = (t.to(device) for t in pair_tensors([batch[i] for i in rows], pad_id))
+        logps, _ = completion_logps(model, p_ids, p_mask, c_ids, c_mask)  # (2r, T)
+        idx = torch.tensor(rows, device=device)
+        if sums is None:
+            sums = logps.new_zeros(len(batch), 2)  # (b, 2): chosen, rejected
+            counts = c_mask.new_zeros(len(batch), 2)
+        sums = sums.index_copy(0, idx, (logps * c_mask).sum(-1).view(-1, 2))
+        counts = counts.index_copy(0, idx, c_mask.sum(-1).view(-1, 2))
+    return sums.t().reshape(-1), counts.t().reshape(-1)
 
 
 def _weights_signature(path: str) -> str:
@@ -160,17 +174,22 @@ class DPOTask:
         if not self.encoded:
             raise UserError(f"no DPO pairs to train on: {_no_pairs_reason(self.data_report)}", where=cfg.data.train)
         self.pad_id = tokenizer.pad_token_id
-        self.ref, self.ref_model = None, None
-        if not self.d.reference_free and self.d.precompute_ref_logps:
+        self.ref, self.ref_model = None, None  # ref (n, 2): from the checkpoint on a resume, else prepare()
+        if not self.d.reference_free and not self.d.precompute_ref_logps:
+            # run on each batch: the base under LoRA, else a frozen copy, sharded like the policy
+            self.ref_model = model if cfg.model.lora.enabled else self.dp.wrap(load_model(
+                cfg.model, cfg.model.name_or_path, trainable=False))
+        self.stream = IndexStream(len(self.encoded), cfg.seed, cfg.data.shuffle)
+
+    def prepare(self, model) -> None:
+        """The reference log-probs, with `model` still holding the initial (reference) weights,
+        unless the restored checkpoint brought them."""
+        if self.ref is None and not self.d.reference_free and self.d.precompute_ref_logps:
             # every rank computes all pairs on gathered parameters (no collective per pass); rank 0
             # writes the cache (atomically), the others read it when it is already there
             with self.dp.gathered(model):
-                self.ref = reference_logps(model, self.encoded, cfg, self.pad_id, device,
+                self.ref = reference_logps(model, self.encoded, self.cfg, self.pad_id, self.device,
                                            write_cache=self.dp.is_main)
-        elif not self.d.reference_free:  # run on each batch: the base under LoRA, else a frozen copy
-            self.ref_model = model if cfg.model.lora.enabled else self.dp.wrap(load_model(
-                cfg.model, cfg.model.name_or_path, trainable=False))  # sharded like the policy
-        self.stream = IndexStream(len(self.encoded), cfg.seed, cfg.data.shuffle)
 
     def step(self, model, step: int, stop) -> dict:
         idx = self.stream.take(self.d.batch_size)
@@ -213,7 +232,10 @@ class DPOTask:
         return lp
 
     def state_dict(self) -> dict:
-        return {"stream": self.stream.state_dict()}
+        # the reference log-probs too: a resume on a fresh node then needs no reference pass
+        return {"stream": self.stream.state_dict(), "ref": self.ref}
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state["stream"])
+        if self.d.precompute_ref_logps and state.get("ref") is not None and len(state["ref"]) == len(self.encoded):
+            self.ref = state["ref"]

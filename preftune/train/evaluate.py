@@ -1,5 +1,8 @@
-"""Held-out evaluation: greedy decoding on an eval prompt set, scored by the reward functions."""
+"""Held-out evaluation: completions for an eval prompt set (greedy, or k samples per prompt), scored by
+the reward functions; the per-prompt results and their summary (used in training and by `preftune eval`)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -9,42 +12,96 @@ from preftune.rollout.online import encode_prompts, score
 from preftune.rollout.sampler import left_pad, sample
 
 
+@dataclass
+class EvalResult:
+    names: list[str]  # reward function names
+    total: torch.Tensor  # (n, k) weighted summed reward; NaN = no function applied
+    per_func: torch.Tensor  # (n, k, F); NaN = not applicable
+    lengths: torch.Tensor  # (n, k) completion tokens (up to and including EOS)
+
+
 @torch.no_grad()
-def evaluate(model, tokenizer, prompt_set, reward_funcs, *, weights, max_new_tokens: int, batch_size: int,
-             truncation: PromptTruncation, state=None) -> dict:
-    """`eval/reward` = mean over held-out prompts of the (weighted) summed reward of the greedy completion."""
-    totals, per_func, names = [], [], []
+def generate_scored(model, tokenizer, prompt_set, reward_funcs, *, weights, max_new_tokens: int, batch_size: int,
+                    truncation: PromptTruncation, state=None, num_samples: int = 1, sampling: dict | None = None,
+                    generator: torch.Generator | None = None) -> EvalResult:
+    """Greedy (sampling None, one completion) or `num_samples` sampled completions per prompt with
+    `sampling` = {temperature, top_p, top_k} drawn from `generator` (same seed, same draws)."""
+    k = num_samples if sampling is not None else 1
+    totals, per_func, lengths, names = [], [], [], []
     for start in range(0, len(prompt_set), batch_size):
         idx = list(range(start, min(start + batch_size, len(prompt_set))))
         prompts, columns, ids = encode_prompts(tokenizer, prompt_set, idx, truncation)
         if not ids:
             continue
         p_ids, p_mask = left_pad(ids, tokenizer.pad_token_id)
-        ro = sample(model, p_ids, p_mask, num_generations=1, max_new_tokens=max_new_tokens,
-                    eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, greedy=True)
-        s = score(tokenizer, reward_funcs, ro, prompts, columns, 1, weights, state)
-        totals.append(s.total)
-        per_func.append(s.per_func)
+        device = next(model.parameters()).device
+        ro = sample(model, p_ids.to(device), p_mask.to(device), num_generations=k, max_new_tokens=max_new_tokens,
+                    eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, greedy=sampling is None,
+                    generator=generator, **(sampling or {}))
+        s = score(tokenizer, reward_funcs, ro, prompts, columns, k, weights, state)
+        totals.append(s.total.view(-1, k))
+        per_func.append(s.per_func.view(len(ids), k, -1))
+        lengths.append(ro.completion_mask.sum(-1).view(-1, k).cpu().float())
         names = s.names
-    total = torch.cat(totals)  # (n,)
-    pf = torch.cat(per_func)  # (n, F)
-    out = {"eval/reward": nanmean(total), "eval/num_prompts": len(total)}
-    for j, name in enumerate(names):
-        out[f"eval/reward/{name}"] = nanmean(pf[:, j])
+    return EvalResult(list(names), torch.cat(totals), torch.cat(per_func), torch.cat(lengths))
+
+
+def summarize(r: EvalResult, prefix: str = "eval/") -> dict:
+    """Mean reward, per function, mean completion length; with k > 1 samples, pass@k and mean@k of
+    every 0/1 reward (the total and each function)."""
+    from preftune.evaluation.stats import is_binary, pass_and_mean_at_k
+
+    out = {f"{prefix}reward": nanmean(r.total), f"{prefix}num_prompts": r.total.size(0),
+           f"{prefix}completion_length": r.lengths.mean().item()}
+    for j, name in enumerate(r.names):
+        out[f"{prefix}reward/{name}"] = nanmean(r.per_func[..., j])
+    k = r.total.size(1)
+    if k > 1:
+        series = [("", r.total)] + [(f"/{n}", r.per_func[..., j]) for j, n in enumerate(r.names)]
+        for suffix, x in series:
+            if is_binary(x):
+                out[f"{prefix}pass@{k}{suffix}"], out[f"{prefix}mean@{k}{suffix}"] = pass_and_mean_at_k(x, k)
     return out
 
 
-def build_evaluator(cfg, tokenizer):
-    """A callable (model, step) -> eval metrics, or None when the config names no eval prompt set."""
-    if not cfg.data.eval:
-        return None
-    from preftune.data.prompts import load_prompts
-    from preftune.rewards.registry import RewardState, load_reward_funcs
+def evaluate(model, tokenizer, prompt_set, reward_funcs, *, weights, max_new_tokens: int, batch_size: int,
+             truncation: PromptTruncation, state=None) -> dict:
+    """`eval/reward` = mean over held-out prompts of the (weighted) summed reward of the greedy completion."""
+    return summarize(generate_scored(model, tokenizer, prompt_set, reward_funcs, weights=weights,
+                                     max_new_tokens=max_new_tokens, batch_size=batch_size, truncation=truncation,
+                                     state=state))
 
-    prompt_set = load_prompts(cfg.data.eval, prompt_column=cfg.data.prompt_column)
-    specs = cfg.eval.reward_funcs or cfg.grpo.reward_funcs
-    funcs = load_reward_funcs(specs, cfg.grpo, cfg.config_dir)
-    weights = cfg.grpo.reward_weights if cfg.eval.reward_funcs is None else None
+
+def eval_prompt_set(cfg):
+    """data.eval, else with eval.split the held-out prompts of data.train, else None."""
+    from preftune.data.prompts import load_prompts
+
+    if cfg.data.eval:
+        return load_prompts(cfg.data.eval, prompt_column=cfg.data.prompt_column)
+    if cfg.eval.split:
+        from preftune.data.split import held_out_prompts
+        from preftune.data.traces import TraceOptions
+
+        return held_out_prompts(cfg.data.train, cfg.eval.split, TraceOptions.from_config(cfg.data))
+    return None
+
+
+def eval_reward_funcs(cfg) -> tuple[list, list | None]:
+    """(functions, weights): eval.reward_funcs unweighted, or grpo.reward_funcs with grpo.reward_weights."""
+    from preftune.rewards.registry import load_reward_funcs
+
+    funcs = load_reward_funcs(cfg.eval.reward_funcs or cfg.grpo.reward_funcs, cfg.grpo, cfg.config_dir)
+    return funcs, cfg.grpo.reward_weights if cfg.eval.reward_funcs is None else None
+
+
+def build_evaluator(cfg, tokenizer):
+    """A callable (model, step) -> eval metrics, or None when the config has no held-out prompts."""
+    prompt_set = eval_prompt_set(cfg)
+    if prompt_set is None:
+        return None
+    from preftune.rewards.registry import RewardState
+
+    funcs, weights = eval_reward_funcs(cfg)
     truncation = PromptTruncation(cfg.data.max_prompt_length, "left")
     max_new = cfg.eval.max_new_tokens or cfg.grpo.max_completion_length
 

@@ -14,7 +14,7 @@ import torch
 from preftune.config import GRPOConfig
 from preftune.losses import grpo_loss
 from preftune.losses.advantages import group_advantages, group_spread, nanmean
-from preftune.losses.grpo import microbatch_weight
+from preftune.losses.grpo import CLIP_KEYS, microbatch_weight
 from preftune.rollout.sampler import Rollout
 from preftune.rollout.scored import Scored
 from preftune.train.logps import completion_logps, microbatches
@@ -109,13 +109,30 @@ def reference_logps(model, rollout: Rollout, cfg: GRPOConfig, *, without_adapter
     return torch.cat(out)  # (N, T)
 
 
+def trained_rows(advantages: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor | None:
+    """Rows whose forward/backward can move the policy (N',), or None for all of them.
+
+    A row without counted tokens adds nothing to any loss. With beta = 0 every row's term is its
+    advantage times a factor (each loss type, both ratio levels), so a row with advantage exactly
+    0 has zero loss and gradient too. Both are skipped; the normalisers stay the whole batch's
+    (`microbatch_weight` with the kept rows and the batch's N and token count), so the update is
+    the same. One host sync: the row list."""
+    live = mask.sum(1) > 0  # (N,)
+    if beta == 0:
+        live &= advantages != 0
+    keep = live.nonzero().squeeze(1)  # (N',)
+    return None if keep.numel() == live.numel() else keep
+
+
 def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=None) -> dict:
     """Forward/backward over micro-batches of one generation batch; the caller steps the optimizer.
 
     Each micro-batch loss is weighted so the summed gradient equals one pass over the whole batch
-    (`microbatch_weight`), and dapo's normaliser is the whole batch's token count. With data
-    parallel, "the whole batch" is every rank's rows: N and the token count are global, so the
-    gradients summed over ranks equal one pass over the global batch (tested 2 ranks vs 1).
+    (`microbatch_weight`), and dapo's normaliser is the whole batch's token count (`batch_tokens`,
+    `batch_seqs`: the normalisers, whatever rows are skipped). Rows that cannot move the policy
+    are left out (`trained_rows`); `rows_skipped` counts them and `entropy` is over the rows run.
+    With data parallel, "the whole batch" is every rank's rows: the normalisers are global counts,
+    so the gradients summed over ranks equal one pass over the global batch (tested 2 ranks vs 1).
     """
     from preftune.train.distributed import Parallel
 
@@ -124,42 +141,47 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
     mask = ro.completion_mask.float()  # (N, T)
     if cfg.mask_truncated_completions:
         mask = mask * (~ro.truncated).float()[:, None]
-    N, batch_tokens = dp.sum(mask.size(0), mask.sum().item())  # global sequences and tokens
-    N = int(N)
-    slices = list(microbatches(mask.size(0), cfg.micro_batch_size))
+    batch_seqs, batch_tokens = dp.sum(mask.size(0), mask.sum().item())  # global sequences and tokens
+    batch_seqs = int(batch_seqs)
+    keep = trained_rows(batch.advantages, mask, cfg.beta)
+    pick = (lambda t: t) if keep is None else (lambda t: t.index_select(0, keep))  # noqa: E731
+    ro_ids, ro_pmask, ro_cids, ro_cmask = (pick(t) for t in (ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
+                                                               ro.completion_mask))
+    batch_mask, mask, adv = mask, pick(mask), pick(batch.advantages)
+    old_all = None if ro.old_logps is None else pick(ro.old_logps)
+    ref_all = None if batch.ref_logps is None else pick(batch.ref_logps)
     totals: dict[str, float] = {}
-    ent_sum = 0.0
+    ent_sum, run_tokens = 0.0, dp.sum(mask.sum().item())[0]
+    slices = list(microbatches(mask.size(0), cfg.micro_batch_size))
     for _ in range(int(dp.max(len(slices))[0]) - len(slices)):  # FSDP: every rank runs as many passes
         check()
         idle_pass(model, ro)
     for sl in slices:
         check()  # preemption: may abandon the step between micro-batches
-        logps, entropy = completion_logps(model, ro.prompt_ids[sl], ro.prompt_mask[sl], ro.completion_ids[sl],
-                                          ro.completion_mask[sl], temperature=cfg.temperature, with_entropy=True)
-        old = None if ro.old_logps is None else ro.old_logps[sl]
-        ref = None if batch.ref_logps is None else batch.ref_logps[sl]
-        loss, m = grpo_loss(logps, old, ref, batch.advantages[sl], mask[sl], loss_type=cfg.loss_type,
-                            beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, delta=cfg.delta,
+        logps, entropy = completion_logps(model, ro_ids[sl], ro_pmask[sl], ro_cids[sl], ro_cmask[sl],
+                                          temperature=cfg.temperature, with_entropy=True)
+        loss, m = grpo_loss(logps, None if old_all is None else old_all[sl], None if ref_all is None else ref_all[sl],
+                            adv[sl], mask[sl], loss_type=cfg.loss_type, beta=cfg.beta, epsilon=cfg.epsilon,
+                            epsilon_high=cfg.epsilon_high, delta=cfg.delta,
                             importance_sampling_level=cfg.importance_sampling_level,
                             max_completion_length=cfg.max_completion_length, num_items=batch_tokens,
                             kl_ratio_correction=cfg.use_bias_correction_kl)
-        w = microbatch_weight(cfg.loss_type, mask[sl], batch_seqs=N, batch_tokens=batch_tokens)
+        w = microbatch_weight(cfg.loss_type, mask[sl], batch_seqs=batch_seqs, batch_tokens=batch_tokens)
         (loss * w).backward()
-        share = mask[sl].sum().item() / max(batch_tokens, 1.0)  # token share, for averaging metrics
-        # GSPO's clip ratios are means over sequences, so they combine by row share instead
-        row_share = (sl.stop - sl.start) / N
-        totals["loss"] = totals.get("loss", 0.0) + loss.item() * w
-        for k, v in m.items():
-            if isinstance(v, float) and math.isnan(v):
-                continue
-            if k.endswith("_min") or k.endswith("_max"):  # extremes combine by min/max, not by averaging
-                pick = min if k.endswith("_min") else max
-                totals[k] = pick(totals[k], v) if k in totals else v
-            else:
-                by_rows = cfg.importance_sampling_level == "sequence" and k.startswith("clip_ratio/")
-                totals[k] = totals.get(k, 0.0) + v * (row_share if by_rows else share)
+        _accumulate(totals, m, loss.item() * w, token_share=mask[sl].sum().item() / max(batch_tokens, 1.0),
+                    row_share=(sl.stop - sl.start) / batch_seqs,
+                    by_rows=cfg.importance_sampling_level == "sequence")
         ent_sum += (entropy * mask[sl]).sum().item()
-    totals["entropy"] = ent_sum / max(batch_tokens, 1.0)
+    skipped = batch_mask.size(0) - mask.size(0)
+    if skipped:
+        _zero_missing_grads(model)  # every row skipped: the optimiser still steps on zeros, as without skipping
+        for k in ("loss", "kl", *(f"clip_ratio/{c}" for c in CLIP_KEYS)):  # nothing ran: zero loss, no clipping
+            totals.setdefault(k, 0.0)
+        if cfg.beta == 0 and skipped > int((batch_mask.sum(1) == 0).sum()):
+            # some skipped row has tokens, and is never clipped: its per-row fraction is 0
+            totals["clip_ratio/low_min"] = min(totals["clip_ratio/low_min"], 0.0)
+    totals["entropy"] = ent_sum / max(run_tokens, 1.0)
+    totals["rows_skipped"] = float(skipped)
     return dp.reduce_metrics(totals)
 
 
@@ -169,3 +191,24 @@ def idle_pass(model, ro: Rollout) -> None:
     one = torch.ones((1, 1), dtype=ro.prompt_ids.dtype, device=ro.prompt_ids.device)
     logps, _ = completion_logps(model, one, one, one, one)
     (logps.sum() * 0.0).backward()
+
+
+def _accumulate(totals: dict, m: dict, loss: float, *, token_share: float, row_share: float, by_rows: bool) -> None:
+    """Fold one micro-batch's metrics into the batch's: token means by token share (GSPO's clip
+    ratios, means over sequences, by row share), extremes by min/max, the loss by its weight."""
+    totals["loss"] = totals.get("loss", 0.0) + loss
+    for k, v in m.items():
+        if isinstance(v, float) and math.isnan(v):
+            continue
+        if k.endswith("_min") or k.endswith("_max"):  # extremes combine by min/max, not by averaging
+            pick = min if k.endswith("_min") else max
+            totals[k] = pick(totals[k], v) if k in totals else v
+        else:
+            rows = by_rows and k.startswith("clip_ratio/")
+            totals[k] = totals.get(k, 0.0) + v * (row_share if rows else token_share)
+
+
+def _zero_missing_grads(model) -> None:
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)

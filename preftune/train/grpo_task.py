@@ -37,19 +37,28 @@ class GRPOTask:
             from preftune.rollout.online import OnlineSource
 
             prompts = load_prompts(cfg.data.train, prompt_column=cfg.data.prompt_column)
+            held_out = {}
+            if cfg.eval.split:  # the held-out prompts are for evaluation only
+                from preftune.data.split import split_prompt_set
+
+                n, prompts = len(prompts), split_prompt_set(prompts, cfg.eval.split, held_out=False)
+                held_out = {"held_out_prompts": n - len(prompts)}
             funcs = load_reward_funcs(self.g.reward_funcs, self.g, cfg.config_dir)
             self.source = OnlineSource(self.g, tokenizer, prompts, funcs, device=device, dp=self.dp, **common)
             self.source.state.max_steps = cfg.max_steps  # what TRL's trainer_state.max_steps tells reward functions
-            self.data_report = {"prompts": len(prompts)}
+            self.data_report = {"prompts": len(prompts)} | held_out
             texts = prompts.prompts
         else:
             from preftune.data.groups import build_groups
+            from preftune.data.split import drop_held_out
             from preftune.data.traces import TraceOptions, load_traces, no_rows_left
             from preftune.rollout.offline import OfflineSource
 
             traces, drops = load_traces(cfg.data.train, TraceOptions.from_config(cfg.data))
+            traces, held_out = drop_held_out(list(traces), cfg.eval.split)
             groups, greport = build_groups(traces)
-            self.data_report = {"traces": drops.as_dict(), "groups": greport.as_dict()}
+            self.data_report = {"traces": drops.as_dict(), "groups": greport.as_dict()} | (
+                {"held_out_rows": held_out} if cfg.eval.split else {})
             if not groups:
                 raise UserError("no usable GRPO group (each needs >= 2 responses with different rewards; "
                                 f"{greport.too_small} prompts too small, {greport.zero_spread} with equal rewards)"
@@ -65,6 +74,9 @@ class GRPOTask:
         elif self.g.beta > 0:  # the reference is only needed for the KL term
             self.ref_model = self.dp.wrap(load_model(cfg.model, cfg.model.name_or_path, trainable=False))
         self.pending: GRPOBatch | None = None
+
+    def prepare(self, model) -> None:
+        """Nothing to compute from the initial weights (the reference model, if any, is loaded)."""
 
     def step(self, model, step: int, stop) -> dict:
         if self.pending is None or (step - 1) % self.g.num_iterations == 0:

@@ -19,31 +19,120 @@ def completion_logps(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(y_t | x, y_<t) for each completion token -> (B, T) and optionally the entropy (B, T).
 
-    The batch is laid out aligned (left-padded prompts, right-padded completions) or packed (each
-    row's prompt+completion moved left), whichever `_layout` estimates cheaper: packing pays off
-    when prompt lengths vary a lot. Only positions that predict completion tokens are projected to
-    the vocabulary; logits are divided by the sampling temperature (the ratio is taken against the
-    distribution the completions were drawn from, as TRL does); log-softmax is logit - logsumexp.
+    Three equivalent layouts, the cheapest by `_cost` (a multiply-add count from the model config):
+    shared (rows with the same prompt next to each other, as GRPO groups and DPO pairs are: each
+    distinct prompt runs once, its keys/values are copied to its rows and the completions run on
+    them; the copy's backward sums the rows' gradients into the one prompt pass), aligned
+    (left-padded prompts, right-padded completions) or packed (each row's prompt+completion moved
+    left, which pays when prompt lengths vary a lot). Only positions that predict completion tokens
+    are projected to the vocabulary; logits are divided by the sampling temperature (the ratio is
+    taken against the distribution the completions were drawn from, as TRL does); log-softmax is
+    logit - logsumexp, so no (B, T, V) log-softmax is kept for the backward.
     """
+    logits = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, T, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    return token_logps(logits, completion_ids, with_entropy=with_entropy)
+
+
+def token_logps(logits: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool = False):
+    """log softmax(logits)[target] = logit - logsumexp, and optionally the entropy (no gradient).
+    logits (..., V), targets (...) -> (...), (...) or None."""
+    token_logits = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (...)
+    lse = logits.logsumexp(-1)  # (...)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = lse - (logits.softmax(-1) * logits).sum(-1)  # (...)
+    return token_logits - lse, entropy
+
+
+def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+    """Float logits that predict each completion token -> (B, T, V), in the cheapest layout."""
+    groups = prompt_groups(prompt_ids, prompt_mask)
+    if groups is not None and shared_pays(model, prompt_mask, completion_ids, completion_mask, len(groups)):
+        return _shared_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, groups)
     ids, attn, keep, idx = _layout(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     with autocast(model):
         out = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
                     logits_to_keep=keep, use_cache=False)
-    logits = out.logits.float()  # (B, keep, V)
+    logits = _upcast(out.logits)  # (B, keep, V)
     if idx is None:  # aligned: position P-1+t predicts completion token t
-        logits = logits[:, :-1]  # (B, T, V)
-    else:  # packed: completion token t of row b is predicted at idx[b, t]
-        logits = logits.gather(1, idx[..., None].expand(-1, -1, logits.size(-1)))  # (B, T, V)
-    if temperature != 1.0:
-        logits = logits / temperature
-    token_logits = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)  # (B, T)
-    lse = logits.logsumexp(-1)  # (B, T)
-    logps = token_logits - lse
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = lse - (logits.softmax(-1) * logits).sum(-1)  # (B, T)
-    return logps, entropy
+        return logits[:, :-1]  # (B, T, V)
+    # packed: completion token t of row b is predicted at idx[b, t]
+    return logits.gather(1, idx[..., None].expand(-1, -1, logits.size(-1)))  # (B, T, V)
+
+
+def _upcast(logits: torch.Tensor) -> torch.Tensor:
+    """At least float32 for the log-softmax (bf16 logits are upcast; float64 stays float64)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor | None:
+    """Sizes of the runs of consecutive rows with the same prompt (U,), or None when no row repeats
+    the one before it (nothing to share). One host sync: the layout depends on it."""
+    if prompt_ids.size(0) < 2:
+        return None
+    same = ((prompt_ids[1:] == prompt_ids[:-1]) | (prompt_mask[1:] == 0)).all(1) \
+        & (prompt_mask[1:] == prompt_mask[:-1]).all(1)  # (B-1,) padding ids may differ
+    if not bool(same.any()):
+        return None
+    starts = torch.cat([same.new_ones(1), ~same]).nonzero().squeeze(1)  # (U,)
+    ends = torch.cat([starts[1:], starts.new_tensor([prompt_ids.size(0)])])
+    return ends - starts  # (U,)
+
+
+def _uses_cache(model) -> bool:
+    """Activation checkpointing makes HF drop the cache in training: then nothing can be shared."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    flag = getattr(base, "is_activation_checkpointing", None)
+    if flag is None:
+        flag = getattr(base, "is_gradient_checkpointing", False)
+    return not (flag and model.training) and hasattr(base, "config")
+
+
+def shared_pays(model, prompt_mask, completion_ids, completion_mask, n_prompts: int) -> bool:
+    """Is one prompt pass per group plus a completion pass cheaper than the best per-row layout?"""
+    lengths = prompt_mask.sum(1)  # (B,)
+    if not _uses_cache(model) or int(lengths.min()) < 1:  # an empty prompt: the per-row layouts say so
+        return False
+    B, P, T = prompt_mask.size(0), int(lengths.max()), completion_ids.size(1)
+    body, head = _unit_costs(getattr(model, "config", None))
+    if not (body and head):
+        return n_prompts < B
+    shared = (n_prompts * P + B * (T - 1)) * body + (n_prompts + B * (T - 1)) * head
+    width = int((lengths + completion_mask.sum(1)).max())
+    unshared = min((prompt_mask.size(1) + T) * body, width * body) * B + B * (T + 1) * head
+    # two forwards and a cache copy instead of one: take it only when it saves a quarter or more
+    return shared < 0.75 * unshared
+
+
+def _shared_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, sizes) -> torch.Tensor:
+    """Each distinct prompt once (U rows), its cache copied to its rows, then the completions."""
+    from transformers import DynamicCache
+
+    from preftune.rollout.sampler import cache_kwarg
+
+    B, T = completion_ids.shape
+    firsts = torch.cumsum(sizes, 0) - sizes  # (U,) first row of each group
+    lead = int((prompt_mask.sum(0) == 0).sum())  # all-padding columns on the left: drop them
+    p_ids, p_mask = prompt_ids[:, lead:], prompt_mask[:, lead:]  # (B, P')
+    rows = torch.repeat_interleave(torch.arange(sizes.numel(), device=sizes.device), sizes)  # (B,) group of each row
+    cache = DynamicCache()
+    kw = cache_kwarg(model)
+    u_mask = p_mask[firsts]  # (U, P')
+    with autocast(model):
+        out = model(input_ids=p_ids[firsts], attention_mask=u_mask, position_ids=positions_from_mask(u_mask),
+                    logits_to_keep=1, use_cache=True, **{kw: cache})
+        first = _upcast(out.logits)[rows]  # (B, 1, V): the last prompt position predicts token 0
+        if T == 1:
+            return first
+        cache.reorder_cache(rows)  # index_select: its backward sums the G rows into the prompt pass
+        attn = torch.cat([p_mask, completion_mask[:, :-1]], 1)  # (B, P'+T-1)
+        pos = p_mask.sum(1, keepdim=True) + torch.arange(T - 1, device=p_mask.device)  # (B, T-1)
+        out = model(input_ids=completion_ids[:, :-1], attention_mask=attn, position_ids=pos, use_cache=True,
+                    **{kw: cache})
+    return torch.cat([first, _upcast(out.logits)], 1)  # (B, T, V)
 
 
 def _layout(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
@@ -68,13 +157,18 @@ def _layout(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
 def prefer_packed(config, width: int, keep: int, P: int, T: int) -> bool:
     """Is the packed layout (width, keep) cheaper than the aligned one (P+T, T+1)? Multiply-adds per
     position: the decoder's projections vs the lm_head, from the model config when it has them."""
-    H, V = getattr(config, "hidden_size", 0), getattr(config, "vocab_size", 0)
-    layers, inter = getattr(config, "num_hidden_layers", 0), getattr(config, "intermediate_size", 4 * H)
-    body, head = layers * (4 * H * H + 3 * H * inter), H * V
+    body, head = _unit_costs(config)
     if not (body and head):
         return keep <= T + 1
     # packing costs a sort and a gather of the logits: take it only when it saves a tenth or more
     return width * body + keep * head < 0.9 * ((P + T) * body + (T + 1) * head)
+
+
+def _unit_costs(config) -> tuple[int, int]:
+    """Multiply-adds per position of the decoder body and of the lm_head (0, 0 when unknown)."""
+    H, V = getattr(config, "hidden_size", 0), getattr(config, "vocab_size", 0)
+    layers, inter = getattr(config, "num_hidden_layers", 0), getattr(config, "intermediate_size", 4 * H)
+    return layers * (4 * H * H + 3 * H * inter), H * V
 
 
 def pack_left(prompt_ids, prompt_mask, completion_ids, completion_mask):
@@ -90,3 +184,20 @@ def pack_left(prompt_ids, prompt_mask, completion_ids, completion_mask):
 
 def microbatches(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def length_buckets(lengths: list[int], *, slack: float = 0.25, min_rows: int = 4) -> list[list[int]]:
+    """Row indices grouped by length so that padding each group to its longest row computes at most
+    `slack` more positions than the rows hold (groups of at least `min_rows`, as each group is one
+    more forward). Shortest first; rows keep no particular order inside a group."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    buckets: list[list[int]] = []
+    cur: list[int] = []
+    real = 0
+    for i in order:
+        if len(cur) >= min_rows and (len(cur) + 1) * lengths[i] > (1 + slack) * (real + lengths[i]):
+            buckets.append(cur)
+            cur, real = [], 0
+        cur.append(i)
+        real += lengths[i]
+    return buckets + [cur] if cur else buckets

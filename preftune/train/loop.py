@@ -21,19 +21,22 @@ import torch
 from preftune.atomic import atomic_write, copy_atomic
 from preftune.config import Config, to_dict, to_yaml
 from preftune.data.report import write_data_report
-from preftune.errors import Preempted
-from preftune.models import check_model_path, load_model, load_tokenizer
+from preftune.errors import Preempted, UserError
+from preftune.models import check_model_path, import_model_libraries, load_model, load_tokenizer
 from preftune.train import checkpoint as ckpt
 from preftune.train import distributed
-from preftune.train.checkpointer import METRICS, Checkpointer, load_weights, rng_state, set_rng_state  # noqa: F401
+from preftune.train.checkpointer import (  # noqa: F401 - load_weights, rng_state: used by tests and tools
+    METRICS, Checkpointer, load_weights, prepare_task, rng_state, set_rng_state,
+)
 from preftune.train.distributed import Parallel, SharedStop
 from preftune.train.evaluate import build_evaluator
 from preftune.train.loggers import build_trackers
 from preftune.train.metrics import MetricsLog
 from preftune.train.optim import build_optimizer, lr_at, set_lr
 from preftune.train.outdir import OutputGuard
-from preftune.train.preemption import Preemption, StepAbandoned
+from preftune.train.preemption import Preemption, StepAbandoned, process_handler
 from preftune.train.resume import find_resume_point
+from preftune.train.startup import StartupClock, process_start
 
 log = logging.getLogger("preftune")
 UPLOAD_MARGIN_S = 5.0  # of the grace period, kept for exiting after the last upload wait
@@ -51,6 +54,10 @@ def build_task(cfg: Config, model, tokenizer, device, dp: Parallel | None = None
         from preftune.train.grpo_task import GRPOTask
 
         return GRPOTask(cfg, model, tokenizer, device, dp)
+    if cfg.algorithm == "sft":
+        from preftune.train.sft import SFTTask
+
+        return SFTTask(cfg, model, tokenizer, device)
     from preftune.train.dpo import DPOTask
 
     return DPOTask(cfg, model, tokenizer, device, dp)
@@ -61,10 +68,12 @@ class Run:
     writes to output_dir; `train()` also guards the folder until the first step (train/outdir.py)."""
 
     on_first_step = None  # called once the first optimizer step has been taken
+    startup: dict = {}  # startup_seconds by phase, until the first training record carries them
 
-    def __init__(self, cfg: Config, dp: Parallel | None = None, *, callbacks=()):
+    def __init__(self, cfg: Config, dp: Parallel | None = None, *, callbacks=(), clock: StartupClock | None = None):
         self.cfg = cfg
         self.dp = dp = dp or Parallel()
+        self.clock = clock = clock or StartupClock()
         # called as cb(step, record) after each logged record; returning True stops the run at this step
         self.callbacks = list(callbacks)
         self.stop_asked = False
@@ -78,13 +87,14 @@ class Run:
         # rank 0 decides (it may set damaged checkpoints aside or download one) and tells the others
         found = dp.on_main(lambda: find_resume_point(cfg, self.out, self.ckpt_root, self.mirror))
         self.resumed_from = Path(found) if found else None
+        clock.mark("restore")
         seed_everything(cfg.seed)
         base_path = check_model_path(cfg.model.name_or_path)
         self.tokenizer = load_tokenizer(base_path, cfg.model.trust_remote_code)
         mixed = cfg.model.dtype == "bfloat16" and not cfg.model.lora.enabled
         self.model = dp.wrap(load_model(cfg.model, base_path), mixed_bf16=mixed,
                              reshard_after_forward=cfg.distributed.reshard_after_forward)
-        # built from the base weights, before the restore: DPO's cached reference log-probs need them
+        clock.mark("model")
         self.task = build_task(cfg, self.model, self.tokenizer, self.device, dp)
         self.evaluator = build_evaluator(cfg, self.tokenizer)
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optim)
@@ -98,6 +108,9 @@ class Run:
         self.step = 0
         if self.resumed_from is not None:
             self._restore(self.resumed_from)
+        else:
+            prepare_task(self.task, self.model)
+        clock.mark("data")
         self.saved_step = self.step  # the newest state that a resume would reproduce
         self.metrics = None
         if not dp.is_main:  # rank 0 writes metrics, reports and the progress bar
@@ -111,12 +124,14 @@ class Run:
                                   progress=cfg.log.progress_bar, trackers=trackers)
 
     def _restore(self, folder: Path) -> None:
+        self.clock.mark("data")
         state = self.checkpointer.restore(folder)
         self.step = int(state["step"])
         self.tracker_state = state.get("trackers")
         if self.dp.is_main and (folder / METRICS).is_file():  # the records as they were at the save
             copy_atomic(folder / METRICS, self.out / METRICS)
         log.info("resumed from %s (step %d)", folder, self.step)
+        self.clock.mark("restore")
 
     def _save(self) -> Path:
         extra, path = {}, None
@@ -135,6 +150,8 @@ class Run:
             self.evaluated = self.step
 
     def _log(self, m: dict, advance: bool = False) -> None:
+        if advance and self.startup:  # the first training record of this process carries startup_seconds
+            m, self.startup = m | self.startup, {}
         if self.metrics is None:  # not rank 0: every rank holds the same reduced metrics
             return
         record = self.metrics.log(self.step, m, advance=advance)
@@ -189,10 +206,16 @@ class Run:
         """A callback (rank 0's) asked to stop: every rank stops at the same step."""
         return self.dp.any(self.stop_asked) if self.dp.active else self.stop_asked
 
+    def _everywhere(self, ok: bool) -> bool:
+        """True on every rank when true on all of them (a decision that leads to a collective)."""
+        return not self.dp.any(not ok) if self.dp.active else ok
+
     def _run(self, stop: Preemption) -> Path:
         cfg = self.cfg
         if self.resumed_from is None:
             self._eval()  # step 0; a resumed run has this record already
+        self.clock.mark("eval")
+        self.startup = self.clock.report()
         stop.training()
         while self.step < cfg.max_steps and not stop.requested and not self._callback_stop():
             m = self._try_step(stop)
@@ -211,11 +234,23 @@ class Run:
                 self._save()
         if stop.requested and self.step < cfg.max_steps:
             self._stop(stop)
-        if self._callback_stop() and self.step < cfg.max_steps and self.step != self.saved_step:
-            self._save()  # a callback stopped the run early: resumable, as after a preemption
-        self._eval()
-        final = self._write_final()
-        self._finish_uploads(None)
+        return self._finish(stop)
+
+    def _finish(self, stop: Preemption) -> Path:
+        """The end checkpoint (the complete trainer state, even with save_steps 0: a larger max_steps,
+        or a resume after a callback's early stop, continues from it), the final evaluation, final/,
+        the uploads; then the run is complete and a signal changes nothing. A signal in between lets
+        this finish (bounded work; the end checkpoint makes a kill cost only the final evaluation)."""
+        stop.saving = True
+        if self.step != self.saved_step:
+            self._save()
+        self._eval()  # while the end checkpoint uploads; final/ must not supersede it in the mirror's queue
+        final = self._write_final() if self._everywhere(self._finish_uploads(self._upload_wait(stop))) else None
+        if final is None or not self._everywhere(self._finish_uploads(self._upload_wait(stop))):
+            self._close_metrics("preempted")
+            raise Preempted(f"preempted at step {self.step} while uploading to {self.cfg.checkpoint_uri}; "
+                            "run again to finish")
+        stop.complete()
         self._close_metrics()
         return final
 
@@ -227,39 +262,76 @@ class Run:
             what = f"checkpoint {folder.name} saved"
         else:
             what = "nothing new since the last checkpoint" if self.step else "nothing trained yet"
-        self._finish_uploads(max(0.0, stop.remaining() - UPLOAD_MARGIN_S))
+        self._finish_uploads(self._upload_wait(stop))
         self._close_metrics("preempted")
         raise Preempted(f"preempted at step {self.step}; {what}; resume to continue")
 
     def _write_final(self) -> Path:
         return self.checkpointer.write_final(self.step)
 
-    def _finish_uploads(self, timeout: float | None) -> None:
+    @staticmethod
+    def _upload_wait(stop: Preemption) -> float | None:
+        """How long the uploads may still take: unbounded, or after a notice what the grace leaves."""
+        return max(0.0, stop.remaining() - UPLOAD_MARGIN_S) if stop.requested else None
+
+    def _finish_uploads(self, timeout: float | None) -> bool:
+        """Wait for the uploads (at most `timeout` s); True when none is left."""
         if self.mirror is not None and not self.mirror.wait(timeout):
             log.warning("checkpoint upload to %s still running after %.0f s; stopping anyway (the remote "
                         "keeps its previous complete checkpoint)", self.cfg.checkpoint_uri, timeout or 0)
+            return False
+        return True
 
 
 def train(cfg: Config, *, callbacks=()) -> Path:
     """Set up and run under one signal handler: a signal during setup stops at once (exit 75,
-    nothing to save); during training it stops at the next step boundary with a checkpoint.
-    The handlers in place before are restored when this returns or raises. Until the first
-    optimizer step, output_dir is guarded: an error leaves it as it was found (train/outdir.py)."""
-    with Preemption(cfg.preemption_grace_seconds) as stop:
-        dp = distributed.init(cfg.distributed)  # one plain process without torchrun's environment
-        try:
-            dp.require_divisible({"grpo.prompts_per_step": cfg.grpo.prompts_per_step} if cfg.algorithm == "grpo"
-                                 else {"dpo.batch_size": cfg.dpo.batch_size})
-            # rank 0 owns output_dir: only it guards (and may roll back) the folder
-            with OutputGuard(Path(cfg.output_dir)) if dp.is_main else contextlib.nullcontext() as guard:
-                run = Run(cfg, dp, callbacks=callbacks)
-                run.on_first_step = getattr(guard, "commit", None)
-                final = run.run(stop)
-            dp.barrier()  # no rank tears the process group down while another still uses it
-            return final
-        except Preempted:
-            if not stop.immediate:  # in training every rank stops at the same boundary, after one save;
-                dp.barrier()  # a signal during setup stops only its rank (the others fail at a collective)
-            raise
-        finally:
-            dp.close()
+    nothing to save); during training it stops at the next step boundary with a checkpoint; once
+    the outputs are complete it changes nothing. In the `preftune` process the handler is the
+    process's own (installed at its first line, kept to its exit); otherwise it is installed for
+    this call and the handlers in place before are restored when it returns or raises. Until the
+    first optimizer step, output_dir is guarded: an error leaves it as it was found
+    (train/outdir.py). A run whose outputs are already complete returns its final/ untouched."""
+    stop = process_handler()
+    if stop is None:
+        with Preemption(cfg.preemption_grace_seconds) as stop:
+            return _train(cfg, stop, StartupClock(), callbacks)
+    return _train(cfg, stop, StartupClock(process_start()), callbacks)
+
+
+def _train(cfg: Config, stop: Preemption, clock: StartupClock, callbacks) -> Path:
+    from preftune.train.completion import completed
+
+    done = completed(cfg)
+    if done is not None:
+        log.info("already complete: %s; nothing to do", done)
+        stop.complete()
+        return Path(cfg.output_dir) / "final"
+    import_model_libraries(cfg.model)  # start-up still: a signal here ends the process at once
+    clock.mark("imports")
+    stop.setup(cfg.preemption_grace_seconds)
+    dp = distributed.init(cfg.distributed)  # one plain process without torchrun's environment
+    try:
+        check_parallel(cfg, dp)
+        # rank 0 owns output_dir: only it guards (and may roll back) the folder
+        with OutputGuard(Path(cfg.output_dir)) if dp.is_main else contextlib.nullcontext() as guard:
+            run = Run(cfg, dp, callbacks=callbacks, clock=clock)
+            run.on_first_step = getattr(guard, "commit", None)
+            final = run.run(stop)
+        dp.barrier()  # no rank tears the process group down while another still uses it
+        return final
+    except Preempted:
+        if not stop.immediate:  # in training every rank stops at the same boundary, after one save;
+            dp.barrier()  # a signal during setup stops only its rank (the others fail at a collective)
+        raise
+    finally:
+        dp.close()
+
+
+def check_parallel(cfg: Config, dp: Parallel) -> None:
+    """The global batch splits evenly over the ranks (exit 78 naming the key otherwise)."""
+    if dp.world == 1:
+        return
+    if cfg.algorithm == "sft":
+        raise UserError("sft does not run data parallel yet: start it without torchrun", where="algorithm")
+    dp.require_divisible({"grpo.prompts_per_step": cfg.grpo.prompts_per_step} if cfg.algorithm == "grpo"
+                         else {"dpo.batch_size": cfg.dpo.batch_size})

@@ -7,10 +7,11 @@ import math
 from pathlib import Path
 
 from preftune.atomic import atomic_write
+from preftune.train.startup import STARTUP_KEYS
 
 log = logging.getLogger("preftune")
 
-TIMING_KEYS = ("step_time", "tokens_per_second")
+TIMING_KEYS = ("step_time", "tokens_per_second", *STARTUP_KEYS)  # the only fields a resumed run may change
 
 
 def _clean(v):

@@ -1,19 +1,31 @@
 """SIGTERM/SIGINT handling for spot nodes: stop at the next safe point, save, exit 75.
 
-During setup (loading, reference log-probs, the first evaluation) there is nothing to save, so a
-signal stops the run at once. Once training has started the handler only sets a flag: the loop
-finishes the step (or abandons it when over half the grace period is gone, so the save fits in the
-other half), saves, and exits. A second signal changes nothing, so it cannot interrupt the save
-half-way; the checkpoint is atomic against SIGKILL anyway.
+One `Preemption` object follows a run through its phases, and a signal means something different
+in each (README, "A spot notice, moment by moment"):
+
+- start-up, before anything is touched (imports, argument and config parsing; the `preftune`
+  process only): the process writes one line and exits 75 at once (`os._exit`: nothing to save,
+  nothing to clean up, no half-imported library to tear down);
+- setup (resume point, loading, data, reference log-probs, the step-0 evaluation): nothing to save
+  yet, so the handler raises `Preempted` right away and the run unwinds (exit 75);
+- training: the handler only sets a flag; the loop finishes the step (or abandons it when over
+  half the grace period is gone, so the save fits in the other half), saves, and exits 75;
+- finishing (the end checkpoint, the final evaluation, `final/`): finished within the grace, then 0;
+- complete: a signal changes nothing (exit 0). A second signal never interrupts a save either.
+
+The `preftune` process installs its handler from its first line (`preftune.entry`) and keeps it
+until it exits; a library call (`loop.train`) installs one for the call only and restores the
+previous handlers afterwards.
 """
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
 
-from preftune.errors import Preempted
+from preftune.errors import EXIT_PREEMPTED, Preempted
 
 log = logging.getLogger("preftune")
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -24,28 +36,45 @@ class StepAbandoned(Exception):
 
 
 class Preemption:
-    def __init__(self, grace_seconds: float):
+    def __init__(self, grace_seconds: float = 60.0, *, exit_at_once: bool = False):
         self.grace = grace_seconds
         self.requested = False
+        self.exit_at_once = exit_at_once  # start-up: nothing touched yet, a signal ends the process
         self.immediate = True  # setup phase: a signal raises Preempted right away
         self.saving = False
+        self.finished = False  # the run's outputs are complete: a signal changes nothing
         self.since: float | None = None
         self._old = {}
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if not self.requested:
+        if self.finished:
+            log.info("received %s after the run completed: nothing to do", name)
+        elif self.requested:
+            log.warning("received %s again: already stopping%s", name, " (saving)" if self.saving else "")
+        else:
             self.requested, self.since = True, time.monotonic()
+            if self.exit_at_once:  # raw write: no lock or buffer of the interrupted code is touched
+                os.write(2, f"preftune: {name} during start-up; nothing was written, run again to continue\n".encode())
+                os._exit(EXIT_PREEMPTED)
             if self.immediate:
                 log.warning("received %s during setup: stopping (nothing to save yet)", name)
                 raise Preempted(f"{name} during setup; nothing was trained yet, run again to continue")
             log.warning("received %s: saving a checkpoint at the next safe point", name)
-        else:
-            log.warning("received %s again: already stopping%s", name, " (saving)" if self.saving else "")
+
+    def setup(self, grace_seconds: float) -> None:
+        """Setup begins (files may be touched from here on): a signal raises Preempted."""
+        self.grace, self.exit_at_once = grace_seconds, False
+        if self.requested and not self.finished:  # a notice that library code swallowed
+            raise Preempted("stopped during start-up; nothing was trained yet, run again to continue")
 
     def training(self) -> None:
         """From here on a signal only sets the flag (there is progress to save)."""
         self.immediate = False
+
+    def complete(self) -> None:
+        """The run's outputs are complete: from here on a signal changes nothing."""
+        self.finished = True
 
     def elapsed(self) -> float:
         return 0.0 if self.since is None else time.monotonic() - self.since
@@ -69,3 +98,20 @@ class Preemption:
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
         self._old.clear()
+
+
+_process: Preemption | None = None  # the `preftune` process's own handler, installed by preftune.entry
+
+
+def install_process_handler() -> Preemption:
+    """For the `preftune` process: from here to its exit, SIGTERM/SIGINT go to one Preemption
+    (never restored: a notice after the run completed must not kill the process with 143)."""
+    global _process
+    if _process is None:
+        _process = Preemption(exit_at_once=True).__enter__()
+    return _process
+
+
+def process_handler() -> Preemption | None:
+    """The process-wide handler when this is the `preftune` process, else None (library use)."""
+    return _process

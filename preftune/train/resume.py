@@ -20,7 +20,7 @@ import yaml
 from preftune.config import Config, to_dict
 from preftune.data import memory
 from preftune.errors import UserError
-from preftune.rewards.registry import CALLABLE_PREFIX
+from preftune.rewards import CALLABLE_PREFIX
 from preftune.train import checkpoint as ckpt
 
 log = logging.getLogger("preftune")
@@ -35,7 +35,7 @@ MUST_MATCH = ("algorithm", "seed", "model.name_or_path", "model.dtype", "model.l
               "data.max_prompt_length", "data.prompt_truncation", "data.chosen_min", "data.rejected_max",
               "data.pair_strategy", "data.max_pairs_per_prompt", "data.min_margin",
               "grpo.rollout", "grpo.prompts_per_step", "grpo.num_generations", "grpo.num_iterations",
-              "dpo.batch_size", "dpo.loss_type")
+              "dpo.batch_size", "dpo.loss_type", "sft.min_reward", "sft.max_length", "sft.batch_size", "eval.split")
 _PATH_KEYS = (("model", "name_or_path"), ("data", "train"))
 
 

@@ -191,3 +191,35 @@ def test_concat_pads_prompts_left_completions_right():
     assert out.old_logps[2].tolist() == [-2.0, -2.0, 0.0, 0.0]
     assert out.truncated.tolist() == [False, False, True]
     assert concat([a, _rollout(3, 2, 1, 2)], pad_id=0).old_logps is None  # only when every part has them
+
+
+def test_gumbel_draw_follows_the_softmax():
+    """draw() samples by Gumbel-max: frequencies match softmax(logits / T), and filters hold."""
+    from preftune.rollout.sampler import draw
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]]).expand(40000, -1)
+    g = torch.Generator().manual_seed(0)
+    tok = draw(logits, 0.8, 0, 1.0, False, g)
+    freq = torch.bincount(tok, minlength=5).float() / tok.numel()
+    torch.testing.assert_close(freq, (logits[0] / 0.8).softmax(-1), rtol=0, atol=0.01)
+    assert set(draw(logits, 0.8, 2, 1.0, False, g).tolist()) == {0, 1}  # top_k=2
+    assert torch.equal(draw(logits, 0.8, 0, 1.0, True, g), torch.zeros(40000, dtype=torch.long))
+
+
+def test_finished_rows_leave_the_batch(model, tokenizer, monkeypatch):
+    """Rows that emitted EOS stop being run (compaction), and the result still matches per-prompt
+    greedy decoding (the HF-generate parity test above covers the tokens themselves)."""
+    sizes = []
+    handle = model.register_forward_pre_hook(lambda m, a, kw: sizes.append(kw["input_ids"].size(0)), with_kwargs=True)
+    try:
+        ro = _sample(model, tokenizer, num_generations=2, max_new_tokens=8, greedy=True)
+    finally:
+        handle.remove()
+    lengths = ro.completion_mask.sum(1)
+    early = (lengths < 8) & ~ro.truncated  # rows that finished before the last token
+    assert early.any()
+    assert sizes[0] == len(PROMPTS)  # prefill: each prompt once
+    assert sizes[1] == 2 * len(PROMPTS) and min(sizes[1:]) < 2 * len(PROMPTS)
+    # a decode step runs no more rows than were still sampling at that step
+    for t, n in enumerate(sizes[1:], start=1):
+        assert n >= int((lengths > t).sum())

@@ -22,6 +22,13 @@ class _Stop:
         pass
 
 
+def make_task(cfg, model, tokenizer) -> DPOTask:
+    """A DPO task with its reference log-probs computed (what Run does on a fresh start)."""
+    task = DPOTask(cfg, model, tokenizer, CPU)
+    task.prepare(model)
+    return task
+
+
 def _cfg(make_config, traces_file, *overrides):
     return make_config("algorithm=dpo", f"data.train={traces_file}", "data.pair_strategy=all_pairs",
                        "dpo.batch_size=6", "dpo.micro_batch_size=6", "data.shuffle=false", *overrides)
@@ -49,7 +56,7 @@ def _step(task, model, micro: int):
 @pytest.mark.parametrize("loss", ["sigmoid", "ipo", "[sigmoid, hinge, sigmoid_norm]"])
 def test_micro_batch_invariance(make_config, traces_file, model, tokenizer, loss):
     cfg = _cfg(make_config, traces_file, f"dpo.loss_type={loss}")
-    task = DPOTask(cfg, model, tokenizer, CPU)
+    task = make_task(cfg, model, tokenizer)
     assert len(task.encoded) == 18  # 6 prompts x 1 chosen x 3 rejected (all_pairs)
     _shift(model)
     full, m_full = _step(task, model, 6)
@@ -70,7 +77,7 @@ def test_reference_logps_cached_and_reused(make_config, traces_file, model, toke
 
     model_dir = shutil.copytree(MODEL_DIR, tmp_path / "model")  # a private copy whose weights we can "replace"
     cfg = _cfg(make_config, traces_file, f"model.name_or_path={model_dir}")
-    task = DPOTask(cfg, model, tokenizer, CPU)
+    task = make_task(cfg, model, tokenizer)
     cache = Path(cfg.output_dir) / "ref_logps.pt"
     saved = torch.load(cache, weights_only=True)
     assert saved["logps"].shape == (18, 2) and torch.equal(saved["logps"], task.ref)
@@ -82,30 +89,30 @@ def test_reference_logps_cached_and_reused(make_config, traces_file, model, toke
     calls = []
     real = dpo_mod.sequence_logps
     monkeypatch.setattr(dpo_mod, "sequence_logps", lambda *a, **k: calls.append(1) or real(*a, **k))
-    again = DPOTask(cfg, model, tokenizer, CPU)
+    again = make_task(cfg, model, tokenizer)
     assert calls == [] and torch.equal(again.ref, task.ref)
     # new weights in the same folder change the fingerprint: recomputed
     weights_file = model_dir / "model.safetensors"
     st = weights_file.stat()
     os.utime(weights_file, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    DPOTask(cfg, model, tokenizer, CPU)
+    make_task(cfg, model, tokenizer)
     assert len(calls) > 0
     # other pairs (shorter max_length cuts the responses) change the fingerprint: recomputed and re-saved
     calls.clear()
     short = _cfg(make_config, traces_file, f"model.name_or_path={model_dir}", "dpo.max_length=5")
-    third = DPOTask(short, model, tokenizer, CPU)
+    third = make_task(short, model, tokenizer)
     assert calls and not torch.equal(third.ref, task.ref)
     assert torch.equal(torch.load(cache, weights_only=True)["logps"], third.ref)
 
 
 def test_reference_at_start_gives_log2_and_reference_free_does_not(make_config, traces_file, model, tokenizer):
     cfg = _cfg(make_config, traces_file)
-    task = DPOTask(cfg, model, tokenizer, CPU)
+    task = make_task(cfg, model, tokenizer)
     _, m = _step(task, model, 6)
     assert m["loss"] == pytest.approx(math.log(2), abs=1e-5)  # policy == reference: -log sigmoid(0)
     assert m["rewards/margins"] == pytest.approx(0.0, abs=1e-5)
     free_cfg = _cfg(make_config, traces_file, "dpo.reference_free=true", f"output_dir={cfg.output_dir}-free")
-    free = DPOTask(free_cfg, model, tokenizer, CPU)
+    free = make_task(free_cfg, model, tokenizer)
     assert free.ref is None
     assert not (Path(free_cfg.output_dir) / "ref_logps.pt").exists()  # no reference pass at all
     _, m_free = _step(free, model, 6)
@@ -116,7 +123,7 @@ def test_reference_at_start_gives_log2_and_reference_free_does_not(make_config, 
 
 def test_loss_list_is_the_weighted_sum(make_config, traces_file, model, tokenizer):
     cfg = _cfg(make_config, traces_file, "dpo.loss_type=[sigmoid, ipo, sft]", "dpo.loss_weights=[1, 0.5, 0.2]")
-    task = DPOTask(cfg, model, tokenizer, CPU)
+    task = make_task(cfg, model, tokenizer)
     _shift(model)
     g_mix, m_mix = _step(task, model, 6)
     parts = []
@@ -134,24 +141,24 @@ def test_bad_dpo_options_are_user_errors(make_config, traces_file, model, tokeni
     from preftune.errors import UserError
 
     with pytest.raises(UserError, match="dpo.loss_type"):
-        DPOTask(_cfg(make_config, traces_file, "dpo.loss_type=sigmod"), model, tokenizer, CPU)
+        make_task(_cfg(make_config, traces_file, "dpo.loss_type=sigmod"), model, tokenizer)
     with pytest.raises(UserError, match="dpo.loss_weights"):
-        DPOTask(_cfg(make_config, traces_file, "dpo.loss_type=[sigmoid, sft]", "dpo.loss_weights=[1]"),
-                model, tokenizer, CPU)
+        make_task(_cfg(make_config, traces_file, "dpo.loss_type=[sigmoid, sft]", "dpo.loss_weights=[1]"),
+                  model, tokenizer)
 
 
 def test_pairs_file_equals_pairs_from_traces(make_config, traces_file, model, tokenizer, tmp_path):
     cfg = _cfg(make_config, traces_file, "dpo.reference_free=true")
-    from_traces = DPOTask(cfg, model, tokenizer, CPU)
+    from_traces = make_task(cfg, model, tokenizer)
     traces, _ = load_traces(str(traces_file))
     pairs, _ = build_pairs(traces, strategy="all_pairs")
     pairs_file = tmp_path / "pairs.parquet"
     write_pairs(pairs, str(pairs_file))
-    from_file = DPOTask(_cfg(make_config, pairs_file, "dpo.reference_free=true"), model, tokenizer, CPU)
+    from_file = make_task(_cfg(make_config, pairs_file, "dpo.reference_free=true"), model, tokenizer)
     assert [vars(e) for e in from_file.encoded] == [vars(e) for e in from_traces.encoded]
     # and a hand-written TRL-style pairs file (prompt / chosen / rejected only) works too
     own = write_parquet(tmp_path / "own.parquet", [{"prompt": "1+2=", "chosen": "3", "rejected": "4"}])
-    task = DPOTask(_cfg(make_config, own, "dpo.reference_free=true"), model, tokenizer, CPU)
+    task = make_task(_cfg(make_config, own, "dpo.reference_free=true"), model, tokenizer)
     e = task.encoded[0]
     eos = tokenizer.eos_token_id
     assert e.prompt == tokenizer("1+2=").input_ids
@@ -185,10 +192,10 @@ def test_pairs_from_a_folder_whose_first_file_is_empty(make_config, tmp_path):
 
 def test_reference_per_batch_equals_the_precomputed_one(make_config, traces_file, model, tokenizer):
     """dpo.precompute_ref_logps=false: a frozen reference run on each batch gives the same step."""
-    cached = DPOTask(_cfg(make_config, traces_file), model, tokenizer, CPU)
+    cached = make_task(_cfg(make_config, traces_file), model, tokenizer)
     live_cfg = _cfg(make_config, traces_file, "dpo.precompute_ref_logps=false",
                     f"output_dir={cached.cfg.output_dir}-live")
-    live = DPOTask(live_cfg, model, tokenizer, CPU)
+    live = make_task(live_cfg, model, tokenizer)
     assert live.ref is None and live.ref_model is not None and live.ref_model is not model
     assert not (Path(live_cfg.output_dir) / "ref_logps.pt").exists()
     _shift(model)  # the policy moves; both references stay at the initial weights
@@ -203,7 +210,7 @@ def test_reference_per_batch_with_lora_is_the_base_under_the_adapters(make_confi
 
     cfg = _cfg(make_config, traces_file, "dpo.precompute_ref_logps=false", "model.lora.enabled=true")
     policy = load_model(cfg.model, cfg.model.name_or_path)
-    task = DPOTask(cfg, policy, tokenizer, CPU)
+    task = make_task(cfg, policy, tokenizer)
     assert task.ref_model is policy  # no second model in memory
     _, m = _step(task, policy, 6)
     assert m["loss"] == pytest.approx(math.log(2), abs=1e-5)  # fresh adapters are zero: policy == base

@@ -53,9 +53,11 @@ def test_s3_round_trip_with_the_local_folder_deleted(reference, data_dir, tmp_pa
             loop.train(load_config(None, ovr))
         assert "fetched checkpoint step-3" in caplog.text
         fs.invalidate_cache()
-        assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("ckpts/runs/a")) == ["final", "step-3", "step-4"]
+        # the end checkpoint (step 5) too: a larger max_steps continues from it, even on a fresh node
+        assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("ckpts/runs/a")) == ["final", "step-4", "step-5"]
         assert fs.exists("ckpts/runs/a/final/model.safetensors")
-    assert saved_steps(out) == [4, 3]
+        assert fs.exists("ckpts/runs/a/step-5/MANIFEST.json")
+    assert saved_steps(out) == [5, 4]
     assert_same_run(ref, out)  # weights and every metrics record, though the local folder was deleted
 
 

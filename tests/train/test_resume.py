@@ -228,11 +228,13 @@ def test_resume_from_a_given_checkpoint_path(reference, data_dir, tmp_path):
 
 
 def test_resumed_finished_run_adds_no_records(reference, data_dir, tmp_path):
-    """Resuming from the last checkpoint of a finished run redoes only the final evaluation."""
+    """A run killed after its end checkpoint but before final/ was published redoes only the
+    final evaluation and final/."""
     extra = {"data.eval": small_eval(data_dir), "eval.eval_steps": 2, "save_steps": 5}
     ref = reference("online", **extra)
     out = tmp_path / "copy"
     shutil.copytree(ref, out)
+    shutil.rmtree(out / "final")
     loop.train(load_config(None, overrides("online", out, data_dir, **extra)))
     assert [r["step"] for r in records(out) if "eval/reward" in r] == [0, 2, 4, 5]  # the final one once
     assert_same_run(ref, out)

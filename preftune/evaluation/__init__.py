@@ -1,0 +1,1 @@
+"""After training: statistics of held-out results, the promotion gate, the model registry, `preftune eval`."""

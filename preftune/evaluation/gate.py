@@ -1,0 +1,89 @@
+"""The promotion gate: compare a checkpoint with a baseline on the same held-out prompts and decide.
+
+Figures per model: greedy `reward` (mean summed reward), `reward/<fn>`, `completion_length`, and
+with eval.num_samples k > 1 the `sampled/…` figures (pass@k, mean@k of 0/1 rewards). The
+comparison is paired by prompt: improvement = mean over prompts of (checkpoint − baseline) greedy
+reward, with a one-sided percentile-bootstrap lower bound at `gate.confidence`; length growth =
+checkpoint / baseline mean greedy completion length.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+from preftune.config import GateConfig
+from preftune.errors import UserError
+from preftune.evaluation.stats import bootstrap_mean_bounds
+
+
+@dataclass
+class Verdict:
+    passed: bool
+    reason: str
+    checks: list[dict] = field(default_factory=list)  # name, value, threshold, passed
+
+
+def compare(ckpt_total, base_total, gate: GateConfig, seed: int, ckpt_length: float, base_length: float) -> dict:
+    """Paired comparison of greedy per-prompt rewards (n,) of checkpoint and baseline."""
+    valid = ~(ckpt_total.isnan() | base_total.isnan())
+    diffs = (ckpt_total - base_total)[valid]  # (m,)
+    lo, hi = bootstrap_mean_bounds(diffs, gate.confidence, gate.bootstrap_samples, seed)
+    return {"improvement": diffs.mean().item() if diffs.numel() else float("nan"),
+            "improvement_lower": lo, "improvement_upper": hi, "confidence": gate.confidence,
+            "paired_prompts": int(valid.sum()),
+            "length_growth": ckpt_length / base_length if base_length > 0 else float("inf")}
+
+
+def check_gate(gate: GateConfig, has_baseline: bool) -> None:
+    """Thresholds that compare with a baseline need one: a config error, found before any work."""
+    for key in ("min_improvement", "max_length_growth"):
+        if getattr(gate, key) is not None and not has_baseline:
+            raise UserError("needs a baseline: pass --baseline PATH", where=f"gate.{key}")
+
+
+def decide(gate: GateConfig, ckpt: dict, comparison: dict | None) -> Verdict:
+    """Every set threshold must hold; the reason names each check that failed (or all that passed)."""
+    checks = []
+
+    def check(name, value, threshold, ok, text):
+        ok = ok and not (isinstance(value, float) and math.isnan(value))
+        checks.append({"name": name, "value": value, "threshold": threshold, "passed": bool(ok), "text": text})
+
+    if gate.min_reward is not None:
+        r = ckpt["reward"]
+        check("min_reward", r, gate.min_reward, r >= gate.min_reward,
+              f"reward {r:.4f} vs gate.min_reward {gate.min_reward}")
+    if gate.min_improvement is not None:
+        lo = comparison["improvement_lower"]
+        check("min_improvement", lo, gate.min_improvement, lo > gate.min_improvement,
+              f"improvement {comparison['improvement']:+.4f}, {gate.confidence:.0%} lower bound {lo:+.4f} "
+              f"vs gate.min_improvement {gate.min_improvement}")
+    if gate.max_length_growth is not None:
+        g = comparison["length_growth"]
+        check("max_length_growth", g, gate.max_length_growth, g <= gate.max_length_growth,
+              f"completion length growth {g:.3f}x vs gate.max_length_growth {gate.max_length_growth}")
+    failed = [c["text"] for c in checks if not c["passed"]]
+    if failed:
+        return Verdict(False, "failed: " + "; ".join(failed), checks)
+    if not checks:
+        return Verdict(True, "passed: no gate threshold is set", checks)
+    return Verdict(True, "passed: " + "; ".join(c["text"] for c in checks), checks)
+
+
+def data_fingerprint(path: str) -> str:
+    """sha256 over the training files: name + content for local files, name + size + ETag for remote ones."""
+    from preftune.data.traces import display_path, is_local, resolve_files
+
+    fs, files = resolve_files(path)
+    h = hashlib.sha256()
+    for f in files:
+        h.update(display_path(fs, f).encode())
+        if is_local(fs):
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+        else:
+            info = fs.info(f)
+            h.update(f"{info.get('size')}|{info.get('ETag') or info.get('etag') or ''}".encode())
+    return h.hexdigest()
