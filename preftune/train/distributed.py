@@ -167,6 +167,9 @@ class Parallel:
         for block in decoder_blocks(model):
             fully_shard(block, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        # one forward per log-prob pass (no shared-prompt layout, which runs two): the passes of all
+        # ranks, idle ones included, then issue the same all-gathers and reduce-scatters in order
+        model.preftune_one_forward = True
         if any(p.requires_grad for p in model.parameters()):
             for mod in fsdp_modules(model):  # each block reduces its own gradients
                 mod.set_gradient_divide_factor(1.0)  # sum over ranks, see the module docstring

@@ -21,6 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # seconds after each step's forward/backward, so a test can signal a rank mid-run.
 DRIVER = """
 import os, sys, time
+if os.environ.get("PREFTUNE_TEST_DUMP_AFTER"):  # a hung rank prints its stacks and exits
+    import faulthandler
+    faulthandler.dump_traceback_later(float(os.environ["PREFTUNE_TEST_DUMP_AFTER"]), exit=True)
 if os.environ.get("PREFTUNE_TEST_FAKE_SAMPLER"):
     from tests.train.ranks import install_fake_sampler
     install_fake_sampler()
