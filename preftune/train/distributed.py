@@ -158,6 +158,8 @@ class Parallel:
     def wrap(self, model, *, mixed_bf16: bool = False, reshard_after_forward: bool = True):
         """The policy (or the frozen reference) for this strategy, on this rank's device."""
         model = model.to(self.device)
+        if self.active:  # one forward per log-prob pass, see below; on every strategy for equal numerics
+            model.preftune_one_forward = True
         if not self.active or self.strategy != "fsdp":
             return model
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -169,7 +171,6 @@ class Parallel:
         fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         # one forward per log-prob pass (no shared-prompt layout, which runs two): the passes of all
         # ranks, idle ones included, then issue the same all-gathers and reduce-scatters in order
-        model.preftune_one_forward = True
         if any(p.requires_grad for p in model.parameters()):
             for mod in fsdp_modules(model):  # each block reduces its own gradients
                 mod.set_gradient_divide_factor(1.0)  # sum over ranks, see the module docstring
