@@ -152,6 +152,15 @@ class LogConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Data parallel under torchrun (see train/distributed.py); ignored in one plain process."""
+    strategy: str = "fsdp"  # fsdp | ddp | none
+    backend: str = "auto"  # auto (nccl on CUDA, else gloo) | nccl | gloo
+    timeout_seconds: float = 600.0  # a collective waiting longer (a dead rank) fails the run
+    reshard_after_forward: bool = True  # FSDP2: free gathered parameters after each block's forward
+
+
+@dataclass
 class Config:
     algorithm: str = "grpo"  # grpo | dpo | sft
     output_dir: str = "runs/preftune"
@@ -172,6 +181,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     config_dir: str = field(default=".", metadata={"internal": True})
 
 
@@ -187,6 +197,8 @@ CHOICES = {
     "grpo.loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"),
     "grpo.importance_sampling_level": ("token", "sequence"),
     "optim.lr_scheduler": ("constant", "linear", "cosine"),
+    "distributed.strategy": ("fsdp", "ddp", "none"),
+    "distributed.backend": ("auto", "nccl", "gloo"),
 }
 
 # The valid range of every numeric key, as an interval: "[" / "]" include the bound, "(" / ")"
@@ -252,6 +264,7 @@ BOUNDS = {
     "gate.confidence": "(0, 1)",
     "gate.bootstrap_samples": "[1, inf)",
     "log.logging_steps": "[1, inf)",
+    "distributed.timeout_seconds": "(0, inf)",
 }
 
 
