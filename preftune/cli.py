@@ -1,4 +1,5 @@
-"""The `preftune` command: train | data inspect | data pairs | eval | registry list | report | render | cost.
+"""The `preftune` command: train | data inspect | data pairs | eval | registry list | report | launch | export
+| render | cost.
 
 Exit codes: 0 finished · 75 preempted, checkpoint saved, resume me · 78 config or data error
 (one line, no traceback) · 1 anything else.
@@ -11,6 +12,7 @@ if __name__ == "__main__":  # `python -m preftune.cli`: the signal handler befor
 import argparse
 import json
 import logging
+import os
 import sys
 
 from preftune.errors import EXIT_CRASH, EXIT_OK, EXIT_PREEMPTED, EXIT_USER, Preempted, UserError
@@ -68,11 +70,15 @@ def parser() -> argparse.ArgumentParser:
     pairs = dsub.add_parser("pairs", help="write DPO pairs (prompt, chosen, rejected, rewards) to parquet")
     _trace_args(pairs)
     pairs.add_argument("-o", "--output", required=True, help="output .parquet file")
+    from preftune import launch
     from preftune.evaluation.commands import add_parser as add_eval_parsers
     from preftune.report.commands import add_parser as add_report_parser
+    from preftune.train import export
 
     add_eval_parsers(sub)  # eval, registry list: each sets args.handler
     add_report_parser(sub)
+    launch.add_parser(sub)
+    export.add_parser(sub)
     from preftune.deploy.commands import add_parser as add_deploy_parsers
 
     add_deploy_parsers(sub)  # render, cost
@@ -135,6 +141,20 @@ def _data(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Under `preftune launch` (PREFTUNE_STATUS_DIR set), a worker records its pid (the launcher
+    forwards SIGTERM to it) and its exit code (torchrun itself reports 1 for any failed worker)."""
+    from preftune import launch
+
+    status = launch.worker_status_dir()
+    if status is not None:
+        launch.write_status(status, "pid", os.getpid())
+    code = _main(argv)
+    if status is not None:
+        launch.write_status(status, "exit", code)
+    return code
+
+
+def _main(argv: list[str] | None = None) -> int:
     ap = parser()
     args, extra = ap.parse_known_args(argv)
     # KEY=VALUE overrides may follow options (`render CONFIG -o DIR KEY=VALUE`)
@@ -142,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     elif extra:
         ap.error(f"unrecognized arguments: {' '.join(extra)}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    rank = f" rank {os.environ['RANK']}" if "LOCAL_RANK" in os.environ and "RANK" in os.environ else ""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s" + rank + " %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "botocore", "s3fs", "fsspec", "aiobotocore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:

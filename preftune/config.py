@@ -153,6 +153,15 @@ class LogConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Data parallel under torchrun (see train/distributed.py); ignored in one plain process."""
+    strategy: str = "fsdp"  # fsdp | ddp | none
+    backend: str = "auto"  # auto (nccl on CUDA, else gloo) | nccl | gloo
+    timeout_seconds: float = 600.0  # a collective waiting longer (a dead rank) fails the run
+    reshard_after_forward: bool = True  # FSDP2: free gathered parameters after each block's forward
+
+
+@dataclass
 class Config:
     algorithm: str = "grpo"  # grpo | dpo | sft
     output_dir: str = "runs/preftune"
@@ -173,6 +182,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     deploy: DeployConfig = field(default_factory=DeployConfig)  # preftune render / cost
     config_dir: str = field(default=".", metadata={"internal": True})
 
@@ -189,6 +199,8 @@ CHOICES = {
     "grpo.loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"),
     "grpo.importance_sampling_level": ("token", "sequence"),
     "optim.lr_scheduler": ("constant", "linear", "cosine"),
+    "distributed.strategy": ("fsdp", "ddp", "none"),
+    "distributed.backend": ("auto", "nccl", "gloo"),
     "deploy.scheduler": ("volcano", "kubernetes"),
     "deploy.capacity_type": ("spot", "on-demand"),
     "deploy.image_pull_policy": ("Always", "IfNotPresent", "Never"),
@@ -257,6 +269,7 @@ BOUNDS = {
     "gate.confidence": "(0, 1)",
     "gate.bootstrap_samples": "[1, inf)",
     "log.logging_steps": "[1, inf)",
+    "distributed.timeout_seconds": "(0, inf)",
     "deploy.nodes": "[1, inf)",
     "deploy.gpus_per_node": "[1, inf)",
     "deploy.efa_interfaces": "[1, inf)",

@@ -17,8 +17,11 @@ from preftune.rollout.scored import Scored
 
 class OfflineSource:
     def __init__(self, cfg: GRPOConfig, tokenizer, groups: list, *, seed: int, shuffle: bool,
-                 truncation: PromptTruncation, reward_name: str):
+                 truncation: PromptTruncation, reward_name: str, dp=None):
+        from preftune.train.distributed import Parallel
+
         self.cfg, self.tok, self.groups, self.truncation = cfg, tokenizer, groups, truncation
+        self.dp = dp or Parallel()  # ranks read the same global order and keep their share of it
         self.stream = IndexStream(len(groups), seed, shuffle)
         self.reward_name = reward_name
         self.responses_truncated = 0
@@ -42,8 +45,10 @@ class OfflineSource:
         (2 * len consecutive draws cover a whole epoch)."""
         drawn = 0
         while drawn < 2 * len(self.groups):
-            encoded = [e for e in map(self._encode, self.stream.take(self.cfg.prompts_per_step)) if e is not None]
-            if encoded:
+            n = self.cfg.prompts_per_step
+            mine = self.stream.take(n)[self.dp.share(n)]
+            encoded = [e for e in map(self._encode, mine) if e is not None]
+            if self.dp.sum(len(encoded))[0]:
                 return encoded
             drawn += self.cfg.prompts_per_step
         raise UserError(f"every prompt is longer than data.max_prompt_length={self.truncation.max_length} "

@@ -43,23 +43,35 @@ def score(tokenizer, reward_funcs, ro: Rollout, prompts: list, columns: dict, G:
     return Scored(ro, res.per_func, res.total, list(res.names), [G] * len(prompts))
 
 
+def empty_scored(n_funcs: int) -> Scored:
+    """A round with no prompts (zero rows), so every rank takes part in every round."""
+    z = torch.zeros((0, 1), dtype=torch.long)
+    ro = Rollout(prompt_ids=z, prompt_mask=z, completion_ids=z, completion_mask=z,
+                 truncated=torch.zeros(0, dtype=torch.bool))
+    return Scored(ro, torch.zeros((0, n_funcs)), torch.zeros(0), [], [])
+
+
 class OnlineSource:
     def __init__(self, cfg: GRPOConfig, tokenizer, prompt_set, reward_funcs, *, seed: int, shuffle: bool,
-                 truncation: PromptTruncation, device: torch.device):
+                 truncation: PromptTruncation, device: torch.device, dp=None):
+        from preftune.train.distributed import Parallel
+
         self.cfg, self.tok, self.prompt_set, self.reward_funcs = cfg, tokenizer, prompt_set, reward_funcs
+        self.dp = dp or Parallel()  # ranks draw the same global order and sample their own share of it
         self.stream = IndexStream(len(prompt_set), seed, shuffle)
         self.truncation = truncation
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.generator = torch.Generator(device=device).manual_seed(seed + 1_000_003 * self.dp.rank)
         self.state = RewardState()
 
     def _draw(self, n_prompts: int):
-        """Prompts for one round. When data.prompt_truncation=drop leaves none, draw again: 2 * len
-        consecutive draws cover a whole epoch, so after that no prompt fits and the run cannot go on."""
+        """Prompts for one round (this rank's share of n_prompts). When data.prompt_truncation=drop
+        leaves none on any rank, draw again: 2 * len consecutive draws cover a whole epoch, so after
+        that no prompt fits and the run cannot go on."""
         drawn = 0
         while drawn < 2 * len(self.prompt_set):
-            prompts, columns, ids = encode_prompts(self.tok, self.prompt_set, self.stream.take(n_prompts),
-                                                   self.truncation)
-            if ids:
+            indices = self.stream.take(n_prompts)[self.dp.share(n_prompts)]
+            prompts, columns, ids = encode_prompts(self.tok, self.prompt_set, indices, self.truncation)
+            if self.dp.sum(len(ids))[0]:
                 return prompts, columns, ids
             drawn += n_prompts
         raise UserError(f"every prompt is longer than data.max_prompt_length={self.truncation.max_length} "
@@ -67,6 +79,8 @@ class OnlineSource:
 
     def _round(self, model, n_prompts: int) -> Scored:
         prompts, columns, ids = self._draw(n_prompts)
+        if not ids:  # a resampling round smaller than the world size leaves some ranks nothing to do
+            return empty_scored(len(self.reward_funcs))
         p_ids, p_mask = left_pad(ids, self.tok.pad_token_id)
         c = self.cfg
         ro = sample(model, p_ids, p_mask, num_generations=c.num_generations, max_new_tokens=c.max_completion_length,
@@ -81,26 +95,31 @@ class OnlineSource:
         self.state.global_step = step
         G, want = self.cfg.num_generations, self.cfg.prompts_per_step
         kept: list[Scored] = []
-        n_groups, rounds, dropped, last = 0, 0, 0, None
+        n_groups, rounds, dropped, last = 0, 0, 0, None  # n_groups, dropped: over all ranks
         while n_groups < want:
             s = self._round(model, want - n_groups)
             last, rounds = s, rounds + 1  # rounds: generation rounds done (1 = no resampling)
             if self.cfg.dynamic_sampling:
                 spread = group_spread(s.total, s.group_sizes) > 0  # (b,)
-                dropped += int((~spread).sum())
+                dropped += int(self.dp.sum(int((~spread).sum()))[0])
                 rows = torch.nonzero(spread.repeat_interleave(G)).squeeze(-1)
                 s = Scored(select(s.rollout, rows), s.per_func[rows], s.total[rows], s.names,
                            [G] * int(spread.sum()))
             if s.group_sizes:
                 kept.append(s)
-                n_groups += len(s.group_sizes)
+            n_groups += int(self.dp.sum(len(s.group_sizes))[0])
             if not self.cfg.dynamic_sampling or rounds > self.cfg.max_resample_rounds:
                 break
-        kept = kept or [last]  # every group was flat: train on the last round (all advantages are 0)
-        n = min(want, sum(len(k.group_sizes) for k in kept)) * G
+        if not n_groups:
+            kept = [last]  # every group was flat: train on the last round (all advantages are 0)
+        mine = sum(len(k.group_sizes) for k in kept)
+        before, _ = self.dp.offset(mine)  # the global batch is the first `want` groups in rank order
+        n = max(0, min(mine, want - before)) * G if n_groups else mine * G
+        kept = kept or [last]
         ro = select(concat([k.rollout for k in kept], self.tok.pad_token_id), list(range(n)))
+        names = next((k.names for k in kept if k.names), last.names)
         out = Scored(ro, torch.cat([k.per_func for k in kept])[:n], torch.cat([k.total for k in kept])[:n],
-                     last.names, [G] * (n // G))
+                     names, [G] * (n // G))
         if self.cfg.dynamic_sampling:
             out.extra = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/dropped_groups": dropped}
         return out

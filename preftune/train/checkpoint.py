@@ -46,18 +46,33 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def fsync_tree(root: Path) -> None:
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
+def fsync_files(paths) -> None:
+    for p in paths:
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def fsync_tree(root: Path, *, files: bool = True) -> None:
+    if files:
+        fsync_files(p for p in sorted(root.rglob("*")) if p.is_file())
     for d in [root, *[p for p in root.rglob("*") if p.is_dir()]]:
         _fsync_dir(d)
 
 
-def write_manifest(folder: Path, step: int) -> None:
-    files = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+def file_entries(folder: Path, names: list[str] | None = None) -> dict:
+    """Size and sha256 of `names` (relative to folder; default: every file but the manifest)."""
+    if names is None:
+        names = content_files(folder)
+    return {n: {"size": (folder / n).stat().st_size, "sha256": _sha256(folder / n)} for n in names}
+
+
+def content_files(folder: Path) -> list[str]:
+    return [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST]
+
+
+def write_manifest(folder: Path, step: int, files: dict | None = None) -> None:
+    """MANIFEST.json, written last; `files` are entries hashed elsewhere (by each rank, in parallel)."""
+    files = file_entries(folder) if files is None else dict(sorted(files.items()))
     atomic_write(folder / MANIFEST, json.dumps({"step": step, "files": files}, indent=1), fsync=True)
 
 
@@ -129,13 +144,24 @@ def publish(tmp: Path, final: Path) -> None:
 def save(ckpt_root: Path, step: int, write_files, *, keep: int | None = None) -> Path:
     """Build a checkpoint with `write_files(tmp_folder)`, then publish it atomically as step-N,
     and keep only the newest `keep` checkpoints (by step)."""
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / f"step-{step}"
-    tmp = scratch(ckpt_root, f"step-{step}")
-    tmp.mkdir()
+    tmp = begin(ckpt_root, step)
     write_files(tmp)
     write_manifest(tmp, step)
     fsync_tree(tmp)
+    return finish(ckpt_root, tmp, step, keep=keep)
+
+
+def begin(ckpt_root: Path, step: int) -> Path:
+    """A fresh scratch folder for the checkpoint of `step`."""
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    tmp = scratch(ckpt_root, f"step-{step}")
+    tmp.mkdir()
+    return tmp
+
+
+def finish(ckpt_root: Path, tmp: Path, step: int, *, keep: int | None = None) -> Path:
+    """Publish a written, manifested, fsync'd scratch folder as step-N; apply retention."""
+    final = ckpt_root / f"step-{step}"
     publish(tmp, final)
     if keep:
         for _, old in list_checkpoints(ckpt_root)[keep:]:
@@ -144,20 +170,20 @@ def save(ckpt_root: Path, step: int, write_files, *, keep: int | None = None) ->
     return final
 
 
-def save_state(folder: Path, state: dict) -> None:
+def save_state(folder: Path, state: dict, name: str = STATE) -> None:
     import torch  # here, not at the top: the completion check reads manifests without torch
 
-    torch.save(state, folder / STATE)
+    torch.save(state, folder / name)
 
 
-def load_state(folder: Path) -> dict:
+def load_state(folder: Path, name: str = STATE) -> dict:
     """Trainer state, read with weights_only=True: tensors and plain containers, never arbitrary objects."""
     import torch
 
     try:
-        return torch.load(folder / STATE, weights_only=True, map_location="cpu")
+        return torch.load(folder / name, weights_only=True, map_location="cpu")
     except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
-        raise UserError(f"{STATE} is not plain trainer state (refusing to unpickle it): {one_line(e, limit=200)}",
+        raise UserError(f"{name} is not plain trainer state (refusing to unpickle it): {one_line(e, limit=200)}",
                         where=str(folder)) from None
 
 

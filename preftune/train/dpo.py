@@ -117,8 +117,9 @@ def _fingerprint(cfg: Config, encoded: list[EncodedPair]) -> str:
 
 
 @torch.no_grad()
-def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int, device) -> torch.Tensor:
-    """(n, 2) reference [chosen, rejected] log-probs, cached in the output folder."""
+def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int, device, *,
+                    write_cache: bool = True) -> torch.Tensor:
+    """(n, 2) reference [chosen, rejected] log-probs, cached in the output folder (by rank 0)."""
     cache = Path(cfg.output_dir) / "ref_logps.pt"
     key = _fingerprint(cfg, encoded)
     if cache.exists():
@@ -134,6 +135,8 @@ def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int,
         out.append(torch.stack([lp[:b], lp[b:]], dim=1).cpu())
     model.train(was_training)
     logps = torch.cat(out)  # (n, 2)
+    if not write_cache:
+        return logps
     with atomic_path(cache) as tmp:
         torch.save({"fingerprint": key, "logps": logps}, tmp)
     return logps
@@ -156,8 +159,10 @@ def _no_pairs_reason(report: dict) -> str:
 class DPOTask:
     """Builds everything; the loop writes `data_report` once setup has succeeded."""
 
-    def __init__(self, cfg: Config, model, tokenizer, device: torch.device):
-        self.cfg, self.d, self.device = cfg, cfg.dpo, device
+    def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp=None):
+        from preftune.train.distributed import Parallel
+
+        self.cfg, self.d, self.device, self.dp = cfg, cfg.dpo, device, dp or Parallel()
         self.loss_types = [self.d.loss_type] if isinstance(self.d.loss_type, str) else list(self.d.loss_type)
         check_dpo_options(self.loss_types, self.d.loss_weights, self.d.beta, self.d.label_smoothing)
         pairs, report = load_pairs(cfg)
@@ -168,21 +173,26 @@ class DPOTask:
         self.pad_id = tokenizer.pad_token_id
         self.ref, self.ref_model = None, None  # ref (n, 2): from the checkpoint on a resume, else prepare()
         if not self.d.reference_free and not self.d.precompute_ref_logps:
-            # run on each batch: the base under LoRA, else a frozen copy
-            self.ref_model = model if cfg.model.lora.enabled else load_model(
-                cfg.model, cfg.model.name_or_path, trainable=False).to(device)
+            # run on each batch: the base under LoRA, else a frozen copy, sharded like the policy
+            self.ref_model = model if cfg.model.lora.enabled else self.dp.wrap(load_model(
+                cfg.model, cfg.model.name_or_path, trainable=False))
         self.stream = IndexStream(len(self.encoded), cfg.seed, cfg.data.shuffle)
 
     def prepare(self, model) -> None:
         """The reference log-probs, with `model` still holding the initial (reference) weights,
         unless the restored checkpoint brought them."""
         if self.ref is None and not self.d.reference_free and self.d.precompute_ref_logps:
-            self.ref = reference_logps(model, self.encoded, self.cfg, self.pad_id, self.device)
+            # every rank computes all pairs on gathered parameters (no collective per pass); rank 0
+            # writes the cache (atomically), the others read it when it is already there
+            with self.dp.gathered(model):
+                self.ref = reference_logps(model, self.encoded, self.cfg, self.pad_id, self.device,
+                                           write_cache=self.dp.is_main)
 
     def step(self, model, step: int, stop) -> dict:
         idx = self.stream.take(self.d.batch_size)
-        B, totals, tokens = len(idx), {}, 0
-        for sl in microbatches(B, self.d.micro_batch_size):
+        B, totals, tokens = len(idx), {}, 0  # B: the global batch; this rank trains on its share
+        idx = idx[self.dp.split(B, "dpo.batch_size")]
+        for sl in microbatches(len(idx), self.d.micro_batch_size):
             stop.check()
             part = idx[sl]
             batch = [self.encoded[i] for i in part]
@@ -205,7 +215,7 @@ class DPOTask:
                 totals[k] = totals.get(k, 0.0) + v * b / B
             tokens += int(lengths.sum()) + 2 * sum(len(e.prompt) for e in batch)
         totals["num_tokens"] = tokens
-        return totals
+        return self.dp.reduce_metrics(totals)
 
     @torch.no_grad()
     def _live_reference(self, model, batch: list[EncodedPair]) -> torch.Tensor:

@@ -43,31 +43,56 @@ class GRPOBatch:
         return cls(rollout=ro, advantages=t["advantages"], ref_logps=t.get("ref_logps"), metrics=state["metrics"])
 
 
-def reward_metrics(s: Scored) -> dict:
+def reward_metrics(s: Scored, lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
+    """Reward and completion metrics of a whole generation batch (`lengths`, `truncated`: (N,))."""
     spread = group_spread(s.total, s.group_sizes)  # (n_groups,)
     m = {"reward": nanmean(s.total), "reward_std": spread.mean().item() if spread.numel() else 0.0}
     for j, name in enumerate(s.names):
         m[f"reward/{name}"] = nanmean(s.per_func[:, j])
     m["frac_reward_zero_std"] = (spread == 0).float().mean().item() if spread.numel() else 0.0
-    m["completion_length"] = s.rollout.completion_mask.sum(-1).float().mean().item()
-    m["completions/clipped_ratio"] = s.rollout.truncated.float().mean().item()
+    m["completion_length"] = lengths.float().mean().item()
+    m["completions/clipped_ratio"] = truncated.float().mean().item()
     return m | s.extra
 
 
-def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig) -> GRPOBatch:
+def global_view(s: Scored, dp) -> tuple[Scored, torch.Tensor, torch.Tensor, int]:
+    """The rewards of the whole generation batch, every rank's rows in rank order (groups never span
+    ranks), plus completion lengths and truncation flags (N,), and where this rank's rows start."""
+    ro = s.rollout
+    mine = (s.total.cpu(), s.per_func.cpu(), list(s.group_sizes), ro.completion_mask.sum(-1).cpu(), ro.truncated.cpu(),
+            list(s.names))
+    parts = dp.gather(mine) if dp.active else [mine]
+    names = next((p[5] for p in parts if p[5]), s.names)  # a rank with no rows may not know them
+    offset = sum(p[0].numel() for p in parts[:dp.rank])
+    total, per_func = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    sizes = [g for p in parts for g in p[2]]
+    whole = Scored(None, per_func, total, names, sizes, s.extra)
+    return whole, torch.cat([p[3] for p in parts]), torch.cat([p[4] for p in parts]), offset
+
+
+def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig, dp=None) -> GRPOBatch:
     """Advantages, old log-probs (only when the batch is reused) and reference log-probs, all on
     the policy's device (rewards are scored on the CPU; offline rollouts are built there).
-    `ref_model` is None without a KL term, or the policy itself for LoRA (adapters switched off)."""
+    `ref_model` is None without a KL term, or the policy itself for LoRA (adapters switched off).
+    Advantages and reward metrics see the whole generation batch (`dp` gathers every rank's rewards);
+    this rank keeps its own rows. The log-prob passes without backward run on gathered parameters."""
+    from preftune.train.distributed import Parallel
+
+    dp = dp or Parallel()
     device = next(model.parameters()).device
     ro = s.rollout.to(device)
+    whole, lengths, truncated, offset = global_view(s, dp)
+    adv = group_advantages(whole.total, whole.group_sizes, scale_rewards=cfg.scale_rewards)  # (N_global,)
+    adv = adv[offset:offset + ro.completion_ids.size(0)]  # (N_rank,)
     if cfg.num_iterations > 1:
-        ro.old_logps = reference_logps(model, ro, cfg)
+        with dp.gathered(model):
+            ro.old_logps = reference_logps(model, ro, cfg)
     ref = None
     if cfg.beta > 0:
-        ref = reference_logps(ref_model, ro, cfg, without_adapter=ref_model is model)
-    adv = group_advantages(s.total, s.group_sizes, scale_rewards=cfg.scale_rewards)  # (N,)
+        with dp.gathered(ref_model):
+            ref = reference_logps(ref_model, ro, cfg, without_adapter=ref_model is model)
     return GRPOBatch(rollout=ro, advantages=adv.to(device), ref_logps=ref,
-                     metrics=reward_metrics(s))
+                     metrics=reward_metrics(whole, lengths, truncated))
 
 
 @torch.no_grad()
@@ -99,20 +124,25 @@ def trained_rows(advantages: torch.Tensor, mask: torch.Tensor, beta: float) -> t
     return None if keep.numel() == live.numel() else keep
 
 
-def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None) -> dict:
+def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=None) -> dict:
     """Forward/backward over micro-batches of one generation batch; the caller steps the optimizer.
 
     Each micro-batch loss is weighted so the summed gradient equals one pass over the whole batch
     (`microbatch_weight`), and dapo's normaliser is the whole batch's token count (`batch_tokens`,
     `batch_seqs`: the normalisers, whatever rows are skipped). Rows that cannot move the policy
     are left out (`trained_rows`); `rows_skipped` counts them and `entropy` is over the rows run.
+    With data parallel, "the whole batch" is every rank's rows: the normalisers are global counts,
+    so the gradients summed over ranks equal one pass over the global batch (tested 2 ranks vs 1).
     """
+    from preftune.train.distributed import Parallel
+
+    dp = dp or Parallel()
     ro = batch.rollout
     mask = ro.completion_mask.float()  # (N, T)
     if cfg.mask_truncated_completions:
         mask = mask * (~ro.truncated).float()[:, None]
-    batch_seqs = mask.size(0)
-    batch_tokens = mask.sum().item()
+    batch_seqs, batch_tokens = dp.sum(mask.size(0), mask.sum().item())  # global sequences and tokens
+    batch_seqs = int(batch_seqs)
     keep = trained_rows(batch.advantages, mask, cfg.beta)
     pick = (lambda t: t) if keep is None else (lambda t: t.index_select(0, keep))  # noqa: E731
     ro_ids, ro_pmask, ro_cids, ro_cmask = (pick(t) for t in (ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
@@ -121,8 +151,12 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None) -> d
     old_all = None if ro.old_logps is None else pick(ro.old_logps)
     ref_all = None if batch.ref_logps is None else pick(batch.ref_logps)
     totals: dict[str, float] = {}
-    ent_sum, run_tokens = 0.0, mask.sum().item()
-    for sl in microbatches(mask.size(0), cfg.micro_batch_size):
+    ent_sum, run_tokens = 0.0, dp.sum(mask.sum().item())[0]
+    slices = list(microbatches(mask.size(0), cfg.micro_batch_size))
+    for _ in range(int(dp.max(len(slices))[0]) - len(slices)):  # FSDP: every rank runs as many passes
+        check()
+        idle_pass(model, ro)
+    for sl in slices:
         check()  # preemption: may abandon the step between micro-batches
         logps, entropy = completion_logps(model, ro_ids[sl], ro_pmask[sl], ro_cids[sl], ro_cmask[sl],
                                           temperature=cfg.temperature, with_entropy=True)
@@ -138,7 +172,7 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None) -> d
                     row_share=(sl.stop - sl.start) / batch_seqs,
                     by_rows=cfg.importance_sampling_level == "sequence")
         ent_sum += (entropy * mask[sl]).sum().item()
-    skipped = batch_seqs - mask.size(0)
+    skipped = batch_mask.size(0) - mask.size(0)
     if skipped:
         _zero_missing_grads(model)  # every row skipped: the optimiser still steps on zeros, as without skipping
         for k in ("loss", "kl", *(f"clip_ratio/{c}" for c in CLIP_KEYS)):  # nothing ran: zero loss, no clipping
@@ -148,7 +182,15 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None) -> d
             totals["clip_ratio/low_min"] = min(totals["clip_ratio/low_min"], 0.0)
     totals["entropy"] = ent_sum / max(run_tokens, 1.0)
     totals["rows_skipped"] = float(skipped)
-    return totals
+    return dp.reduce_metrics(totals)
+
+
+def idle_pass(model, ro: Rollout) -> None:
+    """A zero-weight forward/backward on one padding token: a rank with fewer micro-batches than the
+    others joins their FSDP all-gathers and reduce-scatters without changing any gradient."""
+    one = torch.ones((1, 1), dtype=ro.prompt_ids.dtype, device=ro.prompt_ids.device)
+    logps, _ = completion_logps(model, one, one, one, one)
+    (logps.sum() * 0.0).backward()
 
 
 def _accumulate(totals: dict, m: dict, loss: float, *, token_share: float, row_share: float, by_rows: bool) -> None:

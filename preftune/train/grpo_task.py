@@ -26,8 +26,10 @@ def check_prompt_lengths(tokenizer, prompts: list, limit: int, where: str) -> No
 class GRPOTask:
     """Builds everything and writes nothing: the loop writes `data_report` once setup has succeeded."""
 
-    def __init__(self, cfg: Config, model, tokenizer, device: torch.device):
-        self.cfg, self.g, self.device = cfg, cfg.grpo, device
+    def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp=None):
+        from preftune.train.distributed import Parallel
+
+        self.cfg, self.g, self.device, self.dp = cfg, cfg.grpo, device, dp or Parallel()
         self.truncation = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
         common = dict(seed=cfg.seed, shuffle=cfg.data.shuffle, truncation=self.truncation)
         if self.g.rollout == "online":
@@ -42,7 +44,7 @@ class GRPOTask:
                 n, prompts = len(prompts), split_prompt_set(prompts, cfg.eval.split, held_out=False)
                 held_out = {"held_out_prompts": n - len(prompts)}
             funcs = load_reward_funcs(self.g.reward_funcs, self.g, cfg.config_dir)
-            self.source = OnlineSource(self.g, tokenizer, prompts, funcs, device=device, **common)
+            self.source = OnlineSource(self.g, tokenizer, prompts, funcs, device=device, dp=self.dp, **common)
             self.source.state.max_steps = cfg.max_steps  # what TRL's trainer_state.max_steps tells reward functions
             self.data_report = {"prompts": len(prompts)} | held_out
             texts = prompts.prompts
@@ -61,7 +63,8 @@ class GRPOTask:
                 raise UserError("no usable GRPO group (each needs >= 2 responses with different rewards; "
                                 f"{greport.too_small} prompts too small, {greport.zero_spread} with equal rewards)"
                                 + no_rows_left(drops), where=cfg.data.train)
-            self.source = OfflineSource(self.g, tokenizer, groups, reward_name=cfg.data.reward_column, **common)
+            self.source = OfflineSource(self.g, tokenizer, groups, reward_name=cfg.data.reward_column, dp=self.dp,
+                                        **common)
             texts = [g.prompt for g in groups]
         if cfg.data.prompt_truncation == "error":  # fail now, not when the long prompt is drawn hours later
             check_prompt_lengths(tokenizer, texts, cfg.data.max_prompt_length, cfg.data.train)
@@ -69,7 +72,7 @@ class GRPOTask:
         if self.g.beta > 0 and cfg.model.lora.enabled:  # the base under the adapters is the reference
             self.ref_model = model
         elif self.g.beta > 0:  # the reference is only needed for the KL term
-            self.ref_model = load_model(cfg.model, cfg.model.name_or_path, trainable=False).to(device)
+            self.ref_model = self.dp.wrap(load_model(cfg.model, cfg.model.name_or_path, trainable=False))
         self.pending: GRPOBatch | None = None
 
     def prepare(self, model) -> None:
@@ -77,14 +80,16 @@ class GRPOTask:
 
     def step(self, model, step: int, stop) -> dict:
         if self.pending is None or (step - 1) % self.g.num_iterations == 0:
-            scored = self.source.make_batch(model, step)
+            with self.dp.gathered(model):  # sampling: whole parameters once per rollout, not per token
+                scored = self.source.make_batch(model, step)
             stop.check()
-            self.pending = new_batch(scored, model, self.ref_model, self.g)
-        m = grpo_step(model, self.pending, self.g, check=stop.check)
+            self.pending = new_batch(scored, model, self.ref_model, self.g, self.dp)
+        m = grpo_step(model, self.pending, self.g, check=stop.check, dp=self.dp)
         m.update(self.pending.metrics)
-        m["num_tokens"] = int(self.pending.rollout.completion_mask.sum() + self.pending.rollout.prompt_mask.sum())
-        m["prompts_truncated"] = self.truncation.truncated
-        m["prompts_dropped"] = self.truncation.dropped
+        ro = self.pending.rollout
+        tokens, truncated, dropped = self.dp.sum(float(ro.completion_mask.sum() + ro.prompt_mask.sum()),
+                                                 self.truncation.truncated, self.truncation.dropped)
+        m["num_tokens"], m["prompts_truncated"], m["prompts_dropped"] = int(tokens), int(truncated), int(dropped)
         return m
 
     def state_dict(self) -> dict:

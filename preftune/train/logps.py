@@ -84,6 +84,8 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.
 
 def _uses_cache(model) -> bool:
     """Activation checkpointing makes HF drop the cache in training: then nothing can be shared."""
+    if getattr(model, "preftune_one_forward", False):  # FSDP2: every pass must issue the same collectives
+        return False
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     flag = getattr(base, "is_activation_checkpointing", None)
     if flag is None:

@@ -9,9 +9,9 @@ function of the step, so a resumed run repeats the uninterrupted one bit for bit
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
-import shutil
 import time
 from pathlib import Path
 
@@ -22,19 +22,23 @@ from preftune.atomic import atomic_write, copy_atomic
 from preftune.config import Config, to_dict, to_yaml
 from preftune.data.report import write_data_report
 from preftune.errors import Preempted, UserError
-from preftune.models import check_model_path, import_model_libraries, load_model, load_tokenizer, save_pretrained
+from preftune.models import check_model_path, import_model_libraries, load_model, load_tokenizer
 from preftune.train import checkpoint as ckpt
+from preftune.train import distributed
+from preftune.train.checkpointer import (  # noqa: F401 - load_weights, rng_state: used by tests and tools
+    METRICS, Checkpointer, load_weights, prepare_task, rng_state, set_rng_state,
+)
+from preftune.train.distributed import Parallel, SharedStop
 from preftune.train.evaluate import build_evaluator
 from preftune.train.loggers import build_trackers
 from preftune.train.metrics import MetricsLog
-from preftune.train.optim import build_optimizer, clip_and_step, lr_at, set_lr
+from preftune.train.optim import build_optimizer, lr_at, set_lr
 from preftune.train.outdir import OutputGuard
 from preftune.train.preemption import Preemption, StepAbandoned, process_handler
-from preftune.train.resume import CONFIG_FILE, checkpoint_config, find_resume_point
+from preftune.train.resume import find_resume_point
 from preftune.train.startup import StartupClock, process_start
 
 log = logging.getLogger("preftune")
-METRICS = "metrics.jsonl"
 UPLOAD_MARGIN_S = 5.0  # of the grace period, kept for exiting after the last upload wait
 
 
@@ -44,39 +48,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def rng_state() -> dict:
-    """Every global RNG as plain tensors/ints/floats (loadable with weights_only=True)."""
-    _, py_state, py_gauss = random.getstate()
-    _, mt, pos, has_gauss, gauss = np.random.get_state()
-    state = {"python": list(py_state), "python_gauss": py_gauss,
-             "numpy": torch.from_numpy(mt.astype(np.int64)), "numpy_pos": int(pos),
-             "numpy_gauss": [int(has_gauss), float(gauss)], "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate((3, tuple(state["python"]), state["python_gauss"]))
-    has_gauss, gauss = state["numpy_gauss"]
-    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def build_task(cfg: Config, model, tokenizer, device):
+def build_task(cfg: Config, model, tokenizer, device, dp: Parallel | None = None):
+    dp = dp or Parallel()
     if cfg.algorithm == "grpo":
         from preftune.train.grpo_task import GRPOTask
 
-        return GRPOTask(cfg, model, tokenizer, device)
+        return GRPOTask(cfg, model, tokenizer, device, dp)
     if cfg.algorithm == "sft":
         from preftune.train.sft import SFTTask
 
         return SFTTask(cfg, model, tokenizer, device)
     from preftune.train.dpo import DPOTask
 
-    return DPOTask(cfg, model, tokenizer, device)
+    return DPOTask(cfg, model, tokenizer, device, dp)
 
 
 class Run:
@@ -86,8 +70,9 @@ class Run:
     on_first_step = None  # called once the first optimizer step has been taken
     startup: dict = {}  # startup_seconds by phase, until the first training record carries them
 
-    def __init__(self, cfg: Config, *, callbacks=(), clock: StartupClock | None = None):
+    def __init__(self, cfg: Config, dp: Parallel | None = None, *, callbacks=(), clock: StartupClock | None = None):
         self.cfg = cfg
+        self.dp = dp = dp or Parallel()
         self.clock = clock = clock or StartupClock()
         # called as cb(step, record) after each logged record; returning True stops the run at this step
         self.callbacks = list(callbacks)
@@ -96,28 +81,40 @@ class Run:
         self.evaluated: int | None = None  # the step of the latest evaluation
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.mirror = ckpt.RemoteMirror(cfg.checkpoint_uri, cfg.save_total_limit) if cfg.checkpoint_uri else None
-        self.resumed_from = find_resume_point(cfg, self.out, self.ckpt_root, self.mirror)
+        self.device = dp.device
+        self.mirror = ckpt.RemoteMirror(cfg.checkpoint_uri, cfg.save_total_limit) \
+            if cfg.checkpoint_uri and dp.is_main else None
+        # rank 0 decides (it may set damaged checkpoints aside or download one) and tells the others
+        found = dp.on_main(lambda: find_resume_point(cfg, self.out, self.ckpt_root, self.mirror))
+        self.resumed_from = Path(found) if found else None
         clock.mark("restore")
         seed_everything(cfg.seed)
         base_path = check_model_path(cfg.model.name_or_path)
         self.tokenizer = load_tokenizer(base_path, cfg.model.trust_remote_code)
-        self.model = load_model(cfg.model, base_path).to(self.device)
+        mixed = cfg.model.dtype == "bfloat16" and not cfg.model.lora.enabled
+        self.model = dp.wrap(load_model(cfg.model, base_path), mixed_bf16=mixed,
+                             reshard_after_forward=cfg.distributed.reshard_after_forward)
         clock.mark("model")
-        self.task = build_task(cfg, self.model, self.tokenizer, self.device)
+        self.task = build_task(cfg, self.model, self.tokenizer, self.device, dp)
         self.evaluator = build_evaluator(cfg, self.tokenizer)
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optim)
-        self.out.mkdir(parents=True, exist_ok=True)  # everything above is validated: now write
-        ckpt.clean_stale(self.ckpt_root)
-        write_data_report(self.out, self.task.data_report)
+        self.checkpointer = Checkpointer(cfg, dp, model=self.model, tokenizer=self.tokenizer,
+                                         optimizer=self.optimizer, task=self.task, mirror=self.mirror)
+        if dp.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)  # everything above is validated: now write
+            ckpt.clean_stale(self.ckpt_root)
+            write_data_report(self.out, self.task.data_report)
+        dp.barrier()  # the folder exists before any rank writes into it
         self.step = 0
         if self.resumed_from is not None:
             self._restore(self.resumed_from)
         else:
-            self.task.prepare(self.model)
+            prepare_task(self.task, self.model)
         clock.mark("data")
         self.saved_step = self.step  # the newest state that a resume would reproduce
+        self.metrics = None
+        if not dp.is_main:  # rank 0 writes metrics, reports and the progress bar
+            return
         atomic_write(self.out / "config.yaml", to_yaml(cfg))
         # a fresh start drops every old record; a resume keeps those up to its checkpoint
         start = self.step if self.step else -1
@@ -127,50 +124,36 @@ class Run:
                                   progress=cfg.log.progress_bar, trackers=trackers)
 
     def _restore(self, folder: Path) -> None:
-        """The task state first: what it lacks, `prepare` computes from the base weights (DPO's
-        reference log-probs of an older checkpoint), before the checkpoint's weights replace them."""
         self.clock.mark("data")
-        state = ckpt.load_state(folder)
-        self.task.load_state_dict(state["task"])
-        self.clock.mark("restore")
-        self.task.prepare(self.model)
-        self.clock.mark("data")
-        load_weights(self.model, folder)
-        self.optimizer.load_state_dict(state["optimizer"])
-        set_rng_state(state["rng"])
+        state = self.checkpointer.restore(folder)
         self.step = int(state["step"])
         self.tracker_state = state.get("trackers")
-        if (folder / METRICS).is_file():  # the records as they were at the save, even into an empty output_dir
+        if self.dp.is_main and (folder / METRICS).is_file():  # the records as they were at the save
             copy_atomic(folder / METRICS, self.out / METRICS)
         log.info("resumed from %s (step %d)", folder, self.step)
         self.clock.mark("restore")
 
     def _save(self) -> Path:
-        def write(tmp: Path) -> None:
-            save_pretrained(self.model, self.tokenizer, tmp)
-            if hasattr(self.model, "peft_config"):
-                self.model.save_pretrained(str(tmp / "adapter"))
-            ckpt.save_state(tmp, {"step": self.step, "optimizer": self.optimizer.state_dict(),
-                                  "task": self.task.state_dict(), "rng": rng_state(),
-                                  "trackers": self.metrics.state_dict()})
-            (tmp / CONFIG_FILE).write_text(checkpoint_config(self.cfg))
+        extra, path = {}, None
+        if self.metrics is not None:
             self.metrics.file.flush()
-            shutil.copyfile(self.metrics.path, tmp / METRICS)
-
-        folder = ckpt.save(self.ckpt_root, self.step, write, keep=self.cfg.save_total_limit)
+            extra, path = {"trackers": self.metrics.state_dict()}, self.metrics.path
+        folder = self.checkpointer.save(self.step, path, extra)
         self.saved_step = self.step
-        if self.mirror is not None:
-            self.mirror.upload(folder)  # a snapshot; the upload runs in the background
         return folder
 
     def _eval(self) -> None:
         if self.evaluator is not None and self.evaluated != self.step:  # an early stop may follow an eval
-            self._log(self.evaluator(self.model, self.step))
+            with self.dp.gathered(self.model):  # each rank evaluates the whole set; rank 0 logs it
+                m = self.evaluator(self.model, self.step)
+            self._log(m)
             self.evaluated = self.step
 
     def _log(self, m: dict, advance: bool = False) -> None:
         if advance and self.startup:  # the first training record of this process carries startup_seconds
             m, self.startup = m | self.startup, {}
+        if self.metrics is None:  # not rank 0: every rank holds the same reduced metrics
+            return
         record = self.metrics.log(self.step, m, advance=advance)
         for cb in self.callbacks:
             if cb(self.step, {k: v for k, v in record.items() if k != "step"}) is True:
@@ -182,7 +165,8 @@ class Run:
         set_lr(self.optimizer, lr)
         t0 = time.perf_counter()
         m = self.task.step(self.model, self.step, stop)
-        m["grad_norm"] = clip_and_step(self.model, self.optimizer, self.cfg.optim.max_grad_norm)
+        self.dp.sync_grads(self.model)
+        m["grad_norm"] = self.dp.clip_and_step(self.model, self.optimizer, self.cfg.optim.max_grad_norm)
         m["learning_rate"] = lr
         m["step_time"] = time.perf_counter() - t0
         m["tokens_per_second"] = m.pop("num_tokens", 0) / max(m["step_time"], 1e-9)
@@ -206,11 +190,25 @@ class Run:
         if stop is None:
             with Preemption(self.cfg.preemption_grace_seconds) as stop:
                 return self.run(stop)
+        if self.dp.active:
+            stop = SharedStop(stop, self.dp)
         try:
             return self._run(stop)
         except BaseException:
-            self.metrics.close("failed")  # no-op after a preemption closed it
+            self._close_metrics("failed")  # no-op after a preemption closed it
             raise
+
+    def _close_metrics(self, status: str | None = None) -> None:
+        if self.metrics is not None:
+            self.metrics.close(status) if status else self.metrics.close()
+
+    def _callback_stop(self) -> bool:
+        """A callback (rank 0's) asked to stop: every rank stops at the same step."""
+        return self.dp.any(self.stop_asked) if self.dp.active else self.stop_asked
+
+    def _everywhere(self, ok: bool) -> bool:
+        """True on every rank when true on all of them (a decision that leads to a collective)."""
+        return not self.dp.any(not ok) if self.dp.active else ok
 
     def _run(self, stop: Preemption) -> Path:
         cfg = self.cfg
@@ -219,7 +217,7 @@ class Run:
         self.clock.mark("eval")
         self.startup = self.clock.report()
         stop.training()
-        while self.step < cfg.max_steps and not stop.requested and not self.stop_asked:
+        while self.step < cfg.max_steps and not stop.requested and not self._callback_stop():
             m = self._try_step(stop)
             if m is None:
                 break
@@ -228,7 +226,7 @@ class Run:
                 self.on_first_step = None
             if self.step % cfg.log.logging_steps == 0 or self.step == cfg.max_steps:
                 self._log(m, advance=True)
-            elif self.metrics.bar is not None:
+            elif self.metrics is not None and self.metrics.bar is not None:
                 self.metrics.bar.update(1)
             if cfg.eval.eval_steps and self.step % cfg.eval.eval_steps == 0 and self.step < cfg.max_steps:
                 self._eval()
@@ -247,13 +245,13 @@ class Run:
         if self.step != self.saved_step:
             self._save()
         self._eval()  # while the end checkpoint uploads; final/ must not supersede it in the mirror's queue
-        final = self._write_final() if self._finish_uploads(self._upload_wait(stop)) else None
-        if final is None or not self._finish_uploads(self._upload_wait(stop)):
-            self.metrics.close("preempted")
+        final = self._write_final() if self._everywhere(self._finish_uploads(self._upload_wait(stop))) else None
+        if final is None or not self._everywhere(self._finish_uploads(self._upload_wait(stop))):
+            self._close_metrics("preempted")
             raise Preempted(f"preempted at step {self.step} while uploading to {self.cfg.checkpoint_uri}; "
                             "run again to finish")
         stop.complete()
-        self.metrics.close()
+        self._close_metrics()
         return final
 
     def _stop(self, stop: Preemption) -> None:
@@ -265,22 +263,11 @@ class Run:
         else:
             what = "nothing new since the last checkpoint" if self.step else "nothing trained yet"
         self._finish_uploads(self._upload_wait(stop))
-        self.metrics.close("preempted")
+        self._close_metrics("preempted")
         raise Preempted(f"preempted at step {self.step}; {what}; resume to continue")
 
     def _write_final(self) -> Path:
-        final = self.out / "final"
-        tmp = self.out / ".tmp-final"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_pretrained(self.model, self.tokenizer, tmp, dtype=self.cfg.model.dtype)
-        (tmp / CONFIG_FILE).write_text(checkpoint_config(self.cfg))  # with the manifest's step: "complete"
-        ckpt.write_manifest(tmp, self.step)
-        ckpt.fsync_tree(tmp)
-        ckpt.publish(tmp, final)
-        if self.mirror is not None:  # the remote also gets the final model, as URL/final
-            self.ckpt_root.mkdir(parents=True, exist_ok=True)
-            self.mirror.upload(final, scratch_root=self.ckpt_root)
-        return final
+        return self.checkpointer.write_final(self.step)
 
     @staticmethod
     def _upload_wait(stop: Preemption) -> float | None:
@@ -294,28 +281,6 @@ class Run:
                         "keeps its previous complete checkpoint)", self.cfg.checkpoint_uri, timeout or 0)
             return False
         return True
-
-
-def load_weights(model, folder: Path) -> None:
-    """Policy weights from a checkpoint: the LoRA adapter when there is one, else the full model."""
-    from safetensors.torch import load_file
-
-    if hasattr(model, "peft_config"):
-        from peft import set_peft_model_state_dict
-
-        set_peft_model_state_dict(model, load_file(str(folder / "adapter" / "adapter_model.safetensors")))
-        return
-    files = sorted(folder.glob("model*.safetensors"))
-    if not files:
-        raise UserError("checkpoint has no model weights", where=str(folder))
-    state = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    if unexpected or [k for k in missing if k not in tied and "lm_head" not in k]:
-        raise UserError(f"checkpoint weights do not fit the model (missing {missing[:3]}, unexpected "
-                        f"{unexpected[:3]})", where=str(folder))
 
 
 def train(cfg: Config, *, callbacks=()) -> Path:
@@ -344,7 +309,29 @@ def _train(cfg: Config, stop: Preemption, clock: StartupClock, callbacks) -> Pat
     import_model_libraries(cfg.model)  # start-up still: a signal here ends the process at once
     clock.mark("imports")
     stop.setup(cfg.preemption_grace_seconds)
-    with OutputGuard(Path(cfg.output_dir)) as guard:
-        run = Run(cfg, callbacks=callbacks, clock=clock)
-        run.on_first_step = guard.commit
-        return run.run(stop)
+    dp = distributed.init(cfg.distributed)  # one plain process without torchrun's environment
+    try:
+        check_parallel(cfg, dp)
+        # rank 0 owns output_dir: only it guards (and may roll back) the folder
+        with OutputGuard(Path(cfg.output_dir)) if dp.is_main else contextlib.nullcontext() as guard:
+            run = Run(cfg, dp, callbacks=callbacks, clock=clock)
+            run.on_first_step = getattr(guard, "commit", None)
+            final = run.run(stop)
+        dp.barrier()  # no rank tears the process group down while another still uses it
+        return final
+    except Preempted:
+        if not stop.immediate:  # in training every rank stops at the same boundary, after one save;
+            dp.barrier()  # a signal during setup stops only its rank (the others fail at a collective)
+        raise
+    finally:
+        dp.close()
+
+
+def check_parallel(cfg: Config, dp: Parallel) -> None:
+    """The global batch splits evenly over the ranks (exit 78 naming the key otherwise)."""
+    if dp.world == 1:
+        return
+    if cfg.algorithm == "sft":
+        raise UserError("sft does not run data parallel yet: start it without torchrun", where="algorithm")
+    dp.require_divisible({"grpo.prompts_per_step": cfg.grpo.prompts_per_step} if cfg.algorithm == "grpo"
+                         else {"dpo.batch_size": cfg.dpo.batch_size})

@@ -41,3 +41,10 @@ def test_runs_as_the_non_root_user_the_pods_expect(tmp_path):
 def test_entrypoint_matches_the_rendered_command():
     (entry,) = [json.loads(arg) for op, arg in instructions() if op == "ENTRYPOINT"]
     assert entry == ENTRYPOINT == launch_command()[:len(entry)]
+
+
+def test_the_rendered_command_is_a_preftune_launch_the_cli_accepts():
+    from preftune.cli import parser
+
+    args = parser().parse_args(launch_command()[len(ENTRYPOINT):])
+    assert (args.command, args.config) == ("launch", "/etc/preftune/config.yaml")

@@ -1,0 +1,112 @@
+"""Data parallel on CPU with gloo: 2 ranks and 1 rank on the same data give the same loss and
+gradient norm at every step and the same weights after several steps (offline GRPO, DPO, online
+GRPO fed identical rollouts; FSDP2 and ddp); a global batch that does not split evenly is refused."""
+from __future__ import annotations
+
+import pytest
+
+from preftune.config import load_config
+from preftune.errors import EXIT_OK, EXIT_USER
+from preftune.train import loop
+from preftune.train.metrics import read_records
+from tests.train.ranks import Ranks, final_state, metric_rows
+from tests.train.test_resume import data_dir, one_thread, overrides, small_eval, write_config  # noqa: F401
+
+STEPS = 4
+# per kind: an even global batch with uneven work per rank (offline groups of unequal size after
+# dropping; online completions of different lengths) and micro-batches, so idle passes are exercised
+EXTRA = {
+    "offline": {"grpo.prompts_per_step": 4, "grpo.micro_batch_size": 3, "grpo.loss_type": "grpo"},
+    # the length reward gives the fake completions (random tokens) a signal; accuracy would be all 0
+    "online": {"grpo.prompts_per_step": 4, "grpo.micro_batch_size": 5, "grpo.scale_rewards": "batch",
+               "grpo.reward_funcs": "[length]", "grpo.dynamic_sampling": "true", "grpo.num_generations": 2,
+               "grpo.loss_type": "bnpo", "grpo.beta": 0.05, "grpo.num_iterations": 2},
+    "dpo": {"dpo.batch_size": 4, "dpo.micro_batch_size": 1},
+    "lora": {"dpo.batch_size": 4, "dpo.micro_batch_size": 2, "model.lora.enabled": "true", "model.lora.r": 4,
+             "save_steps": 2},
+}
+
+
+def args(kind: str, out, data_dir, **extra) -> list[str]:
+    # offline GRPO also evaluates (greedy generation on gathered parameters, every 2 steps)
+    ev = {"data.eval": small_eval(data_dir), "eval.eval_steps": 2} if kind == "offline" else {"data.eval": "null"}
+    o = {"max_steps": STEPS, "save_steps": 0, "optim.lr": 1e-3, "optim.lr_scheduler": "constant",
+         **ev, **EXTRA[kind], **extra}
+    return overrides("dpo" if kind == "lora" else kind, out, data_dir, **o)
+
+
+@pytest.fixture(scope="module")
+def one_rank(data_dir, tmp_path_factory):
+    """The 1-process runs, in this process (the fake sampler for online GRPO patched in)."""
+    done = {}
+
+    def run(kind: str):
+        if kind not in done:
+            out = tmp_path_factory.mktemp(f"one-{kind}") / "run"
+            with pytest.MonkeyPatch.context() as m:
+                # the same log-prob layout as FSDP2's (one forward per pass, no shared-prompt pass), so
+                # the comparison measures the data-parallel split, not the layouts' rounding
+                import preftune.train.logps as logps
+
+                m.setattr(logps, "_uses_cache", lambda model: False)
+                if kind == "online":
+                    import preftune.rollout.online as online
+                    from tests.train.ranks import fake_sample
+
+                    m.setattr(online, "sample", fake_sample)
+                loop.train(load_config(None, args(kind, out, data_dir)))
+            done[kind] = out
+        return done[kind]
+
+    return run
+
+
+def assert_same_training(one, two) -> None:
+    a, b = metric_rows(one), metric_rows(two)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
+    for ra, rb in zip(a, b):
+        for key in ("loss", "grad_norm"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-7), (ra["step"], key)
+    evals = [[r["eval/reward"] for r in read_records(out / "metrics.jsonl") if "eval/reward" in r] for out in (one, two)]
+    assert evals[0] == evals[1]  # empty, or the same greedy eval rewards at the same steps
+    wa, wb = final_state(one), final_state(two)
+    assert wa.keys() == wb.keys()
+    worst = max(wa, key=lambda k: (wa[k] - wb[k]).abs().max().item())
+    assert (wa[worst] - wb[worst]).abs().max().item() < 1e-5, f"largest weight difference in {worst}"
+    assert all(r["grad_norm"] > 1e-3 for r in a)  # real gradients: Adam would turn rounding noise on a
+    # zero gradient (e.g. all advantages 0) into full-size steps in random directions, see README
+
+
+
+
+@pytest.mark.parametrize("kind, strategy", [("offline", "fsdp"), ("dpo", "fsdp"), ("online", "fsdp"),
+                                            ("dpo", "ddp"), ("lora", "fsdp")])
+def test_two_ranks_train_like_one(kind, strategy, one_rank, data_dir, tmp_path):
+    out = tmp_path / "run"
+    env = {"PREFTUNE_TEST_FAKE_SAMPLER": "1"} if kind == "online" else {}
+    ranks = Ranks(tmp_path, 2, [write_config(tmp_path / "run.yaml"), *args(kind, out, data_dir, **{"distributed.strategy": strategy})], **env)
+    codes = ranks.wait()
+    assert codes == [EXIT_OK, EXIT_OK], ranks.text(0)[-3000:] + ranks.text(1)[-3000:]
+    assert_same_training(one_rank(kind), out)
+    if kind == "offline":
+        assert len([r for r in read_records(out / "metrics.jsonl") if "eval/reward" in r]) == 3  # steps 0, 2, 4
+    if kind == "lora":  # step checkpoints hold the adapter and its optimizer state only
+        from preftune.train import checkpoint as ckpt
+
+        files = ckpt.read_manifest((out / "checkpoints" / "step-2" / ckpt.MANIFEST).read_text())["files"]
+        from tests.train.test_resume import MODEL
+
+        model_bytes = (MODEL / "model.safetensors").stat().st_size  # a full checkpoint: 3x (weights, 2 moments)
+        assert sum(v["size"] for k, v in files.items() if k.startswith("shards/")) < model_bytes / 2
+    if kind == "online":  # groups were dropped and resampled, so ranks held unequal rows (idle passes)
+        assert any(r["dynamic_sampling/dropped_groups"] for r in metric_rows(out))
+    assert " rank 1 INFO rank 1 of 2" in ranks.text(1)  # each rank's log lines carry its rank
+    assert not (out / "metrics.jsonl").read_text().count('"step": 1,') > 1  # only rank 0 writes
+
+
+def test_global_batch_not_divisible_is_refused_by_every_rank(data_dir, tmp_path):
+    out = tmp_path / "run"
+    ranks = Ranks(tmp_path, 2, [write_config(tmp_path / "run.yaml"), *args("offline", out, data_dir, **{"grpo.prompts_per_step": 3})])
+    assert ranks.wait() == [EXIT_USER, EXIT_USER]
+    assert "grpo.prompts_per_step=3 not divisible by the world size 2" in ranks.text(0)
+    assert not out.exists()
