@@ -144,9 +144,6 @@ class SFTTask:
         self.pad_id = tokenizer.pad_token_id
         self.stream = IndexStream(len(self.encoded), cfg.seed, cfg.data.shuffle)
 
-    def prepare(self, model) -> None:
-        """Nothing to compute from the initial weights (the loop calls this on every task)."""
-
     def logps(self, model, batch: list[EncodedExample]):
         rows = choose_rows(batch, self.s.max_length, self.packing)
         if rows is None:
