@@ -1,4 +1,5 @@
-"""The `preftune` command: train | data inspect | data pairs | eval | registry list | report | launch | export.
+"""The `preftune` command: train | data inspect | data pairs | eval | registry list | report | launch | export
+| render | cost.
 
 Exit codes: 0 finished · 75 preempted, checkpoint saved, resume me · 78 config or data error
 (one line, no traceback) · 1 anything else.
@@ -78,6 +79,9 @@ def parser() -> argparse.ArgumentParser:
     add_report_parser(sub)
     launch.add_parser(sub)
     export.add_parser(sub)
+    from preftune.deploy.commands import add_parser as add_deploy_parsers
+
+    add_deploy_parsers(sub)  # render, cost
     return ap
 
 
@@ -95,11 +99,6 @@ def _data_section(args):
         key = (e.where or "").split("[")[0]
         raise UserError(e.message, where=flags.get(key, key)) from None
     return d
-
-
-def _pair_kwargs(d) -> dict:
-    return dict(chosen_min=d.chosen_min, rejected_max=d.rejected_max, strategy=d.pair_strategy,
-                max_pairs_per_prompt=d.max_pairs_per_prompt, min_margin=d.min_margin)
 
 
 def _train(args) -> None:
@@ -124,6 +123,7 @@ def _train(args) -> None:
 
 def _data(args) -> None:
     from preftune.data import commands
+    from preftune.data.pairs import pair_options
     from preftune.data.traces import TraceOptions
     from preftune.train.preemption import process_handler
 
@@ -134,10 +134,10 @@ def _data(args) -> None:
     d = _data_section(args)
     opts = TraceOptions.from_config(d)
     if args.data_command == "inspect":
-        report = commands.inspect_report(args.path, opts, **_pair_kwargs(d))
+        report = commands.inspect_report(args.path, opts, **pair_options(d))
         print(json.dumps(report, indent=1) if args.json else commands.format_inspect(report))
     else:
-        print(commands.pairs_command(args.path, args.output, opts, **_pair_kwargs(d)))
+        print(commands.pairs_command(args.path, args.output, opts, **pair_options(d)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +155,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    ap = parser()
+    args, extra = ap.parse_known_args(argv)
+    # KEY=VALUE overrides may follow options (`render CONFIG -o DIR KEY=VALUE`)
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        ap.error(f"unrecognized arguments: {' '.join(extra)}")
     rank = f" rank {os.environ['RANK']}" if "LOCAL_RANK" in os.environ and "RANK" in os.environ else ""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s" + rank + " %(levelname)s %(message)s",
                         datefmt="%H:%M:%S")

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from preftune.deploy.settings import DeployConfig, check_deploy
 from preftune.errors import UserError
 
 
@@ -182,6 +183,7 @@ class Config:
     gate: GateConfig = field(default_factory=GateConfig)
     log: LogConfig = field(default_factory=LogConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    deploy: DeployConfig = field(default_factory=DeployConfig)  # preftune render / cost
     config_dir: str = field(default=".", metadata={"internal": True})
 
 
@@ -199,6 +201,9 @@ CHOICES = {
     "optim.lr_scheduler": ("constant", "linear", "cosine"),
     "distributed.strategy": ("fsdp", "ddp", "none"),
     "distributed.backend": ("auto", "nccl", "gloo"),
+    "deploy.scheduler": ("volcano", "kubernetes"),
+    "deploy.capacity_type": ("spot", "on-demand"),
+    "deploy.image_pull_policy": ("Always", "IfNotPresent", "Never"),
 }
 
 # The valid range of every numeric key, as an interval: "[" / "]" include the bound, "(" / ")"
@@ -265,6 +270,12 @@ BOUNDS = {
     "gate.bootstrap_samples": "[1, inf)",
     "log.logging_steps": "[1, inf)",
     "distributed.timeout_seconds": "(0, inf)",
+    "deploy.nodes": "[1, inf)",
+    "deploy.gpus_per_node": "[1, inf)",
+    "deploy.efa_interfaces": "[1, inf)",
+    "deploy.max_retry": "[0, inf)",
+    "deploy.termination_grace_seconds": "[1, inf)",
+    "deploy.max_gpus": "[1, inf)",  # and at least the job's GPUs (deploy/settings.check_deploy)
 }
 
 
@@ -316,6 +327,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if len(errors) == 1:  # already names the key (or the list item)
             raise errors[0]
         raise UserError(f"{value!r} is not a valid value", where=key)
+    if origin is dict:
+        key_tp, value_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise UserError(f"expected a mapping, got {value!r}", where=key)
+        return {_coerce(k, key_tp, key): _coerce(v, value_tp, f"{key}.{k}") for k, v in value.items()}
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
@@ -451,6 +467,7 @@ def validate(cfg: Config) -> None:
     from preftune.train.loggers import check_report_to
 
     check_report_to(cfg.log.report_to)
+    check_deploy(cfg.deploy, cfg.preemption_grace_seconds, cfg.checkpoint_uri)
     check_output_dir(cfg.output_dir)
 
 

@@ -27,9 +27,17 @@ from preftune.errors import UserError
 
 STRATEGIES = CHOICES["data.pair_strategy"]
 _DATA = DataConfig()  # the pairing defaults; the config dataclass is their one home
-PAIR_DEFAULTS = {"chosen_min": _DATA.chosen_min, "rejected_max": _DATA.rejected_max,
-                 "strategy": _DATA.pair_strategy, "max_pairs_per_prompt": _DATA.max_pairs_per_prompt,
-                 "min_margin": _DATA.min_margin}  # build_pairs' keyword arguments
+# build_pairs' keyword arguments -> the DataConfig fields that set them
+_PAIR_FIELDS = {"chosen_min": "chosen_min", "rejected_max": "rejected_max", "strategy": "pair_strategy",
+                "max_pairs_per_prompt": "max_pairs_per_prompt", "min_margin": "min_margin"}
+
+
+def pair_options(d: DataConfig) -> dict:
+    """build_pairs' keyword arguments from a config's data section."""
+    return {arg: getattr(d, name) for arg, name in _PAIR_FIELDS.items()}
+
+
+PAIR_DEFAULTS = pair_options(_DATA)
 PAIR_COLUMNS = ("prompt", "chosen", "rejected", "chosen_reward", "rejected_reward")
 
 

@@ -38,7 +38,7 @@ class EncodedPair:
 
 def load_pairs(cfg: Config) -> tuple[list, dict]:
     """A pairs file (prompt/chosen/rejected columns, TRL's format) or labeled traces paired on the fly."""
-    from preftune.data.pairs import build_pairs, read_pairs
+    from preftune.data.pairs import build_pairs, pair_options, read_pairs
     from preftune.data.split import drop_held_out
     from preftune.data.traces import read_rows, resolve_files
 
@@ -51,10 +51,7 @@ def load_pairs(cfg: Config) -> tuple[list, dict]:
 
     traces, drops = load_traces(cfg.data.train, TraceOptions.from_config(cfg.data))
     traces, held_out = drop_held_out(list(traces), cfg.eval.split)
-    d = cfg.data
-    pairs, report = build_pairs(traces, chosen_min=d.chosen_min, rejected_max=d.rejected_max,
-                                strategy=d.pair_strategy, max_pairs_per_prompt=d.max_pairs_per_prompt,
-                                min_margin=d.min_margin)
+    pairs, report = build_pairs(traces, **pair_options(cfg.data))
     return pairs, {"traces": drops.as_dict(), "pairs": report.as_dict()} | (
         {"held_out_rows": held_out} if cfg.eval.split else {})
 
