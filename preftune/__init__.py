@@ -1,14 +1,14 @@
 """preftune: preference and reward fine-tuning for language models.
 
 The public surface: `train`, `load_config`, `TrainResult`, the config dataclasses (`Config`,
-`ModelConfig`, `LoraConfig`, `DataConfig`, `GRPOConfig`, `DPOConfig`, `OptimConfig`, `EvalConfig`,
-`LogConfig`), `losses.grpo_loss`, `losses.dpo_loss`, `UserError` and `Preempted`. Everything else is
+`ModelConfig`, `LoraConfig`, `DataConfig`, `GRPOConfig`, `DPOConfig`, `SFTConfig`, `OptimConfig`,
+`EvalConfig`, `GateConfig`, `LogConfig`, `DistributedConfig`, `DeployConfig`), `losses.grpo_loss`, `losses.dpo_loss`, `UserError` and `Preempted`. Everything else is
 internal. Names are imported on first use, so `import preftune` stays light (no torch).
 """
 __version__ = "0.1.0"
 
-_CONFIG_CLASSES = ("Config", "ModelConfig", "LoraConfig", "DataConfig", "GRPOConfig", "DPOConfig", "OptimConfig",
-                   "EvalConfig", "LogConfig")
+_CONFIG_CLASSES = ("Config", "ModelConfig", "LoraConfig", "DataConfig", "GRPOConfig", "DPOConfig", "SFTConfig",
+                   "OptimConfig", "EvalConfig", "GateConfig", "LogConfig", "DistributedConfig", "DeployConfig")
 _HOMES = {"load_config": "preftune.config", "TrainResult": "preftune.api", "UserError": "preftune.errors",
           "Preempted": "preftune.errors", **dict.fromkeys(_CONFIG_CLASSES, "preftune.config")}
 __all__ = ["train", "losses", *_HOMES]
