@@ -3,7 +3,8 @@
 The public surface: `train`, `load_config`, `TrainResult`, the config dataclasses (`Config`,
 `ModelConfig`, `LoraConfig`, `DataConfig`, `GRPOConfig`, `DPOConfig`, `SFTConfig`, `OptimConfig`,
 `EvalConfig`, `GateConfig`, `LogConfig`, `DistributedConfig`, `DeployConfig`), `losses.grpo_loss`,
-`losses.dpo_loss`, `UserError` and `Preempted`. Everything else is internal. Names are imported on first use, so `import preftune` stays light (no torch).
+`losses.dpo_loss`, `UserError` and `Preempted`. Everything else is internal. Names are imported on first use, so
+`import preftune` stays light (no torch).
 """
 __version__ = "0.1.0"
 
