@@ -22,26 +22,8 @@ EVAL_FILE = "eval.json"
 log = logging.getLogger("preftune")
 
 
-class _Intermixed:
-    """Mixed into the eval subparser's class: options may sit between the positionals (`eval CONFIG
-    --checkpoint P KEY=VALUE`); plain argparse gives the trailing overrides nowhere to go once CONFIG
-    has matched."""
-
-    _inner = False
-
-    def parse_known_args(self, args=None, namespace=None):
-        if self._inner:
-            return super().parse_known_args(args, namespace)
-        self._inner = True
-        try:
-            return self.parse_known_intermixed_args(args, namespace)
-        finally:
-            self._inner = False
-
-
 def add_parser(sub) -> None:
     ev = sub.add_parser("eval", help="evaluate a checkpoint on held-out prompts and gate it against a baseline")
-    ev.__class__ = type("IntermixedParser", (_Intermixed, type(ev)), {})  # keeps the CLI's error handling
     ev.add_argument("config", help="YAML config (data.eval or eval.split, reward functions, gate thresholds)")
     ev.add_argument("--checkpoint", required=True, help="model folder to evaluate (final/ or checkpoints/step-N/)")
     ev.add_argument("--baseline", default=None, help="model folder to compare with (e.g. the one in production)")
