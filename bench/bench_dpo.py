@@ -101,7 +101,7 @@ def run_preftune_dpo(args) -> dict:
         train, pairs = dpo_data(Path(args.traces), tmp, args.prompt_prefix, args.response_len)
         out = os.path.join(tmp, "run")
         run = Run(load_config(None, dpo_overrides(args, out, train, model)))  # reference log-probs cached here
-        timer.wrap(dpo, "completion_logps")
+        timer.wrap(dpo, "sequence_logps")  # both layouts (tree-packed and bucketed)
         timer.wrap_backward()
         t0 = time.perf_counter()
         run.run()

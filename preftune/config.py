@@ -35,6 +35,7 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    lean_forward: bool = True  # preftune's own decoder forward where it replays the model (preftune/decoder.py)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 

@@ -26,7 +26,7 @@ class Rollout:
     completion_ids: torch.Tensor  # (N, T) right-padded with pad_id
     completion_mask: torch.Tensor  # (N, T) 1 up to and including EOS
     truncated: torch.Tensor  # (N,) bool: no EOS within max_new_tokens
-    old_logps: torch.Tensor | None = None  # (N, T) recorded at generation time when reused
+    old_logps: torch.Tensor | None = None  # (N, T) recorded by the batch's first step when reused
 
     def to(self, device) -> "Rollout":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
@@ -101,21 +101,12 @@ def sample(
 
 def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id, temperature, top_p, top_k, greedy,
             generator) -> Rollout:
-    from transformers import DynamicCache
-
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-    cache = DynamicCache()  # filled in place by each forward
-    kw = cache_kwarg(model)
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions_from_mask(prompt_mask),
-                use_cache=True, logits_to_keep=1, **{kw: cache})
-    logits = out.logits[:, -1].float()  # (B, V)
     P = prompt_ids.size(1)
     copies = torch.arange(prompt_ids.size(0), device=device).repeat_interleave(G)  # (N,) prompt of each row
-    # prefill once per distinct prompt, then its keys/values G times into buffers of the final length
-    cache.layers = [preallocated_layer()(layer.keys[copies], layer.values[copies], P + max_new_tokens - 1)
-                    for layer in cache.layers]
-    logits = logits[copies]  # (N, V)
+    decoder = _decoder(model, P + max_new_tokens - 1)
+    logits = decoder.prefill(prompt_ids, prompt_mask, copies)  # (N, V)
     N = logits.size(0)
     attn = torch.zeros(N, P + max_new_tokens, dtype=prompt_mask.dtype, device=device)  # (N, P+T) filled as we go
     attn[:, :P] = prompt_mask[copies]
@@ -136,12 +127,74 @@ def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id, t
         if finished * 8 >= done.numel():  # compaction: finished rows leave the batch (and the cache)
             keep = (~done).nonzero().squeeze(1)  # (n',)
             rows, done, tok, attn, next_pos = rows[keep], done[keep], tok[keep], attn[keep], next_pos[keep]
-            cache.batch_select_indices(keep)
-        out = model(input_ids=tok[:, None], attention_mask=attn[:, :P + t + 1], position_ids=next_pos,
-                    use_cache=True, **{kw: cache})
-        logits = out.logits[:, -1].float()  # (n, V)
+            decoder.select(keep)
+        logits = decoder.step(tok, attn[:, :P + t + 1], next_pos)  # (n, V)
         next_pos = next_pos + 1
     return _assemble(prompt_ids[copies], prompt_mask[copies], tokens, eos_id)
+
+
+def _decoder(model, capacity: int):
+    """The lean decoder (`preftune/decoder.py`) where it replays the model, else the HF forward."""
+    from preftune.decoder import Lean
+
+    lean = Lean.of(model)
+    return _LeanDecoder(lean, capacity) if lean is not None else _HFDecoder(model, capacity)
+
+
+class _HFDecoder:
+    """The model's own forward with a cache whose layers are preallocated buffers."""
+
+    def __init__(self, model, capacity: int):
+        from transformers import DynamicCache
+
+        self.model, self.capacity, self.cache, self.kw = model, capacity, DynamicCache(), cache_kwarg(model)
+
+    def prefill(self, prompt_ids, prompt_mask, copies) -> torch.Tensor:
+        """Each distinct prompt once, its keys/values copied to its G rows -> last-position logits (N, V)."""
+        out = self.model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions_from_mask(prompt_mask),
+                         use_cache=True, logits_to_keep=1, **{self.kw: self.cache})
+        self.cache.layers = [preallocated_layer()(layer.keys[copies], layer.values[copies], self.capacity)
+                             for layer in self.cache.layers]
+        return out.logits[:, -1].float()[copies]
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.cache.batch_select_indices(keep)
+
+    def step(self, tok, attn, pos) -> torch.Tensor:
+        out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, use_cache=True,
+                         **{self.kw: self.cache})
+        return out.logits[:, -1].float()  # (n, V)
+
+
+class _LeanDecoder:
+    """Fused projections, a rotary table built once, keys/values written in place."""
+
+    def __init__(self, lean, capacity: int):
+        self.lean, self.capacity, self.filled = lean, capacity, 0
+        self.cos, self.sin = (t[0] for t in lean.rope(torch.arange(capacity + 1, device=lean.embed.device)[None]))
+
+    def prefill(self, prompt_ids, prompt_mask, copies) -> torch.Tensor:
+        B, P = prompt_ids.shape
+        pos = positions_from_mask(prompt_mask)  # (B, P)
+        keys = prompt_mask.bool()[:, None, None, :]  # (B, 1, 1, P)
+        causal = torch.ones(P, P, dtype=torch.bool, device=pos.device).tril()
+        # a left-padding query sees only itself (never an empty softmax row); real tokens never see padding
+        mask = (causal & keys) | torch.eye(P, dtype=torch.bool, device=pos.device)  # (B, 1, P, P)
+        kv = self.lean.new_kv(B, P)
+        h = self.lean.forward(prompt_ids, (self.cos[pos], self.sin[pos]), mask, kv=kv)  # (B, P, H)
+        self.kv = self.lean.new_kv(copies.numel(), self.capacity)
+        self.kv.keys[:, :, :, :P], self.kv.values[:, :, :, :P] = kv.keys[:, copies], kv.values[:, copies]
+        self.filled = P
+        return self.lean.logits(h[:, -1]).float()[copies]  # (N, V)
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.kv.select(keep, self.filled)
+
+    def step(self, tok, attn, pos) -> torch.Tensor:
+        mask = attn.bool()[:, None, None, :]  # (n, 1, 1, S)
+        h = self.lean.forward(tok[:, None], (self.cos[pos], self.sin[pos]), mask, kv=self.kv, start=self.filled)
+        self.filled += 1
+        return self.lean.logits(h[:, -1]).float()  # (n, V)
 
 
 def draw(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, greedy: bool,

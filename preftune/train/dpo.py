@@ -24,7 +24,7 @@ from preftune.errors import UserError
 from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
 from preftune.models import load_model
 from preftune.rollout.sampler import left_pad, right_pad
-from preftune.train.logps import completion_logps, length_buckets, microbatches
+from preftune.train.logps import completion_logps, length_buckets, microbatches, token_logps
 
 log = logging.getLogger("preftune")
 
@@ -84,8 +84,15 @@ def pair_tensors(batch: list[EncodedPair], pad_id: int):
 def sequence_logps(model, batch: list[EncodedPair], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed completion log-probs (2b,) and completion lengths (2b,): the b chosen, then the b rejected.
 
-    Pairs of similar length run together (`length_buckets`), so little padding is computed; the
-    sums come back in the batch's order (one graph, so one backward covers every bucket)."""
+    Where the lean decoder replays the model, pairs are tree-packed (`packed_sequence_logps`: one
+    forward, each prompt once, no padding). Otherwise pairs of similar length run together
+    (`length_buckets`), so little padding is computed; the sums come back in the batch's order (one
+    graph, so one backward covers every bucket)."""
+    from preftune.decoder import Lean
+
+    lean = Lean.of(model)
+    if lean is not None and tree_pays(model.config, batch):
+        return packed_sequence_logps(lean, batch, pad_id, device)
     lengths = [len(e.prompt) + max(len(e.chosen), len(e.rejected)) for e in batch]
     sums = counts = None
     for rows in length_buckets(lengths):
@@ -98,6 +105,81 @@ def sequence_logps(model, batch: list[EncodedPair], pad_id: int, device) -> tupl
         sums = sums.index_copy(0, idx, (logps * c_mask).sum(-1).view(-1, 2))
         counts = counts.index_copy(0, idx, c_mask.sum(-1).view(-1, 2))
     return sums.t().reshape(-1), counts.t().reshape(-1)
+
+
+def packed_sequence_logps(lean, batch: list[EncodedPair], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logps` in one forward: each pair is one sequence [prompt | chosen | rejected] whose
+    rejected tokens see the prompt and themselves only (positions restart after the prompt), and
+    pairs are packed first-fit into rows as wide as the longest pair (`preftune.decoder.tree_mask`).
+    The last prompt position predicts both responses' first tokens."""
+    from preftune.decoder import tree_mask
+
+    rows, width = pack_rows([len(e.prompt) + len(e.chosen) + len(e.rejected) for e in batch])
+    R = len(rows)
+    ids = torch.full((R, width), pad_id, dtype=torch.long)  # (R, W)
+    pos, segment, branch = torch.zeros_like(ids), torch.full_like(ids, -1), torch.zeros_like(ids)
+    src, dst, slot = [], [], []  # predicting position (flat), target position (flat), output slot
+    for r, members in enumerate(rows):
+        at = r * width
+        for i in members:
+            e = batch[i]
+            p = len(e.prompt)
+            ids.view(-1)[at:at + p] = torch.tensor(e.prompt)
+            pos.view(-1)[at:at + p] = torch.arange(p)
+            segment.view(-1)[at:at + p] = i
+            start = at + p
+            for k, resp in enumerate((e.chosen, e.rejected)):
+                n = len(resp)
+                if n:
+                    ids.view(-1)[start:start + n] = torch.tensor(resp)
+                pos.view(-1)[start:start + n] = torch.arange(p, p + n)
+                segment.view(-1)[start:start + n] = i
+                branch.view(-1)[start:start + n] = k + 1
+                src += [at + p - 1] + list(range(start, start + n - 1)) if n else []
+                dst += list(range(start, start + n))
+                slot += [k * len(batch) + i] * n
+                start += n
+            at = start
+    ids, pos, segment, branch = (t.to(device) for t in (ids, pos, segment, branch))
+    src, dst, slot = (torch.tensor(x, dtype=torch.long, device=device) for x in (src, dst, slot))
+    hidden = lean.forward(ids, lean.rope(pos), tree_mask(segment, branch))  # (R, W, H)
+    logits = lean.logits(hidden.reshape(-1, hidden.size(-1))[src]).float()  # (K, V) only the response tokens
+    logps, _ = token_logps(logits, ids.view(-1)[dst])  # (K,)
+    sums = logps.new_zeros(2 * len(batch)).index_add(0, slot, logps)  # (2b,)
+    counts = torch.zeros(2 * len(batch), dtype=torch.long, device=device).index_add(0, slot, torch.ones_like(slot))
+    return sums, counts
+
+
+def tree_pays(config, batch: list[EncodedPair]) -> bool:
+    """Are tree-packed rows cheaper than two causal sequences per pair (a lower bound on the bucketed
+    layout)? Multiply-adds from the model config: the decoder per position, and attention per
+    query-key pair, which the tree's arbitrary mask computes for the whole W x W square of a row
+    (a causal kernel skips half). Long responses behind a short prompt lose; shared prompts win."""
+    from preftune.train.logps import _unit_costs
+
+    body, _ = _unit_costs(config)
+    attn = 2 * getattr(config, "num_hidden_layers", 0) * getattr(config, "hidden_size", 0)
+    rows, width = pack_rows([len(e.prompt) + len(e.chosen) + len(e.rejected) for e in batch])
+    tree = len(rows) * (width * body + width * width * attn)
+    flat = sum(s * body + s * (s + 1) // 2 * attn
+               for e in batch for s in (len(e.prompt) + len(e.chosen), len(e.prompt) + len(e.rejected)))
+    return tree <= flat
+
+
+def pack_rows(lengths: list[int]) -> tuple[list[list[int]], int]:
+    """First-fit decreasing: item indices per row, each row at most as wide as the longest item."""
+    width = max(lengths)
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
+        r = next((k for k, free in enumerate(room) if free >= lengths[i]), None)
+        if r is None:
+            rows.append([])
+            room.append(width)
+            r = len(rows) - 1
+        rows[r].append(i)
+        room[r] -= lengths[i]
+    return rows, width
 
 
 def _weights_signature(path: str) -> str:

@@ -84,9 +84,9 @@ def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig, dp=None) -> GRPOBatc
     whole, lengths, truncated, offset = global_view(s, dp)
     adv = group_advantages(whole.total, whole.group_sizes, scale_rewards=cfg.scale_rewards)  # (N_global,)
     adv = adv[offset:offset + ro.completion_ids.size(0)]  # (N_rank,)
-    if cfg.num_iterations > 1:
-        with dp.gathered(model):
-            ro.old_logps = reference_logps(model, ro, cfg)
+    # old log-probs (num_iterations > 1) are not a pass of their own: the batch's first step runs the
+    # same weights with grad and records them (`grpo_step`)
+    ro.old_logps = None
     ref = None
     if cfg.beta > 0:
         with dp.gathered(ref_model):
@@ -149,6 +149,8 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
                                                                ro.completion_mask))
     batch_mask, mask, adv = mask, pick(mask), pick(batch.advantages)
     old_all = None if ro.old_logps is None else pick(ro.old_logps)
+    record = cfg.num_iterations > 1 and ro.old_logps is None  # the first of the batch's steps
+    recorded = []
     ref_all = None if batch.ref_logps is None else pick(batch.ref_logps)
     totals: dict[str, float] = {}
     ent_sum, run_tokens = 0.0, dp.sum(mask.sum().item())[0]
@@ -160,7 +162,9 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
         check()  # preemption: may abandon the step between micro-batches
         logps, entropy = completion_logps(model, ro_ids[sl], ro_pmask[sl], ro_cids[sl], ro_cmask[sl],
                                           temperature=cfg.temperature, with_entropy=True)
-        loss, m = grpo_loss(logps, None if old_all is None else old_all[sl], None if ref_all is None else ref_all[sl],
+        if record:  # the policy that sampled this batch, as its later steps' old log-probs
+            recorded.append(logps.detach())
+        loss, m = grpo_loss(logps, None if record or old_all is None else old_all[sl], None if ref_all is None else ref_all[sl],
                             adv[sl], mask[sl], loss_type=cfg.loss_type, beta=cfg.beta, epsilon=cfg.epsilon,
                             epsilon_high=cfg.epsilon_high, delta=cfg.delta,
                             importance_sampling_level=cfg.importance_sampling_level,
@@ -172,6 +176,8 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
                     row_share=(sl.stop - sl.start) / batch_seqs,
                     by_rows=cfg.importance_sampling_level == "sequence")
         ent_sum += (entropy * mask[sl]).sum().item()
+    if record:  # only once the step is whole: an abandoned step leaves the batch as it was
+        ro.old_logps = _scatter_rows(recorded, keep, ro.completion_mask)
     skipped = batch_mask.size(0) - mask.size(0)
     if skipped:
         _zero_missing_grads(model)  # every row skipped: the optimiser still steps on zeros, as without skipping
@@ -183,6 +189,16 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
     totals["entropy"] = ent_sum / max(run_tokens, 1.0)
     totals["rows_skipped"] = float(skipped)
     return dp.reduce_metrics(totals)
+
+
+def _scatter_rows(parts: list[torch.Tensor], keep: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The trained rows' log-probs back at their rows of the batch (N, T). A skipped row stays 0: it
+    is skipped again on every later step of the batch (same advantage, same beta), so never read."""
+    rows = torch.cat(parts) if parts else like.new_zeros((0, like.size(1)), dtype=torch.float32)  # (N', T)
+    if keep is None:
+        return rows
+    out = rows.new_zeros(like.shape)  # (N, T)
+    return out.index_copy(0, keep, rows)
 
 
 def idle_pass(model, ro: Rollout) -> None:

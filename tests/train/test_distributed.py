@@ -46,9 +46,11 @@ def one_rank(data_dir, tmp_path_factory):
             with pytest.MonkeyPatch.context() as m:
                 # the same log-prob layout as FSDP2's (one forward per pass, no shared-prompt pass), so
                 # the comparison measures the data-parallel split, not the layouts' rounding
+                import preftune.decoder as decoder
                 import preftune.train.logps as logps
 
                 m.setattr(logps, "_uses_cache", lambda model: False)
+                m.setattr(decoder, "supported", lambda model: False)  # FSDP2/DDP run the HF forward
                 if kind == "online":
                     import preftune.rollout.online as online
                     from tests.train.ranks import fake_sample

@@ -1,0 +1,189 @@
+"""A lean forward pass of Llama-family decoders (Llama, Qwen2, Qwen3, Mistral) on the weights of the
+Hugging Face module, for the two places where the module's own forward costs more than its maths:
+
+- decoding (`rollout/sampler.py`): one token per row per step, where per-call work (mask building,
+  cache objects, one matmul per projection) is most of a small model's step. Here q/k/v and
+  gate/up are one matmul each, the rotary table is built once per rollout, and keys/values are
+  written in place into buffers of the final length;
+- tree-packed sequences (`train/dpo.py`): a DPO pair as one sequence [prompt | chosen | rejected]
+  whose rejected tokens attend to the prompt and to themselves, never to the chosen ones, with
+  several pairs packed into a row. The prompt runs once and no padding is computed, which a
+  module that builds its own causal mask cannot express.
+
+The maths is the module's (RMSNorm in float32, rotate-half RoPE from the model's own rotary
+module, SDPA attention), tested equal to it in float64. Anything else (LoRA, FSDP/DDP wrappers,
+activation checkpointing, mixed-precision autocast, sliding windows, dynamic RoPE, other
+architectures) takes the Hugging Face forward: `Lean.of(model)` returns None for it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # model_type values whose layers this replays
+
+
+def _base(model):
+    """The decoder stack (`model.model`) of a plain `*ForCausalLM`, or None."""
+    inner = getattr(model, "model", None)
+    return inner if inner is not None and hasattr(inner, "layers") and hasattr(model, "lm_head") else None
+
+
+def supported(model) -> bool:
+    """Can `Lean` replay this model exactly? Plain float32/float64 HF module, no wrappers."""
+    cfg, base = getattr(model, "config", None), _base(model)
+    if cfg is None or base is None or getattr(cfg, "model_type", None) not in ARCHITECTURES:
+        return False
+    if not getattr(model, "preftune_lean", True):  # model.lean_forward: false
+        return False
+    if getattr(model, "preftune_autocast", None) is not None or getattr(model, "preftune_one_forward", False):
+        return False  # mixed precision / FSDP2: the module's own forward and hooks must run
+    if hasattr(model, "peft_config") or getattr(cfg, "hidden_act", "silu") != "silu":
+        return False
+    if getattr(base, "gradient_checkpointing", False) or getattr(base, "is_activation_checkpointing", False):
+        return False
+    if getattr(cfg, "use_sliding_window", False) or (getattr(cfg, "sliding_window", None) and cfg.model_type == "mistral"):
+        return False
+    if getattr(base.rotary_emb, "rope_type", "default") == "dynamic" or getattr(cfg, "attention_dropout", 0.0):
+        return False
+    params = list(model.parameters())
+    return bool(params) and all(type(p) is torch.nn.Parameter and p.dtype in (torch.float32, torch.float64)
+                                for p in params)
+
+
+class KVBuffers:
+    """Keys and values of every layer in buffers of the final length: (layers, N, kv_heads, cap, d)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+
+    def select(self, rows: torch.Tensor, filled: int) -> None:
+        """Keep these rows (finished ones leave the batch), copying only the filled columns."""
+        for name in ("keys", "values"):
+            buf = getattr(self, name)
+            out = buf.new_empty(buf.size(0), rows.numel(), *buf.shape[2:])
+            out[:, :, :, :filled] = buf[:, rows, :, :filled]
+            setattr(self, name, out)
+
+
+class Lean:
+    """The decoder as a few tensor ops on the module's parameters. Built per use (a rollout, a
+    micro-batch): the fused weights are concatenations of the live parameters, so gradients flow
+    back into them and an optimiser step is seen by the next `Lean.of`."""
+
+    def __init__(self, model):
+        cfg, base = model.config, _base(model)
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.eps = cfg.rms_norm_eps
+        self.embed, self.norm, self.head = base.embed_tokens.weight, base.norm.weight, model.lm_head.weight
+        self.rotary = base.rotary_emb
+        self.layers = [self._fuse(layer) for layer in base.layers[: cfg.num_hidden_layers]]
+
+    @classmethod
+    def of(cls, model) -> "Lean | None":
+        return cls(model) if supported(model) else None
+
+    @staticmethod
+    def _fuse(layer) -> dict:
+        a, mlp = layer.self_attn, layer.mlp
+        projections = (a.q_proj, a.k_proj, a.v_proj)
+        bias = None
+        if any(p.bias is not None for p in projections):
+            bias = torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in projections])
+        return {
+            "norm1": layer.input_layernorm.weight, "norm2": layer.post_attention_layernorm.weight,
+            "qkv": torch.cat([p.weight for p in projections]), "qkv_bias": bias,
+            "o": a.o_proj.weight, "o_bias": a.o_proj.bias,
+            "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), "down": mlp.down_proj.weight,
+            "gate_up_bias": None if mlp.gate_proj.bias is None else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]),
+            "down_bias": mlp.down_proj.bias,
+            "q_norm": getattr(getattr(a, "q_norm", None), "weight", None),
+            "k_norm": getattr(getattr(a, "k_norm", None), "weight", None),
+        }
+
+    def rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm as the HF module computes it: in float32 (even for float64 weights), then the weight."""
+        h = x.to(torch.float32)  # a no-op for float32
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * h.to(x.dtype)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (B, L, d) for position ids (B, L), from the model's own rotary module."""
+        return self.rotary(self.embed[:1], positions)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and vocabulary projection of chosen positions: (..., H) -> (..., V)."""
+        return F.linear(self.rms(hidden, self.norm), self.head)
+
+    def forward(self, ids: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None, *,
+                kv: KVBuffers | None = None, start: int = 0) -> torch.Tensor:
+        """Hidden states before the final norm (B, L, H) for token ids (B, L).
+
+        mask: boolean (B, 1, L, S), True where a query may attend a key, or None for plain causal
+        attention over the L tokens. With `kv`, the new keys/values are written at columns
+        start..start+L-1 and attention runs over columns 0..start+L-1 (S = start + L)."""
+        B, L = ids.shape
+        d, nh, nkv = self.head_dim, self.heads, self.kv_heads
+        cos, sin = (t.unsqueeze(2) for t in rope)  # (B, L, 1, d)
+        x = F.embedding(ids, self.embed)  # (B, L, H)
+        for i, w in enumerate(self.layers):
+            qkv = F.linear(self.rms(x, w["norm1"]), w["qkv"], w["qkv_bias"])  # (B, L, (nh + 2 nkv) d)
+            qkv = qkv.view(B, L, nh + 2 * nkv, d)
+            if w["q_norm"] is not None:  # Qwen3 normalises each head's q and k before the rotation
+                qk = torch.cat([self.rms(qkv[:, :, :nh], w["q_norm"]), self.rms(qkv[:, :, nh:nh + nkv], w["k_norm"])], 2)
+            else:
+                qk = qkv[:, :, :nh + nkv]
+            qk = _rotate(qk, cos, sin).transpose(1, 2)  # (B, nh + nkv, L, d): q and k in one rotation
+            q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, :, nh + nkv:].transpose(1, 2)  # v: (B, nkv, L, d)
+            if kv is not None:
+                kv.keys[i, :, :, start:start + L] = k
+                kv.values[i, :, :, start:start + L] = v
+                k, v = kv.keys[i, :, :, :start + L], kv.values[i, :, :, :start + L]  # (B, nkv, S, d)
+            o = _attend(q, k, v, mask)  # (B, L, nh d)
+            x = x + F.linear(o, w["o"], w["o_bias"])
+            gate, up = F.linear(self.rms(x, w["norm2"]), w["gate_up"], w["gate_up_bias"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w["down"], w["down_bias"])  # (B, L, H)
+        return x
+
+    def new_kv(self, rows: int, capacity: int) -> KVBuffers:
+        shape = (len(self.layers), rows, self.kv_heads, capacity, self.head_dim)
+        return KVBuffers(self.embed.new_empty(shape), self.embed.new_empty(shape))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: x * cos + [-x2, x1] * sin. (B, L, h, d) -> (B, L, h, d)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Softmax attention with grouped keys/values -> (B, L, nh d). q (B, nh, L, d), k/v (B, nkv, S, d).
+    One query per row (decoding) is two small matmuls; SDPA's kernel costs more than its maths there."""
+    B, nh, L, d = q.shape
+    nkv = k.size(1)
+    if L > 1 or q.requires_grad:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=nkv != nh)
+        return o.transpose(1, 2).reshape(B, L, nh * d)
+    qg = q.view(B, nkv, nh // nkv, d)  # (B, nkv, g, d): the g query heads that share a key head
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * d ** -0.5  # (B, nkv, g, S)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))  # mask (B, 1, 1, S)
+    return torch.matmul(scores.softmax(-1), v).reshape(B, L, nh * d)
+
+
+def tree_mask(segment: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+    """Attention mask of tree-packed rows -> (B, 1, L, L) boolean.
+
+    segment (B, L): which sequence of the row a token belongs to (-1: padding);
+    branch (B, L): 0 for the shared trunk (the prompt), k > 0 for the k-th continuation.
+    A token attends an earlier (or the same) token of its sequence on the trunk or on its own
+    branch. Padding attends only itself, so no row of the softmax is empty."""
+    L = segment.size(1)
+    causal = torch.ones(L, L, dtype=torch.bool, device=segment.device).tril()  # (L, L)
+    same = segment[:, :, None] == segment[:, None, :]  # (B, L, L) query x key
+    visible = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
+    pad = segment < 0  # (B, L)
+    mask = same & visible & causal & ~pad[:, None, :]
+    mask |= torch.eye(L, dtype=torch.bool, device=segment.device) & pad[:, :, None]
+    return mask[:, None]  # (B, 1, L, L)
