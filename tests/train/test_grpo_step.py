@@ -343,3 +343,116 @@ def test_gradient_checkpointing_gives_the_same_gradients(model, tokenizer):
         else ckpt.is_gradient_checkpointing
     checkpointed, _ = run_step(ckpt, batch, cfg)
     torch.testing.assert_close(checkpointed, plain, rtol=0, atol=1e-5 * plain.abs().max().item())
+
+
+# ---------------------------------------------------------------- old log-probs recorded by the first step
+
+
+def _model64():
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import MODEL_DIR
+
+    return AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float64)
+
+
+def _logps_now(model, ro: Rollout, temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        lp, _ = completion_logps(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask,
+                                 temperature=temperature)
+    return lp
+
+
+def _fresh(ro: Rollout, old=None) -> Rollout:
+    return dataclasses.replace(ro, old_logps=old)
+
+
+def test_reused_batch_old_logps_come_from_its_first_step(tokenizer):
+    """num_iterations = 2 (float64): the first step trains on-policy and leaves, in the rollout, the
+    log-probs of the weights it ran with; the optimiser step moves the weights; the second step's
+    loss and gradient are those of a batch given those old log-probs explicitly (ratio != 1)."""
+    model = _model64()
+    ro = synthetic_rollout(tokenizer)
+    adv = torch.randn(N, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    cfg = GRPOConfig(num_iterations=2, beta=0.0, micro_batch_size=5, max_completion_length=T, temperature=0.8)
+    batch = GRPOBatch(rollout=ro, advantages=adv, ref_logps=None)
+    before = _logps_now(model, ro, cfg.temperature)  # the weights that "sampled" the batch
+
+    model.zero_grad(set_to_none=True)
+    m1 = grpo_step(model, batch, cfg)
+    g1 = flat_grads(model).clone()
+    m = ro.completion_mask.bool()
+    assert ro.old_logps is not None and ro.old_logps.shape == ro.completion_ids.shape
+    assert ro.old_logps.dtype == torch.float64 and not ro.old_logps.requires_grad
+    torch.testing.assert_close(ro.old_logps[m], before[m], rtol=0, atol=1e-6)
+    assert m1["clip_ratio/region_mean"] == 0.0 and m1["rows_skipped"] == 0.0
+    # the first step is the on-policy step of a batch used once
+    g_once, _ = run_step(model, GRPOBatch(_fresh(ro), adv, None), dataclasses.replace(cfg, num_iterations=1))
+    torch.testing.assert_close(g1, g_once, rtol=0, atol=1e-10 * g_once.abs().max().item())
+
+    recorded = ro.old_logps.clone()
+    with torch.no_grad():  # the optimiser step (plain SGD on the first step's gradient)
+        offset = 0
+        for p in model.parameters():
+            p.sub_(300.0 * g1[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+    after = _logps_now(model, ro, cfg.temperature)
+    assert (after[m] - before[m]).abs().max() > 1e-2  # the policy moved
+
+    g2, m2 = run_step(model, batch, cfg)
+    assert torch.equal(ro.old_logps, recorded)  # read, not recorded again
+    want, m_want = run_step(model, GRPOBatch(_fresh(ro, before.clone()), adv, None), cfg)
+    torch.testing.assert_close(g2, want, rtol=0, atol=1e-6 * want.abs().max().item())
+    assert m2["loss"] == pytest.approx(m_want["loss"], rel=1e-6)
+    assert m2["clip_ratio/region_mean"] > 0  # ratios left [1 - eps, 1 + eps]: the old log-probs are used
+    on_policy, m_on = run_step(model, GRPOBatch(_fresh(ro), adv, None), dataclasses.replace(cfg, num_iterations=1))
+    assert m_on["clip_ratio/region_mean"] == 0.0 and m2["loss"] != pytest.approx(m_on["loss"], rel=1e-3)
+    assert not torch.allclose(g2, on_policy, rtol=0, atol=1e-3 * on_policy.abs().max().item())
+
+
+def test_skipped_rows_stay_zero_in_recorded_old_logps(tokenizer):
+    """beta = 0: rows with advantage 0 and (masked) truncated rows are skipped by the first step, stay 0
+    in the recorded old log-probs, and are skipped again by the later steps of the batch."""
+    model = _model64()
+    ro = synthetic_rollout(tokenizer)
+    adv = torch.randn(N, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    adv[[1, 2, 7]] = 0.0
+    cfg = GRPOConfig(num_iterations=3, beta=0.0, micro_batch_size=4, max_completion_length=T,
+                     mask_truncated_completions=True)
+    skipped = (adv == 0) | ro.truncated  # truncated rows: no counted tokens
+    assert skipped.sum() > 3 and not skipped.all()
+    batch = GRPOBatch(rollout=ro, advantages=adv, ref_logps=None)
+    before = _logps_now(model, ro, cfg.temperature)
+
+    _, m1 = run_step(model, batch, cfg)
+    assert m1["rows_skipped"] == float(skipped.sum())
+    assert (ro.old_logps[skipped] == 0).all()
+    live = ~skipped[:, None] & ro.completion_mask.bool()
+    torch.testing.assert_close(ro.old_logps[live], before[live], rtol=0, atol=1e-6)
+    recorded = ro.old_logps.clone()
+    for _ in range(2):  # the later steps: same rows skipped, nothing recorded again
+        _, m = run_step(model, batch, cfg)
+        assert m["rows_skipped"] == m1["rows_skipped"] and torch.equal(ro.old_logps, recorded)
+
+
+def test_abandoned_first_step_records_nothing(tokenizer):
+    """A step abandoned between micro-batches (preemption) leaves the batch as it was: the step that
+    runs whole records the old log-probs."""
+    model = _model64()
+    ro = synthetic_rollout(tokenizer)
+    adv = torch.randn(N, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    cfg = GRPOConfig(num_iterations=2, beta=0.0, micro_batch_size=5, max_completion_length=T)
+    batch = GRPOBatch(rollout=ro, advantages=adv, ref_logps=None)
+    calls = []
+
+    def check():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # stands for the preemption notice
+    with pytest.raises(KeyboardInterrupt):
+        grpo_step(model, batch, cfg, check=check)
+    model.zero_grad(set_to_none=True)
+    assert ro.old_logps is None
+    run_step(model, batch, cfg)
+    m = ro.completion_mask.bool()
+    torch.testing.assert_close(ro.old_logps[m], _logps_now(model, ro, 1.0)[m], rtol=0, atol=1e-6)
