@@ -42,7 +42,9 @@ def supported(model) -> bool:
         return False
     if getattr(base, "gradient_checkpointing", False) or getattr(base, "is_activation_checkpointing", False):
         return False
-    if getattr(cfg, "use_sliding_window", False) or (getattr(cfg, "sliding_window", None) and cfg.model_type == "mistral"):
+    if getattr(cfg, "use_sliding_window", False):
+        return False
+    if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
         return False
     if getattr(base.rotary_emb, "rope_type", "default") == "dynamic" or getattr(cfg, "attention_dropout", 0.0):
         return False
@@ -90,7 +92,7 @@ class Lean:
         projections = (a.q_proj, a.k_proj, a.v_proj)
         bias = None
         if any(p.bias is not None for p in projections):
-            bias = torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in projections])
+            bias = torch.cat([p.weight.new_zeros(p.out_features) if p.bias is None else p.bias for p in projections])
         return {
             "norm1": layer.input_layernorm.weight, "norm2": layer.post_attention_layernorm.weight,
             "qkv": torch.cat([p.weight for p in projections]), "qkv_bias": bias,
@@ -125,13 +127,16 @@ class Lean:
         start..start+L-1 and attention runs over columns 0..start+L-1 (S = start + L)."""
         B, L = ids.shape
         d, nh, nkv = self.head_dim, self.heads, self.kv_heads
+        if mask is None and kv is not None and start:  # causal over the cache: query i sees keys 0..start+i
+            mask = torch.ones(L, start + L, dtype=torch.bool, device=ids.device).tril(diagonal=start)[None, None]
         cos, sin = (t.unsqueeze(2) for t in rope)  # (B, L, 1, d)
         x = F.embedding(ids, self.embed)  # (B, L, H)
         for i, w in enumerate(self.layers):
             qkv = F.linear(self.rms(x, w["norm1"]), w["qkv"], w["qkv_bias"])  # (B, L, (nh + 2 nkv) d)
             qkv = qkv.view(B, L, nh + 2 * nkv, d)
             if w["q_norm"] is not None:  # Qwen3 normalises each head's q and k before the rotation
-                qk = torch.cat([self.rms(qkv[:, :, :nh], w["q_norm"]), self.rms(qkv[:, :, nh:nh + nkv], w["k_norm"])], 2)
+                q, k = self.rms(qkv[:, :, :nh], w["q_norm"]), self.rms(qkv[:, :, nh:nh + nkv], w["k_norm"])
+                qk = torch.cat([q, k], 2)
             else:
                 qk = qkv[:, :, :nh + nkv]
             qk = _rotate(qk, cos, sin).transpose(1, 2)  # (B, nh + nkv, L, d): q and k in one rotation

@@ -151,8 +151,9 @@ class _HFDecoder:
 
     def prefill(self, prompt_ids, prompt_mask, copies) -> torch.Tensor:
         """Each distinct prompt once, its keys/values copied to its G rows -> last-position logits (N, V)."""
-        out = self.model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions_from_mask(prompt_mask),
-                         use_cache=True, logits_to_keep=1, **{self.kw: self.cache})
+        pos = positions_from_mask(prompt_mask)
+        out = self.model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True,
+                         logits_to_keep=1, **{self.kw: self.cache})
         self.cache.layers = [preallocated_layer()(layer.keys[copies], layer.values[copies], self.capacity)
                              for layer in self.cache.layers]
         return out.logits[:, -1].float()[copies]

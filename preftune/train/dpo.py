@@ -91,8 +91,9 @@ def sequence_logps(model, batch: list[EncodedPair], pad_id: int, device) -> tupl
     from preftune.decoder import Lean
 
     lean = Lean.of(model)
-    if lean is not None and tree_pays(model.config, batch):
-        return packed_sequence_logps(lean, batch, pad_id, device)
+    plan = tree_plan(model.config, batch) if lean is not None else None
+    if plan is not None:
+        return packed_sequence_logps(lean, batch, pad_id, device, plan)
     lengths = [len(e.prompt) + max(len(e.chosen), len(e.rejected)) for e in batch]
     sums = counts = None
     for rows in length_buckets(lengths):
@@ -107,14 +108,16 @@ def sequence_logps(model, batch: list[EncodedPair], pad_id: int, device) -> tupl
     return sums.t().reshape(-1), counts.t().reshape(-1)
 
 
-def packed_sequence_logps(lean, batch: list[EncodedPair], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_sequence_logps(lean, batch: list[EncodedPair], pad_id: int, device,
+                          plan: tuple[list[list[int]], int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`sequence_logps` in one forward: each pair is one sequence [prompt | chosen | rejected] whose
     rejected tokens see the prompt and themselves only (positions restart after the prompt), and
-    pairs are packed first-fit into rows as wide as the longest pair (`preftune.decoder.tree_mask`).
-    The last prompt position predicts both responses' first tokens."""
+    pairs are packed first-fit into rows (`plan` from `tree_plan`; default: as wide as the longest
+    pair) with `preftune.decoder.tree_mask`. The last prompt position predicts both responses'
+    first tokens."""
     from preftune.decoder import tree_mask
 
-    rows, width = pack_rows([len(e.prompt) + len(e.chosen) + len(e.rejected) for e in batch])
+    rows, width = plan or pack_rows([len(e.prompt) + len(e.chosen) + len(e.rejected) for e in batch])
     R = len(rows)
     ids = torch.full((R, width), pad_id, dtype=torch.long)  # (R, W)
     pos, segment, branch = torch.zeros_like(ids), torch.full_like(ids, -1), torch.zeros_like(ids)
@@ -124,6 +127,8 @@ def packed_sequence_logps(lean, batch: list[EncodedPair], pad_id: int, device) -
         for i in members:
             e = batch[i]
             p = len(e.prompt)
+            if p < 1:  # as the bucketed layout: the first response token needs a position to predict it
+                raise ValueError("every prompt needs at least one token")
             ids.view(-1)[at:at + p] = torch.tensor(e.prompt)
             pos.view(-1)[at:at + p] = torch.arange(p)
             segment.view(-1)[at:at + p] = i
@@ -143,32 +148,43 @@ def packed_sequence_logps(lean, batch: list[EncodedPair], pad_id: int, device) -
     ids, pos, segment, branch = (t.to(device) for t in (ids, pos, segment, branch))
     src, dst, slot = (torch.tensor(x, dtype=torch.long, device=device) for x in (src, dst, slot))
     hidden = lean.forward(ids, lean.rope(pos), tree_mask(segment, branch))  # (R, W, H)
-    logits = lean.logits(hidden.reshape(-1, hidden.size(-1))[src]).float()  # (K, V) only the response tokens
+    logits = lean.logits(hidden.reshape(-1, hidden.size(-1))[src])  # (K, V) only the response tokens (float32/64)
     logps, _ = token_logps(logits, ids.view(-1)[dst])  # (K,)
     sums = logps.new_zeros(2 * len(batch)).index_add(0, slot, logps)  # (2b,)
     counts = torch.zeros(2 * len(batch), dtype=torch.long, device=device).index_add(0, slot, torch.ones_like(slot))
     return sums, counts
 
 
-def tree_pays(config, batch: list[EncodedPair]) -> bool:
-    """Are tree-packed rows cheaper than two causal sequences per pair (a lower bound on the bucketed
-    layout)? Multiply-adds from the model config: the decoder per position, and attention per
-    query-key pair, which the tree's arbitrary mask computes for the whole W x W square of a row
-    (a causal kernel skips half). Long responses behind a short prompt lose; shared prompts win."""
+def tree_plan(config, batch: list[EncodedPair]) -> tuple[list[list[int]], int] | None:
+    """The packed rows (pair indices per row, row width) when tree-packing is cheaper than two causal
+    sequences per pair (a lower bound on the bucketed layout), else None. Multiply-adds from the
+    model config: the decoder per position, and attention per query-key pair, which the tree's
+    arbitrary mask computes for the whole W x W square of a row (a causal kernel skips half). Long
+    responses behind a short prompt lose; shared prompts win. Rows 1, 2, 4 or 8 times the longest
+    pair wide are tried: wider rows hold more short pairs (less padding) but square the attention."""
     from preftune.train.logps import _unit_costs
 
     body, _ = _unit_costs(config)
     attn = 2 * getattr(config, "num_hidden_layers", 0) * getattr(config, "hidden_size", 0)
-    rows, width = pack_rows([len(e.prompt) + len(e.chosen) + len(e.rejected) for e in batch])
-    tree = len(rows) * (width * body + width * width * attn)
+    lengths = [len(e.prompt) + len(e.chosen) + len(e.rejected) for e in batch]
     flat = sum(s * body + s * (s + 1) // 2 * attn
                for e in batch for s in (len(e.prompt) + len(e.chosen), len(e.prompt) + len(e.rejected)))
-    return tree <= flat
+    best = None
+    for k in (1, 2, 4, 8):
+        rows, width = pack_rows(lengths, k * max(lengths))
+        cost = len(rows) * (width * body + width * width * attn)
+        if best is None or cost < best[0]:
+            best = (cost, rows, width)
+    return (best[1], best[2]) if best[0] <= flat else None
 
 
-def pack_rows(lengths: list[int]) -> tuple[list[list[int]], int]:
-    """First-fit decreasing: item indices per row, each row at most as wide as the longest item."""
-    width = max(lengths)
+def tree_pays(config, batch: list[EncodedPair]) -> bool:
+    return tree_plan(config, batch) is not None
+
+
+def pack_rows(lengths: list[int], width: int | None = None) -> tuple[list[list[int]], int]:
+    """First-fit decreasing: item indices per row, each row at most `width` wide (default: the longest item)."""
+    width = max(lengths) if width is None else width
     rows: list[list[int]] = []
     room: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):

@@ -164,7 +164,8 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
                                           temperature=cfg.temperature, with_entropy=True)
         if record:  # the policy that sampled this batch, as its later steps' old log-probs
             recorded.append(logps.detach())
-        loss, m = grpo_loss(logps, None if record or old_all is None else old_all[sl], None if ref_all is None else ref_all[sl],
+        old = None if record or old_all is None else old_all[sl]
+        loss, m = grpo_loss(logps, old, None if ref_all is None else ref_all[sl],
                             adv[sl], mask[sl], loss_type=cfg.loss_type, beta=cfg.beta, epsilon=cfg.epsilon,
                             epsilon_high=cfg.epsilon_high, delta=cfg.delta,
                             importance_sampling_level=cfg.importance_sampling_level,

@@ -206,15 +206,29 @@ def test_gumbel_draw_follows_the_softmax():
     assert torch.equal(draw(logits, 0.8, 0, 1.0, True, g), torch.zeros(40000, dtype=torch.long))
 
 
-def test_finished_rows_leave_the_batch(model, tokenizer, monkeypatch):
+@pytest.mark.parametrize("forward", ["lean", "hf"])
+def test_finished_rows_leave_the_batch(model, tokenizer, monkeypatch, forward):
     """Rows that emitted EOS stop being run (compaction), and the result still matches per-prompt
-    greedy decoding (the HF-generate parity test above covers the tokens themselves)."""
+    greedy decoding (the HF-generate parity test above covers the tokens themselves), with
+    preftune's lean decoder and with the HF module's forward."""
+    import preftune.decoder as decoder
+
     sizes = []
-    handle = model.register_forward_pre_hook(lambda m, a, kw: sizes.append(kw["input_ids"].size(0)), with_kwargs=True)
+    if forward == "hf":
+        monkeypatch.setattr(decoder, "supported", lambda m: False)
+        handle = model.register_forward_pre_hook(lambda m, a, kw: sizes.append(kw["input_ids"].size(0)),
+                                                 with_kwargs=True)
+    else:
+        assert decoder.supported(model)
+        lean_forward = decoder.Lean.forward
+        monkeypatch.setattr(decoder.Lean, "forward", lambda self, ids, *a, **k: sizes.append(ids.size(0))
+                            or lean_forward(self, ids, *a, **k))
+        handle = None
     try:
         ro = _sample(model, tokenizer, num_generations=2, max_new_tokens=8, greedy=True)
     finally:
-        handle.remove()
+        if handle is not None:
+            handle.remove()
     lengths = ro.completion_mask.sum(1)
     early = (lengths < 8) & ~ro.truncated  # rows that finished before the last token
     assert early.any()

@@ -168,32 +168,35 @@ def _scored(ro: Rollout, rewards: list[float], sizes: list[int]) -> Scored:
     return Scored(ro, total[:, None].clone(), total, ["r"], sizes)
 
 
-def test_new_batch_records_old_logps_only_when_reused(model, tokenizer):
+def test_old_logps_are_recorded_by_the_first_step_of_a_reused_batch(model, tokenizer):
     ro = synthetic_rollout(tokenizer)
     rewards = torch.rand(N, generator=torch.Generator().manual_seed(0)).tolist()
     cfg = GRPOConfig(num_iterations=1, beta=0.0, micro_batch_size=5, max_completion_length=T)
     b1 = new_batch(_scored(ro, rewards, [G] * 4), model, None, cfg)
     assert b1.rollout.old_logps is None and b1.ref_logps is None
+    run_step(model, b1, cfg)
+    assert b1.rollout.old_logps is None  # used once: nothing to record
     ro2 = synthetic_rollout(tokenizer)
     cfg2 = dataclasses.replace(cfg, num_iterations=2, beta=0.1)
     ref_model = perturbed(model, 0.02, seed=5)
     b2 = new_batch(_scored(ro2, rewards, [G] * 4), model, ref_model, cfg2)
-    assert b2.rollout.old_logps.shape == b2.ref_logps.shape == (N, ro2.completion_ids.size(1))
+    assert b2.rollout.old_logps is None  # no pass of its own
+    assert b2.ref_logps.shape == (N, ro2.completion_ids.size(1))
     with torch.no_grad():
         want_old, _ = completion_logps(model, ro2.prompt_ids, ro2.prompt_mask, ro2.completion_ids,
                                        ro2.completion_mask)
         want_ref, _ = completion_logps(ref_model, ro2.prompt_ids, ro2.prompt_mask, ro2.completion_ids,
                                        ro2.completion_mask)
     m = ro2.completion_mask.bool()
-    torch.testing.assert_close(b2.rollout.old_logps[m], want_old[m], rtol=0, atol=1e-5)
     torch.testing.assert_close(b2.ref_logps[m], want_ref[m], rtol=0, atol=1e-5)
     assert b2.metrics["reward"] == pytest.approx(sum(rewards) / N)
-    # on the first pass the recorded old log-probs are the current ones: same gradient as on-policy
-    g_old, m_old = run_step(model, b2, dataclasses.replace(cfg2, beta=0.0))
-    b2.rollout.old_logps = None
-    g_on, _ = run_step(model, b2, dataclasses.replace(cfg2, beta=0.0))
-    torch.testing.assert_close(g_old, g_on, rtol=0, atol=1e-5 * g_on.abs().max().item())
-    assert m_old["clip_ratio/region_mean"] == 0.0
+    # the first step trains on-policy (ratio 1) and records the sampling policy's log-probs
+    g_first, m_first = run_step(model, b2, dataclasses.replace(cfg2, beta=0.0))
+    assert m_first["clip_ratio/region_mean"] == 0.0
+    torch.testing.assert_close(b2.rollout.old_logps[m], want_old[m], rtol=0, atol=1e-5)
+    # a later step reads them: with unchanged weights it is the same on-policy gradient
+    g_later, _ = run_step(model, b2, dataclasses.replace(cfg2, beta=0.0))
+    torch.testing.assert_close(g_first, g_later, rtol=0, atol=1e-5 * g_first.abs().max().item())
 
 
 def test_batch_state_dict_round_trip(tokenizer):
