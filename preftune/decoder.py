@@ -129,6 +129,8 @@ class Lean:
         d, nh, nkv = self.head_dim, self.heads, self.kv_heads
         if mask is None and kv is not None and start:  # causal over the cache: query i sees keys 0..start+i
             mask = torch.ones(L, start + L, dtype=torch.bool, device=ids.device).tril(diagonal=start)[None, None]
+        if mask is not None and L > 1:  # SDPA turns a boolean mask into an additive one: once, not per layer
+            mask = torch.zeros(mask.shape, dtype=self.embed.dtype, device=ids.device).masked_fill_(~mask, float("-inf"))
         cos, sin = (t.unsqueeze(2) for t in rope)  # (B, L, 1, d)
         x = F.embedding(ids, self.embed)  # (B, L, H)
         for i, w in enumerate(self.layers):

@@ -118,9 +118,10 @@ def packed_sequence_logps(lean, batch: list[EncodedPair], pad_id: int, device,
     from preftune.decoder import tree_mask
 
     rows, width = plan or pack_rows([len(e.prompt) + len(e.chosen) + len(e.rejected) for e in batch])
-    R = len(rows)
-    ids = torch.full((R, width), pad_id, dtype=torch.long)  # (R, W)
-    pos, segment, branch = torch.zeros_like(ids), torch.full_like(ids, -1), torch.zeros_like(ids)
+    cells = len(rows) * width
+    # built as Python lists and turned into tensors once: per-pair tensor writes cost more than the
+    # forward of a small model
+    ids, pos, segment, branch = [pad_id] * cells, [0] * cells, [-1] * cells, [0] * cells
     src, dst, slot = [], [], []  # predicting position (flat), target position (flat), output slot
     for r, members in enumerate(rows):
         at = r * width
@@ -129,23 +130,20 @@ def packed_sequence_logps(lean, batch: list[EncodedPair], pad_id: int, device,
             p = len(e.prompt)
             if p < 1:  # as the bucketed layout: the first response token needs a position to predict it
                 raise ValueError("every prompt needs at least one token")
-            ids.view(-1)[at:at + p] = torch.tensor(e.prompt)
-            pos.view(-1)[at:at + p] = torch.arange(p)
-            segment.view(-1)[at:at + p] = i
+            ids[at:at + p], pos[at:at + p], segment[at:at + p] = e.prompt, range(p), [i] * p
             start = at + p
             for k, resp in enumerate((e.chosen, e.rejected)):
                 n = len(resp)
+                ids[start:start + n], pos[start:start + n] = resp, range(p, p + n)
+                segment[start:start + n], branch[start:start + n] = [i] * n, [k + 1] * n
                 if n:
-                    ids.view(-1)[start:start + n] = torch.tensor(resp)
-                pos.view(-1)[start:start + n] = torch.arange(p, p + n)
-                segment.view(-1)[start:start + n] = i
-                branch.view(-1)[start:start + n] = k + 1
-                src += [at + p - 1] + list(range(start, start + n - 1)) if n else []
-                dst += list(range(start, start + n))
+                    src += [at + p - 1, *range(start, start + n - 1)]
+                dst += range(start, start + n)
                 slot += [k * len(batch) + i] * n
                 start += n
             at = start
-    ids, pos, segment, branch = (t.to(device) for t in (ids, pos, segment, branch))
+    ids, pos, segment, branch = (torch.tensor(x, dtype=torch.long, device=device).view(-1, width)
+                                 for x in (ids, pos, segment, branch))  # (R, W)
     src, dst, slot = (torch.tensor(x, dtype=torch.long, device=device) for x in (src, dst, slot))
     hidden = lean.forward(ids, lean.rope(pos), tree_mask(segment, branch))  # (R, W, H)
     logits = lean.logits(hidden.reshape(-1, hidden.size(-1))[src])  # (K, V) only the response tokens (float32/64)
