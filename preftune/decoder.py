@@ -11,8 +11,8 @@ Hugging Face module, for the two places where the module's own forward costs mor
   module that builds its own causal mask cannot express.
 
 The maths is the module's (RMSNorm in float32, rotate-half RoPE from the model's own rotary
-module, SDPA attention), tested equal to it in float64. Anything else (LoRA, FSDP/DDP wrappers,
-activation checkpointing, mixed-precision autocast, sliding windows, dynamic RoPE, other
+module, SDPA attention), tested equal to it in float64 and under bf16 autocast. Anything else
+(LoRA, FSDP/DDP wrappers, activation checkpointing, sliding windows, dynamic RoPE, other
 architectures) takes the Hugging Face forward: `Lean.of(model)` returns None for it.
 """
 from __future__ import annotations
@@ -30,14 +30,15 @@ def _base(model):
 
 
 def supported(model) -> bool:
-    """Can `Lean` replay this model exactly? Plain float32/float64 HF module, no wrappers."""
+    """Can `Lean` replay this model exactly? A plain HF module (float32/64 or bf16 weights, or float32
+    masters under preftune's bf16 autocast, which the caller enters as for the module), no wrappers."""
     cfg, base = getattr(model, "config", None), _base(model)
     if cfg is None or base is None or getattr(cfg, "model_type", None) not in ARCHITECTURES:
         return False
     if not getattr(model, "preftune_lean", True):  # model.lean_forward: false
         return False
-    if getattr(model, "preftune_autocast", None) is not None or getattr(model, "preftune_one_forward", False):
-        return False  # mixed precision / FSDP2: the module's own forward and hooks must run
+    if getattr(model, "preftune_one_forward", False):
+        return False  # FSDP2: the module's own forward and hooks must run
     if hasattr(model, "peft_config") or getattr(cfg, "hidden_act", "silu") != "silu":
         return False
     if getattr(base, "gradient_checkpointing", False) or getattr(base, "is_activation_checkpointing", False):
@@ -48,9 +49,8 @@ def supported(model) -> bool:
         return False
     if getattr(base.rotary_emb, "rope_type", "default") == "dynamic" or getattr(cfg, "attention_dropout", 0.0):
         return False
-    params = list(model.parameters())
-    return bool(params) and all(type(p) is torch.nn.Parameter and p.dtype in (torch.float32, torch.float64)
-                                for p in params)
+    params = list(model.parameters())  # plain tensors (not DTensor shards), any floating dtype
+    return bool(params) and all(type(p) is torch.nn.Parameter and p.is_floating_point() for p in params)
 
 
 class KVBuffers:
@@ -154,8 +154,12 @@ class Lean:
         return x
 
     def new_kv(self, rows: int, capacity: int) -> KVBuffers:
+        """Buffers in the dtype keys/values are computed in: the autocast dtype when it is on."""
         shape = (len(self.layers), rows, self.kv_heads, capacity, self.head_dim)
-        return KVBuffers(self.embed.new_empty(shape), self.embed.new_empty(shape))
+        device = self.embed.device
+        on = torch.is_autocast_enabled(device.type)
+        dtype = torch.get_autocast_dtype(device.type) if on else self.embed.dtype
+        return KVBuffers(self.embed.new_empty(shape, dtype=dtype), self.embed.new_empty(shape, dtype=dtype))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -265,10 +265,6 @@ def _refusals():
             m.gradient_checkpointing_enable()
         return m
 
-    def autocast_flag(m):
-        m.preftune_autocast = torch.bfloat16
-        return m
-
     def lean_off(m):
         m.preftune_lean = False
         return m
@@ -278,15 +274,14 @@ def _refusals():
         return m
 
     return {"peft_model": peft_model, "peft_base": peft_base, "peft_config_attr": peft_config_attr,
-            "gradient_checkpointing": checkpointing, "bf16_autocast": autocast_flag, "lean_forward_false": lean_off,
-            "fsdp2": fsdp_flag, "bf16_weights": lambda m: m.to(torch.bfloat16), "fp16_weights": lambda m: m.half()}
+            "gradient_checkpointing": checkpointing, "lean_forward_false": lean_off, "fsdp2": fsdp_flag}
 
 
 REFUSALS = _refusals()
 
 
 @pytest.mark.parametrize("case", list(REFUSALS))
-def test_supported_refuses_wrapped_or_mixed_models(case):
+def test_supported_refuses_wrapped_models(case):
     model = tiny("qwen2", dtype=torch.float32)
     assert D.supported(model) and D.Lean.of(model) is not None  # the same model, untouched, is replayed
     model = REFUSALS[case](model)
@@ -317,7 +312,7 @@ def test_supported_refuses_other_architectures(model_type, kw):
 
 
 def test_load_model_flags(make_config):
-    """`model.lean_forward` reaches the model; bf16 mixed precision and checkpointing are refused."""
+    """`model.lean_forward` reaches the model; bf16 mixed precision is replayed, checkpointing refused."""
     from preftune.config import ModelConfig
     from preftune.models import load_model
 
@@ -330,7 +325,9 @@ def test_load_model_flags(make_config):
     on = load_model(make_config().model, str(MODEL_DIR))
     assert on.preftune_lean is True and D.supported(on)
     mixed = load_model(ModelConfig(dtype="bfloat16"), str(MODEL_DIR))
-    assert next(mixed.parameters()).dtype == torch.float32 and not D.supported(mixed)  # float32 masters, bf16 autocast
+    assert next(mixed.parameters()).dtype == torch.float32 and D.supported(mixed)  # float32 masters, bf16 autocast
+    frozen = load_model(ModelConfig(dtype="bfloat16"), str(MODEL_DIR), trainable=False)
+    assert next(frozen.parameters()).dtype == torch.bfloat16 and D.supported(frozen)
     assert not D.supported(load_model(ModelConfig(gradient_checkpointing=True), str(MODEL_DIR)))
 
 
@@ -396,3 +393,43 @@ def test_sampler_lean_and_hf_paths_give_the_same_rollout(model64, tokenizer, mon
         lengths = got.completion_mask.sum(1)
         assert (~got.truncated).any() and lengths.min() < lengths.max()
         assert lean.selects == hf.selects >= 1
+
+
+# ---------------------------------------------------------------- bf16: autocast over float32 masters, bf16 weights
+
+
+@pytest.mark.parametrize("precision", ["autocast", "bf16_weights"])
+def test_bf16_forward_and_decode_equal_the_module(precision):
+    """Under bf16 autocast (float32 masters, as `model.dtype: bfloat16` trains) and with bf16 weights
+    (frozen models), the lean forward gives the module's logits and the sampler the module's tokens."""
+    from preftune.models import autocast
+    from preftune.rollout import sampler
+
+    model = tiny("qwen2", dtype=torch.float32)
+    if precision == "autocast":
+        model.preftune_autocast = torch.bfloat16
+    else:
+        model = model.to(torch.bfloat16)
+    assert D.supported(model)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(2, VOCAB, (3, 12), generator=g)
+    pos = torch.arange(12).expand(3, 12)
+    with torch.no_grad(), autocast(model):
+        want = model(input_ids=ids, position_ids=pos).logits
+        lean = D.Lean(model)
+        got = lean.logits(lean.forward(ids, lean.rope(pos), None))
+        assert lean.new_kv(1, 4).keys.dtype == torch.bfloat16  # keys/values kept as computed
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2)
+    prompt_ids, prompt_mask = ids[:, :5], torch.ones(3, 5, dtype=torch.long)
+    prompt_mask[0, :2] = 0
+
+    def run():
+        return sampler.sample(model, prompt_ids, prompt_mask, num_generations=2, max_new_tokens=6, eos_id=VOCAB + 1,
+                              pad_id=0, generator=torch.Generator().manual_seed(1))
+
+    lean_ro = run()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(D, "supported", lambda model: False)
+        hf_ro = run()
+    assert torch.equal(lean_ro.completion_ids, hf_ro.completion_ids)

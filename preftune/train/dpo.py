@@ -22,9 +22,9 @@ from preftune.data.stream import IndexStream
 from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response, fit_prompt
 from preftune.errors import UserError
 from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
-from preftune.models import load_model
+from preftune.models import autocast, load_model
 from preftune.rollout.sampler import left_pad, right_pad
-from preftune.train.logps import completion_logps, length_buckets, microbatches, token_logps
+from preftune.train.logps import upcast_logits, completion_logps, length_buckets, microbatches, token_logps
 
 log = logging.getLogger("preftune")
 
@@ -93,7 +93,8 @@ def sequence_logps(model, batch: list[EncodedPair], pad_id: int, device) -> tupl
     lean = Lean.of(model)
     plan = tree_plan(model.config, batch) if lean is not None else None
     if plan is not None:
-        return packed_sequence_logps(lean, batch, pad_id, device, plan)
+        with autocast(model):  # bf16 mixed precision: the forward runs as the module's would
+            return packed_sequence_logps(lean, batch, pad_id, device, plan)
     lengths = [len(e.prompt) + max(len(e.chosen), len(e.rejected)) for e in batch]
     sums = counts = None
     for rows in length_buckets(lengths):
@@ -146,7 +147,7 @@ def packed_sequence_logps(lean, batch: list[EncodedPair], pad_id: int, device,
                                  for x in (ids, pos, segment, branch))  # (R, W)
     src, dst, slot = (torch.tensor(x, dtype=torch.long, device=device) for x in (src, dst, slot))
     hidden = lean.forward(ids, lean.rope(pos), tree_mask(segment, branch))  # (R, W, H)
-    logits = lean.logits(hidden.reshape(-1, hidden.size(-1))[src])  # (K, V) only the response tokens (float32/64)
+    logits = upcast_logits(lean.logits(hidden.reshape(-1, hidden.size(-1))[src]))  # (K, V) only the response tokens
     logps, _ = token_logps(logits, ids.view(-1)[dst])  # (K,)
     sums = logps.new_zeros(2 * len(batch)).index_add(0, slot, logps)  # (2b,)
     counts = torch.zeros(2 * len(batch), dtype=torch.long, device=device).index_add(0, slot, torch.ones_like(slot))

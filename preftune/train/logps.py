@@ -56,14 +56,14 @@ def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion
     with autocast(model):
         out = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
                     logits_to_keep=keep, use_cache=False)
-    logits = _upcast(out.logits)  # (B, keep, V)
+    logits = upcast_logits(out.logits)  # (B, keep, V)
     if idx is None:  # aligned: position P-1+t predicts completion token t
         return logits[:, :-1]  # (B, T, V)
     # packed: completion token t of row b is predicted at idx[b, t]
     return logits.gather(1, idx[..., None].expand(-1, -1, logits.size(-1)))  # (B, T, V)
 
 
-def _upcast(logits: torch.Tensor) -> torch.Tensor:
+def upcast_logits(logits: torch.Tensor) -> torch.Tensor:
     """At least float32 for the log-softmax (bf16 logits are upcast; float64 stays float64)."""
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
@@ -126,7 +126,7 @@ def _shared_logits(model, prompt_ids, prompt_mask, completion_ids, completion_ma
     with autocast(model):
         out = model(input_ids=p_ids[firsts], attention_mask=u_mask, position_ids=positions_from_mask(u_mask),
                     logits_to_keep=1, use_cache=True, **{kw: cache})
-        first = _upcast(out.logits)[rows]  # (B, 1, V): the last prompt position predicts token 0
+        first = upcast_logits(out.logits)[rows]  # (B, 1, V): the last prompt position predicts token 0
         if T == 1:
             return first
         cache.reorder_cache(rows)  # index_select: its backward sums the G rows into the prompt pass
@@ -134,7 +134,7 @@ def _shared_logits(model, prompt_ids, prompt_mask, completion_ids, completion_ma
         pos = p_mask.sum(1, keepdim=True) + torch.arange(T - 1, device=p_mask.device)  # (B, T-1)
         out = model(input_ids=completion_ids[:, :-1], attention_mask=attn, position_ids=pos, use_cache=True,
                     **{kw: cache})
-    return torch.cat([first, _upcast(out.logits)], 1)  # (B, T, V)
+    return torch.cat([first, upcast_logits(out.logits)], 1)  # (B, T, V)
 
 
 def _layout(model, prompt_ids, prompt_mask, completion_ids, completion_mask):

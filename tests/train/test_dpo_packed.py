@@ -91,7 +91,7 @@ def test_packed_equals_bucketed_and_plain_forward(model64, monkeypatch, shapes):
 
 
 def test_packed_keeps_the_model_dtype(model64, monkeypatch):
-    """A float64 model gets float64 log-probs, as on the bucketed path (`logps._upcast`: "float64 stays
+    """A float64 model gets float64 log-probs, as on the bucketed path (`logps.upcast_logits`: "float64 stays
     float64"), so the two paths agree to float64 rounding.
 
     Fails on 5088763: preftune/train/dpo.py:149 (`lean.logits(...).float()`) casts the logits to
@@ -177,3 +177,28 @@ def test_tree_pays_for_a_long_shared_prompt_not_for_long_responses():
     assert not tree_pays(cfg, long_responses) and tree_plan(cfg, long_responses) is None
     rows, width = tree_plan(cfg, shared)
     assert sorted(i for r in rows for i in r) == [0, 1, 2, 3] and width >= 316
+
+
+def test_packed_pairs_under_bf16_autocast_match_the_module():
+    """`model.dtype: bfloat16` (float32 masters under bf16 autocast): the packed path enters the
+    autocast as the bucketed path does, returns float32 sums, and agrees with one plain forward per
+    sequence under the same autocast to bf16 precision."""
+    from transformers import AutoModelForCausalLM
+
+    from preftune.models import autocast
+
+    model = AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32).eval()
+    model.preftune_autocast = torch.bfloat16
+    batch = _pairs(SHAPES, seed=4)
+    assert D.supported(model) and tree_plan(model.config, batch) is not None
+    with torch.no_grad():
+        sums, counts = sequence_logps(model, batch, PAD, torch.device("cpu"))
+        with autocast(model):
+            want, want_counts = _direct(model, batch)
+    assert sums.dtype == torch.float32
+    assert torch.equal(counts, want_counts)
+    torch.testing.assert_close(sums, want.float(), rtol=3e-2, atol=0.1)
+    del model.preftune_autocast
+    with torch.no_grad():
+        full, _ = sequence_logps(model, batch, PAD, torch.device("cpu"))
+    assert (sums - full).abs().max() > 1e-4  # the autocast was on: bf16 matmuls moved the sums
