@@ -48,6 +48,7 @@ FULL = [
     ("dpo 3M short R8 B32", "dpo", "--model rand3m --response-len 8 --batch 32"),
     ("dpo 3M long R200 B16", "dpo", "--model rand3m --response-len 200 --batch 16"),
     ("dpo 3M P300 R16 B16", "dpo", "--model rand3m --prompt-prefix 300 --response-len 16 --batch 16"),
+    ("dpo 3M V32k R64 B16", "dpo", "--model rand3m-v32k --response-len 64 --batch 16"),
 ]
 QUICK = [
     ("grpo demo 8x8 T4 b0", "grpo", "--prompts 8 --generations 8 --max-new-tokens 4"),

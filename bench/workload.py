@@ -19,14 +19,18 @@ EXAMPLES = ROOT / "examples"
 FILLER = "12+7=19. 3+4=7. 19+19=38. 0+0=0. 5+11=16. "  # byte-level tokenizer: one token per character
 
 
+VOCABS = {"rand3m": None, "rand3m-v32k": 32768}  # None: the byte tokenizer's 259
+
+
 def model_dir(name: str, out: str | Path) -> Path:
     """`demo` (examples/model, ~1M parameters), `rand3m` (a ~3M random-init Qwen2 with room for
-    long contexts, written once into `out`, seeded) or a path."""
+    long contexts, written once into `out`, seeded), `rand3m-v32k` (the same body with a 32k
+    vocabulary, as real tokenizers have: the byte tokenizer uses its first 259 rows) or a path."""
     if name == "demo":
         return EXAMPLES / "model"
-    if name != "rand3m":
+    if name not in VOCABS:
         return Path(name)
-    path = Path(out) / "rand3m"
+    path = Path(out) / name
     if (path / "config.json").exists():
         return path
     import shutil
@@ -37,6 +41,8 @@ def model_dir(name: str, out: str | Path) -> Path:
     cfg = json.loads((EXAMPLES / "model" / "config.json").read_text())
     cfg.update(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=2048, layer_types=["full_attention"] * 4)
+    if VOCABS[name]:
+        cfg["vocab_size"] = VOCABS[name]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(Qwen2Config(**{k: v for k, v in cfg.items() if k != "architectures"}))
     model.save_pretrained(path)

@@ -79,6 +79,7 @@ class Lean:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.eps = cfg.rms_norm_eps
         self.embed, self.norm, self.head = base.embed_tokens.weight, base.norm.weight, model.lm_head.weight
+        self.head_module = model.lm_head  # for `train/head.py`'s chunked projection
         self.rotary = base.rotary_emb
         self.layers = [self._fuse(layer) for layer in base.layers[: cfg.num_hidden_layers]]
 

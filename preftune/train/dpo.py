@@ -24,7 +24,8 @@ from preftune.errors import UserError
 from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
 from preftune.models import autocast, load_model
 from preftune.rollout.sampler import left_pad, right_pad
-from preftune.train.logps import upcast_logits, completion_logps, length_buckets, microbatches, token_logps
+from preftune.train.head import head_logps
+from preftune.train.logps import completion_logps, length_buckets, microbatches
 
 log = logging.getLogger("preftune")
 
@@ -147,8 +148,8 @@ def packed_sequence_logps(lean, batch: list[EncodedPair], pad_id: int, device,
                                  for x in (ids, pos, segment, branch))  # (R, W)
     src, dst, slot = (torch.tensor(x, dtype=torch.long, device=device) for x in (src, dst, slot))
     hidden = lean.forward(ids, lean.rope(pos), tree_mask(segment, branch))  # (R, W, H)
-    logits = upcast_logits(lean.logits(hidden.reshape(-1, hidden.size(-1))[src]))  # (K, V) only the response tokens
-    logps, _ = token_logps(logits, ids.view(-1)[dst])  # (K,)
+    picked = hidden.reshape(-1, hidden.size(-1))[src]  # (K, H) only the positions that predict response tokens
+    logps, _ = head_logps(lean.rms(picked, lean.norm), lean.head_module, ids.view(-1)[dst])  # (K,)
     sums = logps.new_zeros(2 * len(batch)).index_add(0, slot, logps)  # (2b,)
     counts = torch.zeros(2 * len(batch), dtype=torch.long, device=device).index_add(0, slot, torch.ones_like(slot))
     return sums, counts

@@ -29,10 +29,33 @@ def completion_logps(
     taken against the distribution the completions were drawn from, as TRL does); log-softmax is
     logit - logsumexp, so no (B, T, V) log-softmax is kept for the backward.
     """
-    logits = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, T, V)
+    split = split_head(model)
+    feats = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, split=split)
+    if split is not None:  # (B, T, H) hidden states: the projection, chunked for large vocabularies
+        from preftune.train.head import head_logps
+
+        with autocast(model):
+            return head_logps(feats, split[1], completion_ids, temperature=temperature, with_entropy=with_entropy)
+    logits = feats  # (B, T, V)
     if temperature != 1.0:
         logits = logits / temperature
     return token_logps(logits, completion_ids, with_entropy=with_entropy)
+
+
+def split_head(model):
+    """(decoder stack, output layer) of a plain or LoRA-wrapped Llama-family causal LM, so the
+    log-prob pass can project hidden states itself (`train/head.py`); None where the root module's
+    forward must run (FSDP2 and DDP: `preftune_one_forward`) or for other architectures."""
+    from preftune.decoder import ARCHITECTURES
+
+    if getattr(model, "preftune_one_forward", False):
+        return None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    stack, head = getattr(base, "model", None), getattr(base, "lm_head", None)
+    if getattr(getattr(base, "config", None), "model_type", None) not in ARCHITECTURES or head is None \
+            or not hasattr(stack, "layers"):
+        return None
+    return stack, head
 
 
 def token_logps(logits: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool = False):
@@ -47,20 +70,27 @@ def token_logps(logits: torch.Tensor, targets: torch.Tensor, *, with_entropy: bo
     return token_logits - lse, entropy
 
 
-def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
-    """Float logits that predict each completion token -> (B, T, V), in the cheapest layout."""
+def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, split=None) -> torch.Tensor:
+    """Float logits that predict each completion token -> (B, T, V), in the cheapest layout; with
+    `split` (`split_head`), the decoder's hidden states at those positions (B, T, H) instead."""
     groups = prompt_groups(prompt_ids, prompt_mask)
     if groups is not None and shared_pays(model, prompt_mask, completion_ids, completion_mask, len(groups)):
-        return _shared_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, groups)
+        return _shared_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, groups, split)
     ids, attn, keep, idx = _layout(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     with autocast(model):
-        out = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
-                    logits_to_keep=keep, use_cache=False)
-    logits = upcast_logits(out.logits)  # (B, keep, V)
+        logits = _run(model, split, keep, input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
+                      use_cache=False)  # (B, keep, V or H)
     if idx is None:  # aligned: position P-1+t predicts completion token t
         return logits[:, :-1]  # (B, T, V)
     # packed: completion token t of row b is predicted at idx[b, t]
     return logits.gather(1, idx[..., None].expand(-1, -1, logits.size(-1)))  # (B, T, V)
+
+
+def _run(model, split, keep: int, **kwargs) -> torch.Tensor:
+    """The model's last `keep` positions: upcast logits, or hidden states from the decoder stack."""
+    if split is None:
+        return upcast_logits(model(logits_to_keep=keep, **kwargs).logits)  # (B, keep, V)
+    return split[0](**kwargs).last_hidden_state[:, -keep:]  # (B, keep, H)
 
 
 def upcast_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -109,7 +139,7 @@ def shared_pays(model, prompt_mask, completion_ids, completion_mask, n_prompts: 
     return shared < 0.75 * unshared
 
 
-def _shared_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, sizes) -> torch.Tensor:
+def _shared_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, sizes, split=None) -> torch.Tensor:
     """Each distinct prompt once (U rows), its cache copied to its rows, then the completions."""
     from transformers import DynamicCache
 
@@ -121,20 +151,19 @@ def _shared_logits(model, prompt_ids, prompt_mask, completion_ids, completion_ma
     p_ids, p_mask = prompt_ids[:, lead:], prompt_mask[:, lead:]  # (B, P')
     rows = torch.repeat_interleave(torch.arange(sizes.numel(), device=sizes.device), sizes)  # (B,) group of each row
     cache = DynamicCache()
-    kw = cache_kwarg(model)
+    kw = {cache_kwarg(model): cache}
     u_mask = p_mask[firsts]  # (U, P')
     with autocast(model):
-        out = model(input_ids=p_ids[firsts], attention_mask=u_mask, position_ids=positions_from_mask(u_mask),
-                    logits_to_keep=1, use_cache=True, **{kw: cache})
-        first = upcast_logits(out.logits)[rows]  # (B, 1, V): the last prompt position predicts token 0
-        if T == 1:
+        first = _run(model, split, 1, input_ids=p_ids[firsts], attention_mask=u_mask,
+                     position_ids=positions_from_mask(u_mask), use_cache=True, **kw)[rows]  # (B, 1, V or H)
+        if T == 1:  # the last prompt position predicts token 0
             return first
         cache.reorder_cache(rows)  # index_select: its backward sums the G rows into the prompt pass
         attn = torch.cat([p_mask, completion_mask[:, :-1]], 1)  # (B, P'+T-1)
         pos = p_mask.sum(1, keepdim=True) + torch.arange(T - 1, device=p_mask.device)  # (B, T-1)
-        out = model(input_ids=completion_ids[:, :-1], attention_mask=attn, position_ids=pos, use_cache=True,
-                    **{kw: cache})
-    return torch.cat([first, upcast_logits(out.logits)], 1)  # (B, T, V)
+        rest = _run(model, split, T - 1, input_ids=completion_ids[:, :-1], attention_mask=attn, position_ids=pos,
+                    use_cache=True, **kw)  # (B, T-1, V or H)
+    return torch.cat([first, rest], 1)  # (B, T, V or H)
 
 
 def _layout(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
