@@ -494,7 +494,7 @@ def read_source(source: str | Path | dict | Config | None) -> tuple[dict, str]:
         return _copy_tree(source), "."
     path = Path(source)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_StrictLoader) or {}
     except OSError as e:
         raise UserError(f"cannot read config: {e.strerror}", where=str(path)) from None
     except UnicodeDecodeError as e:
@@ -504,6 +504,29 @@ def read_source(source: str | Path | dict | Config | None) -> tuple[dict, str]:
     if not isinstance(data, dict):
         raise UserError(f"expected a mapping of config keys, got a {type(data).__name__}", where=str(path))
     return data, str(path.parent)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, except that a key given twice in one mapping is an error: YAML
+    keeps the last one silently, so `lr: 1e-5` further up would be ignored without a word."""
+
+
+def _mapping_without_duplicates(loader, node, deep=False):
+    first: dict = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            seen = key in first
+        except TypeError:  # an unhashable key: construct_mapping says what is wrong with it
+            break
+        if seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first on line {first[key] + 1})", key_node.start_mark)
+        first[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
 
 
 def _copy_tree(d: dict) -> dict:

@@ -151,6 +151,19 @@ def test_yaml_syntax_error_has_line_and_column(capsys, tmp_path):
     assert "bad.yaml" in line and "invalid YAML: line 4 column" in line
 
 
+def test_yaml_key_given_twice_is_an_error(capsys, tmp_path):
+    """YAML keeps the last of two equal keys; a config that sets `lr` twice is a mistake to report."""
+    path = tmp_path / "twice.yaml"
+    path.write_text("algorithm: grpo\noptim:\n  lr: 1.0e-5\n  warmup_steps: 2\n  lr: 3.0e-4\n")
+    line = fails(capsys, "train", path)
+    assert "twice.yaml" in line and "invalid YAML: line 5 column 3: duplicate key 'lr' (first on line 3)" in line
+    nested = tmp_path / "ok.yaml"  # the same key in two different mappings is fine
+    nested.write_text("algorithm: dpo\ngrpo:\n  beta: 0.1\ndpo:\n  beta: 0.2\n")
+    from preftune.config import read_source
+
+    assert read_source(nested)[0] == {"algorithm": "dpo", "grpo": {"beta": 0.1}, "dpo": {"beta": 0.2}}
+
+
 @pytest.mark.parametrize("override, key", [
     ("optim.adam_beta1=1.5", "optim.adam_beta1"),
     ("optim.weight_decay=-0.1", "optim.weight_decay"),
