@@ -514,6 +514,8 @@ class _StrictLoader(yaml.SafeLoader):
 def _mapping_without_duplicates(loader, node, deep=False):
     first: dict = {}
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: merged keys may be overridden here
+            continue
         key = loader.construct_object(key_node, deep=deep)
         try:
             seen = key in first

@@ -24,16 +24,32 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # model_type values whos
 
 
 def _base(model):
-    """The decoder stack (`model.model`) of a plain `*ForCausalLM`, or None."""
+    """The decoder stack (`model.model`) of a Llama-family `*ForCausalLM` from transformers itself
+    (not remote code reusing a model_type with its own forward), or None."""
     inner = getattr(model, "model", None)
-    return inner if inner is not None and hasattr(inner, "layers") and hasattr(model, "lm_head") else None
+    if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
+        return None
+    if getattr(getattr(model, "config", None), "model_type", None) not in ARCHITECTURES:
+        return None
+    return inner if type(model).__module__.startswith("transformers.models.") else None
+
+
+def stack_and_head(model):
+    """(decoder stack, output layer) of a plain or LoRA-wrapped Llama-family causal LM, or None:
+    where `train/logps.py` may project hidden states itself. Not under FSDP2/DDP (the root module's
+    forward must run) nor with `model.lean_forward: false`."""
+    if getattr(model, "preftune_one_forward", False) or not getattr(model, "preftune_lean", True):
+        return None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    stack = _base(base)
+    return None if stack is None else (stack, base.lm_head)
 
 
 def supported(model) -> bool:
     """Can `Lean` replay this model exactly? A plain HF module (float32/64 or bf16 weights, or float32
     masters under preftune's bf16 autocast, which the caller enters as for the module), no wrappers."""
     cfg, base = getattr(model, "config", None), _base(model)
-    if cfg is None or base is None or getattr(cfg, "model_type", None) not in ARCHITECTURES:
+    if cfg is None or base is None:
         return False
     if not getattr(model, "preftune_lean", True):  # model.lean_forward: false
         return False
@@ -47,7 +63,10 @@ def supported(model) -> bool:
         return False
     if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
         return False
-    if getattr(base.rotary_emb, "rope_type", "default") == "dynamic" or getattr(cfg, "attention_dropout", 0.0):
+    # dynamic and longrope frequencies depend on the longest position of each call; the sampler
+    # builds its rotary table once for the whole rollout
+    rope_type = getattr(base.rotary_emb, "rope_type", "default")
+    if "dynamic" in rope_type or "longrope" in rope_type or getattr(cfg, "attention_dropout", 0.0):
         return False
     params = list(model.parameters())  # plain tensors (not DTensor shards), any floating dtype
     return bool(params) and all(type(p) is torch.nn.Parameter and p.is_floating_point() for p in params)
@@ -82,6 +101,16 @@ class Lean:
         self.head_module = model.lm_head  # for `train/head.py`'s chunked projection
         self.rotary = base.rotary_emb
         self.layers = [self._fuse(layer) for layer in base.layers[: cfg.num_hidden_layers]]
+        device = self.embed.device.type
+        if not torch.is_grad_enabled() and torch.is_autocast_enabled(device):
+            # decoding under bf16 autocast: cast the fused matrices once, not on every step (autocast
+            # caches casts of leaf parameters only; these are concatenations)
+            low = torch.get_autocast_dtype(device)
+            cast = lambda t: None if t is None else t.to(low)  # noqa: E731
+            self.head = cast(self.head)
+            for w in self.layers:
+                for k in ("qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias", "down", "down_bias"):
+                    w[k] = cast(w[k])
 
     @classmethod
     def of(cls, model) -> "Lean | None":
@@ -131,7 +160,8 @@ class Lean:
         if mask is None and kv is not None and start:  # causal over the cache: query i sees keys 0..start+i
             mask = torch.ones(L, start + L, dtype=torch.bool, device=ids.device).tril(diagonal=start)[None, None]
         if mask is not None and L > 1:  # SDPA turns a boolean mask into an additive one: once, not per layer
-            mask = torch.zeros(mask.shape, dtype=self.embed.dtype, device=ids.device).masked_fill_(~mask, float("-inf"))
+            mask = torch.zeros(mask.shape, dtype=self.embed.dtype, device=ids.device).masked_fill_(
+                ~mask, float("-inf"))  # (B or 1, 1, L, S)
         cos, sin = (t.unsqueeze(2) for t in rope)  # (B, L, 1, d)
         x = F.embedding(ids, self.embed)  # (B, L, H)
         for i, w in enumerate(self.layers):
@@ -145,12 +175,12 @@ class Lean:
             qk = _rotate(qk, cos, sin).transpose(1, 2)  # (B, nh + nkv, L, d): q and k in one rotation
             q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, :, nh + nkv:].transpose(1, 2)  # v: (B, nkv, L, d)
             if kv is not None:
-                kv.keys[i, :, :, start:start + L] = k
+                kv.keys[i, :, :, start:start + L] = k  # (B, nkv, L, d) into columns start..start+L-1
                 kv.values[i, :, :, start:start + L] = v
                 k, v = kv.keys[i, :, :, :start + L], kv.values[i, :, :, :start + L]  # (B, nkv, S, d)
             o = _attend(q, k, v, mask)  # (B, L, nh d)
             x = x + F.linear(o, w["o"], w["o_bias"])
-            gate, up = F.linear(self.rms(x, w["norm2"]), w["gate_up"], w["gate_up_bias"]).chunk(2, dim=-1)
+            gate, up = F.linear(self.rms(x, w["norm2"]), w["gate_up"], w["gate_up_bias"]).chunk(2, dim=-1)  # (B, L, I)
             x = x + F.linear(F.silu(gate) * up, w["down"], w["down_bias"])  # (B, L, H)
         return x
 
@@ -175,13 +205,20 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     B, nh, L, d = q.shape
     nkv = k.size(1)
     if L > 1 or q.requires_grad:
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=nkv != nh)
+        if nkv != nh and mask is not None and q.device.type == "cuda":
+            # CUDA's flash kernel takes no mask and the efficient one no grouped heads: repeat k/v so
+            # a masked call does not fall back to the math kernel (which keeps the B x h x L x S weights)
+            k, v = (t.repeat_interleave(nh // nkv, dim=1) for t in (k, v))  # (B, nh, S, d)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=k.size(1) != nh)  # (B, nh, L, d)
         return o.transpose(1, 2).reshape(B, L, nh * d)
     qg = q.view(B, nkv, nh // nkv, d)  # (B, nkv, g, d): the g query heads that share a key head
     scores = torch.matmul(qg, k.transpose(-1, -2)) * d ** -0.5  # (B, nkv, g, S)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))  # mask (B, 1, 1, S)
-    return torch.matmul(scores.softmax(-1), v).reshape(B, L, nh * d)
+    wide = torch.promote_types(scores.dtype, torch.float32)  # bf16 scores: softmax in float32 as SDPA's kernels do
+    probs = scores.to(wide).softmax(-1).to(v.dtype)  # (B, nkv, g, S)
+    return torch.matmul(probs, v).reshape(B, L, nh * d)
 
 
 def tree_mask(segment: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:

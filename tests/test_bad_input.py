@@ -162,6 +162,9 @@ def test_yaml_key_given_twice_is_an_error(capsys, tmp_path):
     from preftune.config import read_source
 
     assert read_source(nested)[0] == {"algorithm": "dpo", "grpo": {"beta": 0.1}, "dpo": {"beta": 0.2}}
+    merged = tmp_path / "merge.yaml"  # a YAML merge key, its keys overridden beside it: not a duplicate
+    merged.write_text("base: &b {lr: 1.0e-5, warmup_steps: 2}\noptim:\n  <<: *b\n  lr: 3.0e-4\n")
+    assert read_source(merged)[0]["optim"] == {"lr": 3.0e-4, "warmup_steps": 2}
 
 
 @pytest.mark.parametrize("override, key", [

@@ -71,11 +71,11 @@ def global_view(s: Scored, dp) -> tuple[Scored, torch.Tensor, torch.Tensor, int]
 
 
 def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig, dp=None) -> GRPOBatch:
-    """Advantages, old log-probs (only when the batch is reused) and reference log-probs, all on
-    the policy's device (rewards are scored on the CPU; offline rollouts are built there).
+    """Advantages and reference log-probs, all on the policy's device (rewards are scored on the
+    CPU; offline rollouts are built there); old log-probs are left to the batch's first step.
     `ref_model` is None without a KL term, or the policy itself for LoRA (adapters switched off).
     Advantages and reward metrics see the whole generation batch (`dp` gathers every rank's rewards);
-    this rank keeps its own rows. The log-prob passes without backward run on gathered parameters."""
+    this rank keeps its own rows. The reference pass runs on gathered parameters."""
     from preftune.train.distributed import Parallel
 
     dp = dp or Parallel()
@@ -97,7 +97,7 @@ def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig, dp=None) -> GRPOBatc
 
 @torch.no_grad()
 def reference_logps(model, rollout: Rollout, cfg: GRPOConfig, *, without_adapter: bool = False) -> torch.Tensor:
-    """Log-probs of a rollout under a frozen model (the reference, or the policy for old log-probs).
+    """Log-probs of a rollout under a frozen model (the reference).
     With LoRA the reference is the policy with its adapters disabled: no second model in memory."""
     with model.disable_adapter() if without_adapter else contextlib.nullcontext():
         out = []

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-CHUNK_ELEMENTS = 1 << 23  # logits per chunk (32 MB in float32); a projection this small runs in one piece
+CHUNK_ELEMENTS = 1 << 25  # logits per chunk (128 MB in float32: ~220 rows of a 150k vocabulary, 1k of 32k)
 
 
 def head_logps(hidden: torch.Tensor, head, targets: torch.Tensor, *, temperature: float = 1.0,
@@ -45,11 +45,11 @@ class _ChunkedHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy):
         K = hidden.size(0)
-        logps = hidden.new_empty(K, dtype=_wide(hidden))
+        logps = hidden.new_empty(K, dtype=torch.promote_types(hidden.dtype, torch.float32))  # (K,)
         lse, entropy = torch.empty_like(logps), torch.zeros_like(logps)
         for s in range(0, K, chunk):
             logits = _logits(hidden[s:s + chunk], weight, temperature)  # (c, V)
-            lse[s:s + chunk] = logits.logsumexp(-1)
+            lse[s:s + chunk] = logits.logsumexp(-1)  # (c,)
             logps[s:s + chunk] = logits.gather(1, targets[s:s + chunk, None]).squeeze(1) - lse[s:s + chunk]
             if with_entropy:
                 entropy[s:s + chunk] = lse[s:s + chunk] - (logits.softmax(-1) * logits).sum(-1)
@@ -74,18 +74,17 @@ class _ChunkedHead(torch.autograd.Function):
                 d_logits[torch.arange(h.size(0), device=h.device), targets[s:s + ctx.chunk]] += g
                 d_logits = (d_logits if ctx.temperature == 1.0 else d_logits / ctx.temperature).to(h.dtype)  # (c, V)
                 if d_hidden is not None:
-                    d_hidden[s:s + ctx.chunk] = d_logits @ weight.to(d_logits.dtype)
-                if d_weight is not None:
+                    d_hidden[s:s + ctx.chunk] = d_logits @ weight.to(d_logits.dtype)  # (c, H)
+                if d_weight is not None and not enabled and d_logits.dtype == weight.dtype:
+                    d_weight.addmm_(d_logits.t(), h)  # (V, H), accumulated in place
+                elif d_weight is not None:  # bf16 products under autocast, float32 master gradient
                     d_weight += (d_logits.t() @ h.to(d_logits.dtype)).to(weight.dtype)
         return d_hidden, d_weight, None, None, None, None
 
 
-def _wide(t: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(t.dtype, torch.float32)
-
-
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
     """(c, H) x (V, H) -> (c, V) logits, at least float32, divided by the temperature."""
-    logits = F.linear(hidden, weight)
-    logits = logits.to(_wide(logits))
+    from preftune.train.logps import upcast_logits
+
+    logits = upcast_logits(F.linear(hidden, weight))  # (c, V)
     return logits if temperature == 1.0 else logits / temperature

@@ -43,19 +43,11 @@ def completion_logps(
 
 
 def split_head(model):
-    """(decoder stack, output layer) of a plain or LoRA-wrapped Llama-family causal LM, so the
-    log-prob pass can project hidden states itself (`train/head.py`); None where the root module's
-    forward must run (FSDP2 and DDP: `preftune_one_forward`) or for other architectures."""
-    from preftune.decoder import ARCHITECTURES
+    """(decoder stack, output layer) when the log-prob pass may project hidden states itself
+    (`train/head.py`), else None: `preftune.decoder.stack_and_head`."""
+    from preftune.decoder import stack_and_head
 
-    if getattr(model, "preftune_one_forward", False):
-        return None
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    stack, head = getattr(base, "model", None), getattr(base, "lm_head", None)
-    if getattr(getattr(base, "config", None), "model_type", None) not in ARCHITECTURES or head is None \
-            or not hasattr(stack, "layers"):
-        return None
-    return stack, head
+    return stack_and_head(model)
 
 
 def token_logps(logits: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool = False):
@@ -129,7 +121,7 @@ def shared_pays(model, prompt_mask, completion_ids, completion_mask, n_prompts: 
     if not _uses_cache(model) or int(lengths.min()) < 1:  # an empty prompt: the per-row layouts say so
         return False
     B, P, T = prompt_mask.size(0), int(lengths.max()), completion_ids.size(1)
-    body, head = _unit_costs(getattr(model, "config", None))
+    body, head = unit_costs(getattr(model, "config", None))
     if not (body and head):
         return n_prompts < B
     shared = (n_prompts * P + B * (T - 1)) * body + (n_prompts + B * (T - 1)) * head
@@ -188,14 +180,14 @@ def _layout(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
 def prefer_packed(config, width: int, keep: int, P: int, T: int) -> bool:
     """Is the packed layout (width, keep) cheaper than the aligned one (P+T, T+1)? Multiply-adds per
     position: the decoder's projections vs the lm_head, from the model config when it has them."""
-    body, head = _unit_costs(config)
+    body, head = unit_costs(config)
     if not (body and head):
         return keep <= T + 1
     # packing costs a sort and a gather of the logits: take it only when it saves a tenth or more
     return width * body + keep * head < 0.9 * ((P + T) * body + (T + 1) * head)
 
 
-def _unit_costs(config) -> tuple[int, int]:
+def unit_costs(config) -> tuple[int, int]:
     """Multiply-adds per position of the decoder body and of the lm_head (0, 0 when unknown)."""
     H, V = getattr(config, "hidden_size", 0), getattr(config, "vocab_size", 0)
     layers, inter = getattr(config, "num_hidden_layers", 0), getattr(config, "intermediate_size", 4 * H)
