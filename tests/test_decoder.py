@@ -433,3 +433,29 @@ def test_bf16_forward_and_decode_equal_the_module(precision):
         m.setattr(D, "supported", lambda model: False)
         hf_ro = run()
     assert torch.equal(lean_ro.completion_ids, hf_ro.completion_ids)
+
+
+def test_remote_code_and_longrope_take_the_module_forward():
+    """A class from outside transformers that reuses a model_type may change its forward (remote
+    code); long-rope frequencies depend on each call's longest position. Both run the module."""
+    from transformers import Qwen2ForCausalLM
+
+    class RemoteQwen2(Qwen2ForCausalLM):  # defined here, as trust_remote_code would load it
+        pass
+
+    model = tiny("qwen2", dtype=torch.float32)
+    assert D.supported(model) and D.stack_and_head(model) is not None
+    remote = RemoteQwen2(model.config)
+    assert not D.supported(remote) and D.stack_and_head(remote) is None
+    model.model.rotary_emb.rope_type = "longrope"
+    assert not D.supported(model)
+
+
+def test_decoding_under_autocast_casts_the_fused_weights_once():
+    model = tiny("qwen2", dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad():
+            lean = D.Lean(model)
+        assert lean.layers[0]["qkv"].dtype == lean.layers[0]["down"].dtype == lean.head.dtype == torch.bfloat16
+        trained = D.Lean(model)  # with grad: float32 concatenations of the masters, gradients flow back
+        assert trained.layers[0]["qkv"].dtype == torch.float32 and trained.layers[0]["qkv"].requires_grad

@@ -118,3 +118,13 @@ def test_split_head_is_off_where_the_root_forward_must_run():
     assert split_head(model) is None
     gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", vocab_size=50, n_embd=16, n_layer=1, n_head=2))
     assert split_head(gpt2) is None
+
+
+def test_split_head_honours_lean_forward_false():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "qwen2", vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+    assert split_head(model) is not None
+    model.preftune_lean = False  # model.lean_forward: false
+    assert split_head(model) is None
