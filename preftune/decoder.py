@@ -48,14 +48,10 @@ def stack_and_head(model):
 def supported(model) -> bool:
     """Can `Lean` replay this model exactly? A plain HF module (float32/64 or bf16 weights, or float32
     masters under preftune's bf16 autocast, which the caller enters as for the module), no wrappers."""
-    cfg, base = getattr(model, "config", None), _base(model)
-    if cfg is None or base is None:
-        return False
-    if not getattr(model, "preftune_lean", True):  # model.lean_forward: false
-        return False
-    if getattr(model, "preftune_one_forward", False):
-        return False  # FSDP2: the module's own forward and hooks must run
-    if hasattr(model, "peft_config") or getattr(cfg, "hidden_act", "silu") != "silu":
+    if hasattr(model, "peft_config") or stack_and_head(model) is None:
+        return False  # LoRA, FSDP2/DDP, model.lean_forward: false, other architectures, remote code
+    cfg, base = model.config, _base(model)
+    if getattr(cfg, "hidden_act", "silu") != "silu":
         return False
     if getattr(base, "gradient_checkpointing", False) or getattr(base, "is_activation_checkpointing", False):
         return False

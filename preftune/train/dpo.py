@@ -89,13 +89,12 @@ def sequence_logps(model, batch: list[EncodedPair], pad_id: int, device) -> tupl
     forward, each prompt once, no padding). Otherwise pairs of similar length run together
     (`length_buckets`), so little padding is computed; the sums come back in the batch's order (one
     graph, so one backward covers every bucket)."""
-    from preftune.decoder import Lean
+    from preftune.decoder import Lean, supported
 
-    lean = Lean.of(model)
-    plan = tree_plan(model.config, batch) if lean is not None else None
-    if plan is not None:
+    plan = tree_plan(model.config, batch) if supported(model) else None
+    if plan is not None:  # the fused weights are built only when they will be used
         with autocast(model):  # bf16 mixed precision: the forward runs as the module's would
-            return packed_sequence_logps(lean, batch, pad_id, device, plan)
+            return packed_sequence_logps(Lean(model), batch, pad_id, device, plan)
     lengths = [len(e.prompt) + max(len(e.chosen), len(e.rejected)) for e in batch]
     sums = counts = None
     for rows in length_buckets(lengths):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from preftune.decoder import stack_and_head as split_head  # (decoder stack, output layer) or None
 from preftune.models import autocast
 from preftune.rollout.sampler import positions_from_mask
 
@@ -40,14 +41,6 @@ def completion_logps(
     if temperature != 1.0:
         logits = logits / temperature
     return token_logps(logits, completion_ids, with_entropy=with_entropy)
-
-
-def split_head(model):
-    """(decoder stack, output layer) when the log-prob pass may project hidden states itself
-    (`train/head.py`), else None: `preftune.decoder.stack_and_head`."""
-    from preftune.decoder import stack_and_head
-
-    return stack_and_head(model)
 
 
 def token_logps(logits: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool = False):
