@@ -24,12 +24,12 @@ from pathlib import Path
 
 if __package__:
     from bench import workload
-    from bench.bench_grpo import (check_args, common_args, finish, first_last, model_args, quiet_hf, quiet_trainer,
-                                  read_metrics, report, run_frameworks, step_timer, summarize)
+    from bench.bench_grpo import (check_args, common_args, dtype_overrides, finish, first_last, model_args, precision,
+                                  quiet_hf, quiet_trainer, read_metrics, report, run_frameworks, step_timer, summarize)
 else:  # run as a script: bench/ is on sys.path
     import workload
-    from bench_grpo import (check_args, common_args, finish, first_last, model_args, quiet_hf, quiet_trainer,
-                            read_metrics, report, run_frameworks, step_timer, summarize)
+    from bench_grpo import (check_args, common_args, dtype_overrides, finish, first_last, model_args, precision,
+                            quiet_hf, quiet_trainer, read_metrics, report, run_frameworks, step_timer, summarize)
 
 EXAMPLES = workload.EXAMPLES
 
@@ -79,7 +79,7 @@ def dpo_work(args, model: Path, pairs: list) -> tuple[dict, float]:
 
 def dpo_overrides(args, out_dir: str, train: str, model: Path) -> list[str]:
     return ["algorithm=dpo", f"output_dir={out_dir}", f"max_steps={args.steps}", "save_steps=0", f"seed={args.seed}",
-            f"model.name_or_path={model}", f"data.train={train}", "data.invalid=drop",
+            *dtype_overrides(args), f"model.name_or_path={model}", f"data.train={train}", "data.invalid=drop",
             f"data.max_prompt_length={args.prompt_prefix + 64}",
             f"dpo.max_length={args.prompt_prefix + 64 + args.response_len}",
             f"data.chosen_min={CHOSEN_MIN}", f"data.rejected_max={REJECTED_MAX}", "data.pair_strategy=best_vs_worst",
@@ -112,6 +112,7 @@ def run_preftune_dpo(args) -> dict:
     result = summarize([r["step_time"] for r in records], args.warmup) | {"wall_s": wall}
     result["extra"] = {"pairs": str(n_pairs), "loss first->last": first_last([r.get("loss") for r in records]),
                        "reward acc first->last": first_last([r.get("rewards/accuracies") for r in records])}
+    result["precision"] = precision(run.model, getattr(run.model, "preftune_autocast", None) is not None)
     return finish(result, timer, flops, tokens, len(records))
 
 
@@ -134,7 +135,7 @@ def run_trl_dpo(args) -> dict:
             learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, beta=args.beta,
             loss_type=["sigmoid"], precompute_ref_log_probs=True,
             max_length=args.prompt_prefix + 64 + args.response_len,
-            max_grad_norm=1.0, gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(), bf16=False,
+            max_grad_norm=1.0, gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(), bf16=args.bf16,
             report_to="none", save_strategy="no", logging_steps=1, seed=args.seed, dataloader_num_workers=0,
             disable_tqdm=True)
         trainer = DPOTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[step_times])
@@ -149,6 +150,7 @@ def run_trl_dpo(args) -> dict:
     result = summarize(step_times.times, args.warmup) | {"wall_s": wall}
     result["extra"] = {"pairs": str(len(pairs)), "loss first->last": first_last([h["loss"] for h in logs]),
                        "reward acc first->last": first_last([h.get("rewards/accuracies") for h in logs])}
+    result["precision"] = precision(trainer.model, trainer.accelerator.mixed_precision == "bf16")
     return finish(result, timer, flops, tokens, len(step_times.times))
 
 
@@ -177,7 +179,8 @@ def main(argv: list[str] | None = None) -> dict:
         else "synthetic pairs"
     title = (f"DPO: {args.steps} steps ({args.warmup} warmup untimed), {args.batch} pairs/step from {source}, "
              f"sigmoid, beta {args.beta:g}, lr {args.lr:g}, precomputed reference log-probs, model {args.model}, "
-             f"prompt prefix {args.prompt_prefix}, responses {args.response_len or 'as in the data'}")
+             f"prompt prefix {args.prompt_prefix}, responses {args.response_len or 'as in the data'}"
+             f"{', bf16 autocast' if args.bf16 else ''}")
     return report(title, args, results, load_before)
 
 

@@ -124,6 +124,7 @@ def run_frameworks(script: str, args: argparse.Namespace, runners: dict) -> dict
     for name in names:
         load = os.getloadavg()[0]  # the machine is shared: keep the load each side started under
         if args.only or args.in_process:
+            workload.reset_peak_cuda()
             results[name] = runners[name](args)
         else:
             with tempfile.TemporaryDirectory() as tmp:
@@ -236,13 +237,19 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> 
 
 def grpo_overrides(args, out_dir: str, model: Path, train: str) -> list[str]:
     return [f"output_dir={out_dir}", f"max_steps={args.steps}", "save_steps=0", f"seed={args.seed}",
-            f"model.name_or_path={model}", f"data.train={train}", f"data.max_prompt_length={args.prompt_prefix + 64}",
+            *dtype_overrides(args), f"model.name_or_path={model}", f"data.train={train}",
+            f"data.max_prompt_length={args.prompt_prefix + 64}",
             "data.eval=null", "log.progress_bar=false", "log.logging_steps=1",
             f"grpo.prompts_per_step={args.prompts}", f"grpo.num_generations={args.generations}",
             f"grpo.micro_batch_size={args.prompts * args.generations}",
             f"grpo.max_completion_length={args.max_new_tokens}", "grpo.temperature=1.0",
             f"grpo.reward_funcs=[{reward_spec(args)}]", "grpo.loss_type=dapo", f"grpo.beta={args.beta}",
             f"grpo.num_iterations={args.num_iterations}", f"optim.lr={args.lr}", "optim.lr_scheduler=constant"]
+
+
+def dtype_overrides(args) -> list[str]:
+    """--bf16: preftune's mixed precision, float32 master weights with bf16 autocast (TRL's bf16=True)."""
+    return ["model.dtype=bfloat16"] if args.bf16 else []
 
 
 def reward_spec(args) -> str:
@@ -273,15 +280,24 @@ def grpo_work(args, model: Path, completion: float) -> dict:
                                completion=completion, beta=args.beta, num_iterations=args.num_iterations)
 
 
+def precision(model, autocast: bool) -> dict:
+    """What a framework trained: its weights' dtype and device, and the autocast dtype (None: none)."""
+    p = next(model.parameters())
+    return {"params": str(p.dtype).removeprefix("torch."), "autocast": "bfloat16" if autocast else None,
+            "device": p.device.type}
+
+
 def finish(result: dict, timer, flops: dict, tokens_per_step: float, steps: int) -> dict:
     """Throughput columns: completion tokens trained per second, nominal FLOPs per step and by phase,
-    achieved FLOP/s by phase (over all steps, nominal FLOPs / time in the phase), peak RSS."""
+    achieved FLOP/s by phase (over all steps, nominal FLOPs / time in the phase), peak RSS and, on CUDA,
+    peak GPU memory (setup included: model load, the DPO reference pass)."""
     result["completion_tokens_per_s"] = tokens_per_step / result["median_s"]
     result["flops_per_step"] = sum(flops.values())
     result["phase_s"] = dict(timer.seconds)
     result["phase_gflops"] = {k: steps * flops[k] / timer.seconds[k] / 1e9 for k in flops
                               if timer.seconds.get(k) and flops[k]}
     result["peak_rss_mb"] = workload.peak_rss_mb()
+    result["peak_cuda_gib"] = workload.peak_cuda_gib()
     return result
 
 
@@ -311,6 +327,7 @@ def run_preftune_grpo(args) -> dict:
     result = summarize([r["step_time"] for r in records], args.warmup) | {"wall_s": wall}
     result["extra"] = {"train reward first->last": first_last([r.get("reward") for r in records])}
     result["rows_skipped_per_step"] = statistics.fmean(r.get("rows_skipped", 0.0) for r in records)
+    result["precision"] = precision(run.model, getattr(run.model, "preftune_autocast", None) is not None)
     if args.eval:
         after = greedy_accuracy(run.model, run.tokenizer, evals, args.max_new_tokens)
         result["extra"]["eval acc before->after"] = f"{before:.2f} -> {after:.2f}"
@@ -339,8 +356,8 @@ def run_trl_grpo(args) -> dict:
             generation_batch_size=batch, num_generations=args.generations, max_completion_length=args.max_new_tokens,
             temperature=1.0, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, beta=args.beta,
             num_iterations=args.num_iterations, loss_type="dapo", max_grad_norm=1.0, gradient_checkpointing=False,
-            use_cpu=not torch.cuda.is_available(), bf16=False, report_to="none", save_strategy="no", logging_steps=1,
-            seed=args.seed, dataloader_num_workers=0, disable_tqdm=True)
+            use_cpu=not torch.cuda.is_available(), bf16=args.bf16, report_to="none", save_strategy="no",
+            logging_steps=1, seed=args.seed, dataloader_num_workers=0, disable_tqdm=True)
         trainer = GRPOTrainer(model=model, reward_funcs=reward_func(args), args=cfg, train_dataset=ds,
                               processing_class=tok, callbacks=[step_times])
         quiet_trainer(trainer)
@@ -355,6 +372,7 @@ def run_trl_grpo(args) -> dict:
         flops = grpo_work(args, model_path, completion)
     result = summarize(step_times.times, args.warmup) | {"wall_s": wall}
     result["extra"] = {"train reward first->last": first_last([h["reward"] for h in logs])}
+    result["precision"] = precision(trainer.model, trainer.accelerator.mixed_precision == "bf16")
     if args.eval:
         after = greedy_accuracy(trainer.model, tok, evals, args.max_new_tokens)
         result["extra"]["eval acc before->after"] = f"{before:.2f} -> {after:.2f}"
@@ -378,9 +396,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def model_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="demo", help="demo (examples/model), rand3m (random-init ~3M) or a path")
+    ap.add_argument("--model", default="demo",
+                    help="demo (examples/model), a generated model (rand3m, rand3m-v32k, rand0.5b) or a path")
     ap.add_argument("--model-cache", help="folder for generated models (default: a temporary one)")
     ap.add_argument("--prompt-prefix", type=int, default=0, help="tokens of shared text before each prompt")
+    ap.add_argument("--bf16", action="store_true",
+                    help="float32 weights under bf16 autocast (preftune model.dtype=bfloat16, TRL bf16=True)")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -392,7 +413,8 @@ def main(argv: list[str] | None = None) -> dict:
     results = run_frameworks(__file__, args, {"preftune": run_preftune_grpo, "trl": run_trl_grpo})
     title = (f"GRPO: {args.steps} steps ({args.warmup} warmup untimed), {args.prompts} prompts x "
              f"{args.generations} completions, {args.max_new_tokens} new tokens, lr {args.lr:g}, beta {args.beta:g}, "
-             f"dapo, num_iterations {args.num_iterations}, model {args.model}, prompt prefix {args.prompt_prefix}")
+             f"dapo, num_iterations {args.num_iterations}, model {args.model}, prompt prefix {args.prompt_prefix}"
+             f"{', bf16 autocast' if args.bf16 else ''}")
     return report(title, args, results, load_before)
 
 

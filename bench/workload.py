@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import resource
+import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,37 +20,82 @@ EXAMPLES = ROOT / "examples"
 FILLER = "12+7=19. 3+4=7. 19+19=38. 0+0=0. 5+11=16. "  # byte-level tokenizer: one token per character
 
 
-VOCABS = {"rand3m": None, "rand3m-v32k": 32768}  # None: the byte tokenizer's 259
+# Generated random-init Qwen2 models by name: these config fields over examples/model's config.json.
+# All use its byte tokenizer (259 tokens), which covers the first rows of a larger vocabulary.
+_RAND3M = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "max_position_embeddings": 2048}  # ~3M, room for long contexts
+SHAPES = {
+    "rand3m": _RAND3M,
+    "rand3m-v32k": _RAND3M | {"vocab_size": 32768},  # the vocabulary size of real tokenizers
+    # Qwen2.5-0.5B's shape (494M parameters), for the GPU table. Stored in bfloat16, as that model is
+    # published: half the bytes to write and to read in each of the suite's runs, and both benches load
+    # float32 master weights explicitly, so the stored precision does not change what they train.
+    "rand0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+                 "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
+                 "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}, "rms_norm_eps": 1e-6,
+                 "max_position_embeddings": 4096, "dtype": "bfloat16"},
+}
+# Sampled from, a random model's next token is about uniform over its vocabulary: with the byte tokenizer
+# 99.8% of rand0.5b's rows would decode to nothing, every completion would score 0, no group would have
+# an advantage (and preftune would skip their rows). So its tokenizer names every row (`name_all_rows`).
+NAMED_ROWS = {"rand0.5b"}
 
 
 def model_dir(name: str, out: str | Path) -> Path:
-    """`demo` (examples/model, ~1M parameters), `rand3m` (a ~3M random-init Qwen2 with room for
-    long contexts, written once into `out`, seeded), `rand3m-v32k` (the same body with a 32k
-    vocabulary, as real tokenizers have: the byte tokenizer uses its first 259 rows) or a path."""
+    """`demo` (examples/model, ~1M parameters), a name of SHAPES (a seeded random-init Qwen2, written
+    once into `out`) or a path."""
     if name == "demo":
         return EXAMPLES / "model"
-    if name not in VOCABS:
+    if name not in SHAPES:
         return Path(name)
     path = Path(out) / name
-    if (path / "config.json").exists():
-        return path
-    import shutil
+    if not (path / "config.json").exists():
+        tmp = path.with_name(name + ".partial")  # a run killed while writing leaves no half model behind
+        write_model(name, tmp)
+        shutil.rmtree(path, ignore_errors=True)  # what an older writer, interrupted, left there
+        tmp.rename(path)
+    return path
 
+
+def generated_config(name: str) -> dict:
+    """The config.json fields of the generated model `name` (examples/model's, then SHAPES[name])."""
+    cfg = json.loads((EXAMPLES / "model" / "config.json").read_text())
+    cfg.pop("architectures")
+    cfg.update(SHAPES[name])
+    cfg["layer_types"] = ["full_attention"] * cfg["num_hidden_layers"]
+    return cfg
+
+
+def write_model(name: str, path: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
-    cfg = json.loads((EXAMPLES / "model" / "config.json").read_text())
-    cfg.update(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=2048, layer_types=["full_attention"] * 4)
-    if VOCABS[name]:
-        cfg["vocab_size"] = VOCABS[name]
+    cfg = generated_config(name)
+    shutil.rmtree(path, ignore_errors=True)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**{k: v for k, v in cfg.items() if k != "architectures"}))
+    # initialised on the CPU, in the stored dtype: the same weights on every machine, and a bf16 init
+    # of the 0.5B model takes seconds on a GPU host's cores
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**cfg), dtype=getattr(torch, cfg["dtype"]))
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(EXAMPLES / "model").save_pretrained(path)
     for f in (EXAMPLES / "model").glob("*.jinja"):
         shutil.copy(f, path)
-    return path
+    if name in NAMED_ROWS:
+        name_all_rows(path, cfg["vocab_size"])
+
+
+def name_all_rows(path: Path, vocab_size: int) -> None:
+    """Extend the byte tokenizer in `path` to `vocab_size` entries: row i >= 259 decodes to three printable
+    ASCII characters (base 94). There are no merges, so text still encodes one token per character."""
+    file = Path(path) / "tokenizer.json"
+    tok = json.loads(file.read_text())
+    vocab = tok["model"]["vocab"]
+    for i in range(len(vocab), vocab_size):
+        k = i - 259
+        vocab["".join(chr(33 + (k // 94 ** j) % 94) for j in (2, 1, 0))] = i
+    if len(vocab) != vocab_size:
+        raise ValueError(f"{file}: {len(vocab)} entries, expected {vocab_size}")
+    file.write_text(json.dumps(tok, ensure_ascii=False))
 
 
 def prompt_rows(prefix_len: int) -> list[dict]:
@@ -66,12 +112,28 @@ def digit_fraction(prompts, completions, **kwargs) -> list[float]:
     return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
 
 
-def model_shape(path: Path) -> dict:
-    cfg = json.loads((Path(path) / "config.json").read_text())
+def config_of(model: Path | dict) -> dict:
+    return model if isinstance(model, dict) else json.loads((Path(model) / "config.json").read_text())
+
+
+def model_shape(model: Path | dict) -> dict:
+    """Multiply-adds per position of the body and the lm_head, and L * H for attention, from a model
+    folder or its config dict."""
+    cfg = config_of(model)
     H, L, inter, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"], cfg["vocab_size"]
     kv = H * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
     body = L * (2 * H * H + 2 * H * kv + 3 * H * inter)  # multiply-adds per position: q,o + k,v + MLP
     return {"body": body, "head": H * V, "attn": L * H}
+
+
+def param_count(model: Path | dict) -> int:
+    """Parameters of a Qwen2 from its config, without building it: the body's matrices, the q/k/v biases,
+    two norms per layer and the final one, the embedding, and an lm_head unless it is tied."""
+    cfg = config_of(model)
+    H, L, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    kv = H * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
+    embeddings = V * H * (1 if cfg.get("tie_word_embeddings", True) else 2)
+    return model_shape(cfg)["body"] + L * (H + 2 * kv + 2 * H) + H + embeddings
 
 
 def forward_flops(shape: dict, rows: int, prompt: float, completion: float) -> float:
@@ -105,18 +167,57 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def matmul_peak_gflops(n: int = 1024, seconds: float = 1.0) -> float:
-    """Measured float32 matmul throughput at the current thread count: the best of repeated n x n
-    products over about `seconds` (the machine's practical peak, the MFU denominator)."""
+def cuda_used() -> bool:
+    """Both frameworks train on CUDA when it is there (preftune's device, TRL's use_cpu=False)."""
     import torch
 
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    return torch.cuda.is_available()
+
+
+def reset_peak_cuda() -> None:
+    """Start a framework's peak GPU memory afresh (both run in one process with --in-process)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_cuda_gib() -> float | None:
+    """Peak GPU memory held by tensors (torch.cuda.max_memory_allocated) in GiB; None without CUDA."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None
+
+
+def peak_key(bf16: bool) -> tuple[str, str, int]:
+    """(dtype, device, n) of the matmul peak for rows in this precision on this machine: n x n products,
+    8192 on a GPU (large enough to reach its tensor-core peak), 1024 on CPU."""
+    dtype = "bfloat16" if bf16 else "float32"
+    device = "cuda" if cuda_used() else "cpu"
+    return dtype, device, 8192 if device == "cuda" else 1024
+
+
+def matmul_peak_gflops(n: int = 1024, seconds: float = 1.0, dtype: str = "float32", device: str = "cpu") -> float:
+    """Measured matmul throughput (the machine's practical peak, the MFU denominator): the best of
+    repeated n x n products in `dtype` on `device` over about `seconds`, at the current thread count on
+    CPU. On CUDA, products are queued in batches of 10 with a synchronize around each (one product is
+    a kernel launch), after a warm-up that loads cuBLAS and raises the clocks."""
+    import torch
+
+    a = torch.randn(n, n, dtype=getattr(torch, dtype), device=device)
+    b = torch.randn(n, n, dtype=getattr(torch, dtype), device=device)
+    cuda, batch = device.startswith("cuda"), 10 if device.startswith("cuda") else 1
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(3 * batch):
+        torch.mm(a, b)
+    sync()
     best, end = 0.0, time.perf_counter() + seconds
-    torch.mm(a, b)
     while time.perf_counter() < end:
         t0 = time.perf_counter()
-        torch.mm(a, b)
-        best = max(best, 2 * n ** 3 / (time.perf_counter() - t0) / 1e9)
+        for _ in range(batch):
+            torch.mm(a, b)
+        sync()
+        best = max(best, batch * 2 * n ** 3 / (time.perf_counter() - t0) / 1e9)
     return best
 
 

@@ -36,6 +36,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     lean_forward: bool = True  # preftune's own decoder forward where it replays the model (preftune/decoder.py)
+    cuda_graphs: bool = False  # on a GPU, replay the lean decode step as a CUDA graph (rollout/sampler.py)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 

@@ -21,6 +21,9 @@ import torch
 import torch.nn.functional as F
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # model_type values whose layers this replays
+# With grad, fused q/k/v and gate/up are a copy of most weights and of their gradient per use: a few
+# MB for a small model (fewer, larger matmuls win), GBs for a 0.5B one (separate matrices win).
+FUSE_WITH_GRAD_BYTES = 64 << 20  # decoder layers up to this size are fused with grad too
 
 
 def _base(model):
@@ -85,8 +88,9 @@ class KVBuffers:
 
 class Lean:
     """The decoder as a few tensor ops on the module's parameters. Built per use (a rollout, a
-    micro-batch): the fused weights are concatenations of the live parameters, so gradients flow
-    back into them and an optimiser step is seen by the next `Lean.of`."""
+    micro-batch): it reads the live parameters, so gradients flow back into them and an optimiser
+    step is seen by the next `Lean.of`. q/k/v and gate/up are fused into one matrix each without
+    grad, and with grad only while the layers are small (`FUSE_WITH_GRAD_BYTES`)."""
 
     def __init__(self, model):
         cfg, base = model.config, _base(model)
@@ -96,7 +100,9 @@ class Lean:
         self.embed, self.norm, self.head = base.embed_tokens.weight, base.norm.weight, model.lm_head.weight
         self.head_module = model.lm_head  # for `train/head.py`'s chunked projection
         self.rotary = base.rotary_emb
-        self.layers = [self._fuse(layer) for layer in base.layers[: cfg.num_hidden_layers]]
+        fuse = not torch.is_grad_enabled() or sum(p.numel() * p.element_size()
+                                                  for p in base.layers.parameters()) <= FUSE_WITH_GRAD_BYTES
+        self.layers = [self._fuse(layer, fuse) for layer in base.layers[: cfg.num_hidden_layers]]
         device = self.embed.device.type
         if not torch.is_grad_enabled() and torch.is_autocast_enabled(device):
             # decoding under bf16 autocast: cast the fused matrices once, not on every step (autocast
@@ -113,18 +119,25 @@ class Lean:
         return cls(model) if supported(model) else None
 
     @staticmethod
-    def _fuse(layer) -> dict:
+    def _fuse(layer, fuse: bool) -> dict:
+        """The layer's weights; with `fuse`, q/k/v and gate/up each one matrix, else tuples of parts
+        (see `_linear`)."""
         a, mlp = layer.self_attn, layer.mlp
-        projections = (a.q_proj, a.k_proj, a.v_proj)
-        bias = None
-        if any(p.bias is not None for p in projections):
-            bias = torch.cat([p.weight.new_zeros(p.out_features) if p.bias is None else p.bias for p in projections])
+
+        def join(mods):
+            weights, biases = [m.weight for m in mods], [m.bias for m in mods]
+            if all(b is None for b in biases):
+                biases = None
+            elif fuse:
+                biases = [w.new_zeros(w.size(0)) if b is None else b for w, b in zip(weights, biases)]
+            return (torch.cat(weights), biases and torch.cat(biases)) if fuse else (tuple(weights), biases)
+
+        qkv, qkv_bias = join((a.q_proj, a.k_proj, a.v_proj))
+        gate_up, gate_up_bias = join((mlp.gate_proj, mlp.up_proj))
         return {
             "norm1": layer.input_layernorm.weight, "norm2": layer.post_attention_layernorm.weight,
-            "qkv": torch.cat([p.weight for p in projections]), "qkv_bias": bias,
-            "o": a.o_proj.weight, "o_bias": a.o_proj.bias,
-            "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), "down": mlp.down_proj.weight,
-            "gate_up_bias": None if mlp.gate_proj.bias is None else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]),
+            "qkv": qkv, "qkv_bias": qkv_bias, "o": a.o_proj.weight, "o_bias": a.o_proj.bias,
+            "gate_up": gate_up, "gate_up_bias": gate_up_bias, "down": mlp.down_proj.weight,
             "down_bias": mlp.down_proj.bias,
             "q_norm": getattr(getattr(a, "q_norm", None), "weight", None),
             "k_norm": getattr(getattr(a, "k_norm", None), "weight", None),
@@ -145,15 +158,19 @@ class Lean:
         return F.linear(self.rms(hidden, self.norm), self.head)
 
     def forward(self, ids: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None, *,
-                kv: KVBuffers | None = None, start: int = 0) -> torch.Tensor:
+                kv: KVBuffers | None = None, start: int | torch.Tensor = 0) -> torch.Tensor:
         """Hidden states before the final norm (B, L, H) for token ids (B, L).
 
         mask: boolean (B, 1, L, S), True where a query may attend a key, or None for plain causal
         attention over the L tokens. With `kv`, the new keys/values are written at columns
-        start..start+L-1 and attention runs over columns 0..start+L-1 (S = start + L)."""
+        start..start+L-1 and attention runs over columns 0..start+L-1 (S = start + L). With `start`
+        a (1,) tensor (one token per row), they are written at that column and attention runs over
+        every column of the buffers (S = capacity, the mask says which count): the same shapes and
+        addresses on every step, which a CUDA graph needs (`rollout/sampler.py`)."""
         B, L = ids.shape
         d, nh, nkv = self.head_dim, self.heads, self.kv_heads
-        if mask is None and kv is not None and start:  # causal over the cache: query i sees keys 0..start+i
+        fixed = isinstance(start, torch.Tensor)
+        if mask is None and kv is not None and not fixed and start:  # causal over the cache: query i sees 0..start+i
             mask = torch.ones(L, start + L, dtype=torch.bool, device=ids.device).tril(diagonal=start)[None, None]
         if mask is not None and L > 1:  # SDPA turns a boolean mask into an additive one: once, not per layer
             mask = torch.zeros(mask.shape, dtype=self.embed.dtype, device=ids.device).masked_fill_(
@@ -161,7 +178,7 @@ class Lean:
         cos, sin = (t.unsqueeze(2) for t in rope)  # (B, L, 1, d)
         x = F.embedding(ids, self.embed)  # (B, L, H)
         for i, w in enumerate(self.layers):
-            qkv = F.linear(self.rms(x, w["norm1"]), w["qkv"], w["qkv_bias"])  # (B, L, (nh + 2 nkv) d)
+            qkv = _linear(self.rms(x, w["norm1"]), w["qkv"], w["qkv_bias"])  # (B, L, (nh + 2 nkv) d)
             qkv = qkv.view(B, L, nh + 2 * nkv, d)
             if w["q_norm"] is not None:  # Qwen3 normalises each head's q and k before the rotation
                 q, k = self.rms(qkv[:, :, :nh], w["q_norm"]), self.rms(qkv[:, :, nh:nh + nkv], w["k_norm"])
@@ -170,13 +187,17 @@ class Lean:
                 qk = qkv[:, :, :nh + nkv]
             qk = _rotate(qk, cos, sin).transpose(1, 2)  # (B, nh + nkv, L, d): q and k in one rotation
             q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, :, nh + nkv:].transpose(1, 2)  # v: (B, nkv, L, d)
-            if kv is not None:
+            if fixed:
+                kv.keys[i].index_copy_(2, start, k.to(kv.keys.dtype))  # (B, nkv, 1, d) into column `start`
+                kv.values[i].index_copy_(2, start, v.to(kv.values.dtype))  # (casts as the slice assignment does)
+                k, v = kv.keys[i], kv.values[i]  # (B, nkv, capacity, d)
+            elif kv is not None:
                 kv.keys[i, :, :, start:start + L] = k  # (B, nkv, L, d) into columns start..start+L-1
                 kv.values[i, :, :, start:start + L] = v
                 k, v = kv.keys[i, :, :, :start + L], kv.values[i, :, :, :start + L]  # (B, nkv, S, d)
             o = _attend(q, k, v, mask)  # (B, L, nh d)
             x = x + F.linear(o, w["o"], w["o_bias"])
-            gate, up = F.linear(self.rms(x, w["norm2"]), w["gate_up"], w["gate_up_bias"]).chunk(2, dim=-1)  # (B, L, I)
+            gate, up = _linear(self.rms(x, w["norm2"]), w["gate_up"], w["gate_up_bias"]).chunk(2, dim=-1)  # (B, L, I)
             x = x + F.linear(F.silu(gate) * up, w["down"], w["down_bias"])  # (B, L, H)
         return x
 
@@ -187,6 +208,15 @@ class Lean:
         on = torch.is_autocast_enabled(device.type)
         dtype = torch.get_autocast_dtype(device.type) if on else self.embed.dtype
         return KVBuffers(self.embed.new_empty(shape, dtype=dtype), self.embed.new_empty(shape, dtype=dtype))
+
+
+def _linear(x: torch.Tensor, weight, bias) -> torch.Tensor:
+    """x @ weight.T + bias for one fused matrix, or for a tuple of parts (with a list of biases or
+    None), their outputs side by side: (..., H) -> (..., sum of out_features)."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    biases = [None] * len(weight) if bias is None else bias
+    return torch.cat([F.linear(x, w, b) for w, b in zip(weight, biases)], -1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -83,6 +83,7 @@ def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True):
     except _load_errors() as e:  # corrupt or truncated weights, bad config.json
         raise UserError(f"cannot load model: {one_line(e, with_type=True)}", where=path) from None
     model.preftune_lean = cfg.lean_forward  # read by preftune.decoder.supported
+    model.preftune_cuda_graphs = cfg.cuda_graphs  # read by the sampler
     if not trainable:
         model.eval().requires_grad_(False)
         return model

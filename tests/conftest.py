@@ -86,3 +86,33 @@ def make_config(tmp_path):
         return load_config(None, base + list(overrides))
 
     return make
+
+
+class HostReads:
+    """Counts tensor -> Python reads (each a device sync on a GPU) made outside `module.name`
+    (a forward pass whose own reads size it, such as trimming padding, and are not metrics)."""
+
+    METHODS = ("item", "tolist", "__int__", "__float__", "__bool__")
+
+    def __init__(self, monkeypatch, module, name: str):
+        import torch
+
+        self.count, self._inside = 0, 0
+        for method in self.METHODS:
+            monkeypatch.setattr(torch.Tensor, method, self._counted(getattr(torch.Tensor, method)))
+        inner = getattr(module, name)
+
+        def sized(*a, **k):
+            self._inside += 1
+            try:
+                return inner(*a, **k)
+            finally:
+                self._inside -= 1
+
+        monkeypatch.setattr(module, name, sized)
+
+    def _counted(self, fn):
+        def read(t, *a, **k):
+            self.count += not self._inside
+            return fn(t, *a, **k)
+        return read

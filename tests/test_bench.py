@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
@@ -53,10 +54,12 @@ def test_dpo_data_without_traces_writes_synthetic_pairs(tmp_path):
 
 
 @pytest.mark.parametrize("module", [bench_grpo, bench_dpo])
-def test_worker_command_line_reproduces_the_settings(module):
+@pytest.mark.parametrize("extra", [[], ["--bf16", "--model", "rand0.5b"]])
+def test_worker_command_line_reproduces_the_settings(module, extra):
     """The subprocess worker must see exactly the parent's settings (all but the orchestration flags)."""
     ap = module.build_parser()
-    args = ap.parse_args(["--steps", "7", "--warmup", "2", "--seed", "3"])
+    args = ap.parse_args(["--steps", "7", "--warmup", "2", "--seed", "3", *extra])
+    assert args.bf16 == bool(extra)
     child = ap.parse_args(bench_grpo.child_argv(args, "trl", "r.json"))
     assert (child.only, child.json, child.worker) == ("trl", "r.json", True)
     skip = {"only", "json", "worker", "in_process"}
@@ -94,8 +97,9 @@ def test_suite_alternates_and_pools():
     row = {"preftune": dict(pooled), "trl": dict(pooled, median_s=4.0, peak_rss_mb=240.0)}
     suite.add_mfu(row, peak_gflops=1.0)
     assert row["preftune"]["mfu"] == pytest.approx(0.5) and row["trl"]["mfu"] == pytest.approx(0.25)
-    text = suite.table({"w": row}, peak=1.0, loads=(0.5, 0.7))
+    text = suite.table({"w": row}, {"float32 cpu 1024": 1.0}, (0.5, 0.7))
     assert "| w | 2.000 | 4.000 | 2.00x |" in text and "load average 0.50 before" in text
+    assert "matmul peak float32 cpu 1024" in text and "GPU GiB" not in text  # a CPU run has no GPU column
     argv = suite.worker_argv("grpo", "--prompts 2", "trl", "o.json", 3, 1, "c")
     assert argv[1].endswith("bench_grpo.py") and argv[2:] == [
         "--prompts", "2", "--steps", "3", "--warmup", "1", "--model-cache", "c", "--only", "trl", "--json", "o.json",
@@ -117,3 +121,146 @@ def test_flop_count_by_hand():
     f = workload.grpo_flops(shape, prompts=1, G=2, prompt=4, completion=2, beta=0.1, num_iterations=2)
     assert f["backward"] == 2 * f["forward"] and f["reference"] == f["forward"]  # (ref + old) / 2 iterations
     assert workload.digit_fraction(["p"], ["a1b2", ""]) == [0.5, 0.0]
+
+
+def test_bf16_runs_both_frameworks_in_mixed_precision():
+    """--bf16: float32 weights under bf16 autocast on both sides (on CPU here; CUDA when present)."""
+    device = "cuda" if workload.cuda_used() else "cpu"
+    want = {"params": "float32", "autocast": "bfloat16", "device": device}
+    grpo = bench_grpo.main(["--steps", "2", "--warmup", "1", "--prompts", "2", "--generations", "2", "--bf16",
+                            "--in-process"])
+    dpo = bench_dpo.main(["--steps", "2", "--warmup", "1", "--batch", "4", "--bf16", "--in-process"])
+    for record in (grpo, dpo):
+        _check_result(record, timed=1)
+        assert record["settings"]["bf16"] is True
+        assert {fw: r["precision"] for fw, r in record["results"].items()} == {"preftune": want, "trl": want}
+        assert all((r["peak_cuda_gib"] is None) == (device == "cpu") for r in record["results"].values())
+    plain = bench_grpo.main(["--steps", "2", "--warmup", "1", "--prompts", "1", "--generations", "2", "--only", "trl"])
+    assert plain["results"]["trl"]["precision"]["autocast"] is None  # without --bf16, no autocast
+
+
+def test_gpu_rows_are_the_05b_model_in_bf16():
+    cases, steps, warmup, rounds = suite.SIZES["gpu"]
+    assert steps > warmup and warmup % 2 == 0 and (steps - warmup) % 2 == 0  # it2 rows: gen + reuse steps alike
+    max_positions = workload.generated_config("rand0.5b")["max_position_embeddings"]
+    for name, script, options in cases:
+        args = (bench_grpo if script == "grpo" else bench_dpo).build_parser().parse_args(options.split())
+        assert args.model == "rand0.5b" and args.bf16, name
+        longest = args.prompt_prefix + 64 + (args.max_new_tokens if script == "grpo" else args.response_len)
+        assert longest <= max_positions, name
+    assert {s for _, s, _ in cases} == {"grpo", "dpo"} and len({n for n, _, _ in cases}) == len(cases)
+
+
+def test_rand05b_has_qwen25_05b_shape_without_building_it():
+    from transformers import Qwen2Config
+
+    cfg = workload.generated_config("rand0.5b")
+    assert workload.param_count(cfg) == 494_032_768  # Qwen2.5-0.5B's count
+    config = Qwen2Config(**cfg)
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (896, 4864, 24)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (14, 2, 151936)
+    assert config.tie_word_embeddings and config.rms_norm_eps == 1e-6 and config.max_position_embeddings == 4096
+    assert config.rope_parameters["rope_theta"] == 1e6 and len(config.layer_types) == 24
+    # rand3m and rand3m-v32k keep the shapes that the recorded bench numbers were taken on
+    small = workload.generated_config("rand3m")
+    assert (small["hidden_size"], small["num_hidden_layers"], small["vocab_size"], small["dtype"]) == \
+        (256, 4, 259, "float32")
+    assert workload.generated_config("rand3m-v32k") == small | {"vocab_size": 32768}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_param_count_matches_a_built_model(tmp_path, tied):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = workload.generated_config("rand3m") | {"tie_word_embeddings": tied}
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**cfg))
+    assert workload.param_count(cfg) == sum(p.numel() for p in model.parameters())
+    if tied:  # a model folder works too
+        demo = AutoModelForCausalLM.from_pretrained(workload.EXAMPLES / "model")
+        assert workload.param_count(workload.EXAMPLES / "model") == sum(p.numel() for p in demo.parameters())
+
+
+def test_full_vocab_tokenizer_names_every_row(tmp_path):
+    """rand0.5b's tokenizer: every row decodes to text (a random model samples them all), prompts encode
+    as with the byte tokenizer."""
+    from transformers import AutoTokenizer
+
+    byte = AutoTokenizer.from_pretrained(workload.EXAMPLES / "model")
+    byte.save_pretrained(tmp_path)
+    workload.name_all_rows(tmp_path, 1000)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tok) == 1000
+    text = workload.prompt_rows(30)[0]["input"]
+    assert tok(text).input_ids == byte(text).input_ids and len(tok(text).input_ids) == len(text)
+    pieces = [tok.decode([i]) for i in range(259, 1000)]
+    assert all(len(p) == 3 and p.isprintable() for p in pieces) and len(set(pieces)) == len(pieces)
+    assert workload.digit_fraction(["p"], [tok.decode(list(range(259, 1000)))])[0] > 0
+
+
+def test_matmul_peak_takes_a_dtype():
+    for dtype in ("float32", "bfloat16"):
+        assert workload.matmul_peak_gflops(64, seconds=0.05, dtype=dtype) > 0
+    if not workload.cuda_used():
+        assert workload.peak_key(False) == ("float32", "cpu", 1024)
+        assert workload.peak_key(True) == ("bfloat16", "cpu", 1024)
+        assert workload.peak_cuda_gib() is None
+
+
+def test_gpu_table_and_failed_runs(monkeypatch):
+    ok = {"median_s": 2.0, "completion_tokens_per_s": 10.0, "mfu": 0.5, "peak_rss_mb": 100.0, "peak_cuda_gib": 12.34}
+    text = suite.table({"w": {"preftune": ok, "trl": dict(ok, median_s=3.0, peak_cuda_gib=20.0)}},
+                       {"bfloat16 cuda 8192": 7e5}, (0.1, 0.2))
+    assert "GPU GiB preftune | GPU GiB TRL |" in text and "| 12.3 | 20.0 |" in text and "1.50x" in text
+    assert "matmul peak bfloat16 cuda 8192 (dtype, device, n x n): 700000.0 GFLOP/s" in text
+    monkeypatch.setattr(suite.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1))
+    row = suite.run_case("dpo", "--batch 2", 2, 1, 1, "cache")
+    assert row == {"preftune": {"failed": "exit code 1"}, "trl": {"failed": "exit code 1"}}
+    suite.add_mfu(row, 1.0)
+    line = suite.row_line("w", row, gpu=True)
+    assert line.startswith("| w | failed | failed |  |") and "x" not in line
+
+
+def test_suite_records_each_row_and_its_peak(tmp_path, monkeypatch):
+    """The GPU suite's orchestration without running it: rows selected by --only, the JSON rewritten after
+    every row, each row's MFU against the matmul peak of its precision."""
+    out = tmp_path / "gpu.json"
+    seen = []
+
+    def fake_case(script, options, steps, warmup, rounds, cache):
+        if seen:  # the first row is on disk before the second one starts
+            assert list(json.loads(out.read_text())["rows"]) == seen
+        seen.append(next(n for n, _, o in suite.GPU if o == options))
+        r = {"median_s": 1.0, "completion_tokens_per_s": 1.0, "flops_per_step": 2e9, "peak_rss_mb": 1.0}
+        return {"preftune": dict(r), "trl": dict(r, median_s=2.0)}
+
+    monkeypatch.setattr(suite, "run_case", fake_case)
+    monkeypatch.setattr(suite, "measure_peaks", lambda names: {n: 4.0 for n in names})
+    record = suite.main(["--size", "gpu", "--only", "dpo", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(record)) and record["complete"]
+    assert list(record["rows"]) == seen == [n for n, _, _ in suite.GPU if "dpo" in n]
+    key = suite.peak_name(workload.peak_key(True))
+    assert record["matmul_peaks"] == {key: 4.0} and set(record["row_peaks"].values()) == {key}
+    assert record["rows"][seen[0]]["preftune"]["mfu"] == pytest.approx(0.5)  # 2 GFLOP / 1 s / 4 GFLOP/s
+    assert (record["steps"], record["warmup"], record["rounds"]) == suite.SIZES["gpu"][1:]
+
+
+def test_gpu_scripts_parse():
+    for script in ("bench/gpu.sh", "bench/gpu_wheels.sh"):
+        subprocess.run(["bash", "-n", str(workload.ROOT / script)], check=True)
+
+
+def test_gpu_decode_bench_runs_its_checks_on_cpu(tmp_path, capsys):
+    """bench/gpu_decode.py (run by gpu.sh): on CPU the HF, lean and fixed-shape decoders run, give
+    the same greedy tokens in float32, and the table and JSON come out."""
+    from bench import gpu_decode
+
+    out = tmp_path / "decode.json"
+    rc = gpu_decode.main(["--device", "cpu", "--model", "demo", "--bf16", "false", "--prompts", "2",
+                          "--generations", "2", "--prompt-len", "8", "--max-new-tokens", "4", "--repeats", "1",
+                          "--json", str(out)])
+    record = json.loads(out.read_text())
+    assert rc == 0 and record["checks"] == {}  # graph checks need CUDA
+    assert record["equal_to_lean_greedy"] == {"hf": 1.0, "static": 1.0}  # float32 here: the same tokens
+    assert set(record["rows"]) == {"hf", "lean", "static"}  # no CUDA graph without CUDA
+    assert all(r["new_tokens_per_s"] > 0 for r in record["rows"].values())
+    assert "| static |" in capsys.readouterr().out

@@ -395,6 +395,71 @@ def test_sampler_lean_and_hf_paths_give_the_same_rollout(model64, tokenizer, mon
         assert lean.selects == hf.selects >= 1
 
 
+@pytest.mark.parametrize("kw", [
+    dict(num_generations=3, max_new_tokens=8, temperature=1.3),
+    dict(num_generations=1, max_new_tokens=6, greedy=True),
+    dict(num_generations=2, max_new_tokens=1),
+], ids=["sample", "greedy", "one_token"])
+def test_fixed_shape_decoding_gives_the_same_rollout(model64, tokenizer, monkeypatch, kw):
+    """The fixed-shape step (what `model.cuda_graphs` replays on a GPU) runs every row over the whole
+    buffer width and gives the lean decoder's rollout, finished rows and all. Compaction is off for
+    the reference: with it, later draws take noise for fewer rows, a different (equally valid) stream."""
+    ids, mask = left_pad([tokenizer(p).input_ids for p in PROMPTS], tokenizer.pad_token_id)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+
+    def run():
+        return S.sample(model64, ids, mask, eos_id=eos, pad_id=pad, generator=torch.Generator().manual_seed(11), **kw)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(S._LeanDecoder, "compacts", False)
+        want = run()
+    rows = []
+    forward = D.Lean.forward
+    monkeypatch.setattr(D.Lean, "forward", lambda self, x, *a, **k: rows.append(x.shape) or forward(self, x, *a, **k))
+    monkeypatch.setattr(S, "_decoder", lambda model, capacity: S._StaticDecoder(D.Lean(model), capacity))
+    got = run()
+    for k in ("completion_ids", "completion_mask", "truncated"):
+        assert torch.equal(getattr(got, k), getattr(want, k)), k
+    n = len(PROMPTS) * kw["num_generations"]
+    assert all(shape == (n, 1) for shape in rows[1:])  # every step: all rows, one token
+    if kw["max_new_tokens"] > 1:
+        lengths = got.completion_mask.sum(1)
+        assert lengths.min() < lengths.max()  # some rows finished early, and kept decoding masked
+
+
+def test_fixed_shape_step_writes_one_column_and_masks_the_rest():
+    """With `start` a tensor the step writes keys/values at that column only and attends only where
+    the mask says: the logits equal the growing-cache step's, whatever the unused columns hold."""
+    model = tiny("qwen2")
+    lean = D.Lean(model)
+    ids = torch.randint(2, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(6).expand(2, 6)
+    with torch.no_grad():
+        grow = lean.new_kv(2, 8)
+        lean.forward(ids[:, :5], lean.rope(pos[:, :5]), None, kv=grow)
+        want = lean.forward(ids[:, 5:], lean.rope(pos[:, 5:]), None, kv=grow, start=5)  # (2, 1, H)
+        fixed = lean.new_kv(2, 8)
+        fixed.keys.fill_(1e4), fixed.values.fill_(-1e4)  # finite junk in the columns never written
+        fixed.keys[:, :, :, :5], fixed.values[:, :, :, :5] = grow.keys[:, :, :, :5], grow.values[:, :, :, :5]
+        mask = torch.zeros(2, 1, 1, 8, dtype=torch.bool)
+        mask[..., :6] = True
+        got = lean.forward(ids[:, 5:], lean.rope(pos[:, 5:]), mask, kv=fixed, start=torch.tensor([5]))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(fixed.keys[:, :, :, 5], grow.keys[:, :, :, 5])
+    assert (fixed.keys[:, :, :, 6:] == 1e4).all() and (fixed.values[:, :, :, 6:] == -1e4).all()
+
+
+def test_cuda_graphs_flag_reaches_the_model_and_stays_off_on_cpu(make_config, tokenizer):
+    """`model.cuda_graphs` picks the graphed decoder only for a model on a GPU; on CPU it decodes as before."""
+    from preftune.models import load_model
+
+    cfg = make_config("model.cuda_graphs=true")
+    model = load_model(cfg.model, cfg.model.name_or_path)
+    assert model.preftune_cuda_graphs is True
+    assert load_model(make_config().model, str(MODEL_DIR)).preftune_cuda_graphs is False
+    assert type(S._decoder(model, 8)) is S._LeanDecoder
+
+
 # ---------------------------------------------------------------- bf16: autocast over float32 masters, bf16 weights
 
 
@@ -433,6 +498,10 @@ def test_bf16_forward_and_decode_equal_the_module(precision):
         m.setattr(D, "supported", lambda model: False)
         hf_ro = run()
     assert torch.equal(lean_ro.completion_ids, hf_ro.completion_ids)
+    with pytest.MonkeyPatch.context() as m:  # the fixed-shape step (what CUDA graphs replay), bf16 keys/values
+        m.setattr(sampler, "_decoder", lambda model, capacity: sampler._StaticDecoder(D.Lean(model), capacity))
+        static_ro = run()
+    assert torch.equal(static_ro.completion_ids, lean_ro.completion_ids)
 
 
 def test_remote_code_and_longrope_take_the_module_forward():
@@ -451,11 +520,18 @@ def test_remote_code_and_longrope_take_the_module_forward():
     assert not D.supported(model)
 
 
-def test_decoding_under_autocast_casts_the_fused_weights_once():
+def test_decoding_under_autocast_casts_the_fused_weights_once(monkeypatch):
     model = tiny("qwen2", dtype=torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with torch.no_grad():
             lean = D.Lean(model)
         assert lean.layers[0]["qkv"].dtype == lean.layers[0]["down"].dtype == lean.head.dtype == torch.bfloat16
-        trained = D.Lean(model)  # with grad: float32 concatenations of the masters, gradients flow back
-        assert trained.layers[0]["qkv"].dtype == torch.float32 and trained.layers[0]["qkv"].requires_grad
+        small = D.Lean(model)  # with grad, small layers: float32 concatenations that gradients flow through
+        assert small.layers[0]["qkv"].dtype == torch.float32 and small.layers[0]["qkv"].requires_grad
+        monkeypatch.setattr(D, "FUSE_WITH_GRAD_BYTES", 0)
+        trained = D.Lean(model)  # with grad, large layers: the float32 masters themselves, no copy
+        attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        same = lambda got, params: tuple(map(id, got)) == tuple(map(id, params))  # noqa: E731
+        assert same(trained.layers[0]["qkv"], (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
+        assert same(trained.layers[0]["qkv_bias"], (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias))
+        assert same(trained.layers[0]["gate_up"], (mlp.gate_proj.weight, mlp.up_proj.weight))

@@ -227,13 +227,14 @@ def _as_lengths(lengths, like: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _metrics(p: _Pairs) -> dict[str, float]:
+def _metrics(p: _Pairs, sync: bool = True) -> dict[str, float] | dict[str, torch.Tensor]:
     """TRL's DPO metrics: batch means of rewards β·Δ, of reward accuracy (strict >), margins and log-probs."""
     chosen_rewards, rejected_rewards = p.beta * p.dc, p.beta * p.dr  # (B,), (B,)
     stats = torch.stack([
         chosen_rewards.mean(), rejected_rewards.mean(), (chosen_rewards > rejected_rewards).to(p.dc.dtype).mean(),
         (chosen_rewards - rejected_rewards).mean(), p.chosen.mean(), p.rejected.mean(),
-    ]).tolist()  # one device sync for all six
+    ])
+    stats = stats.tolist() if sync else stats.unbind()  # one device sync for all six, or none
     names = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
              "logps/rejected")
     return dict(zip(names, stats))
@@ -243,20 +244,22 @@ def dpo_loss_multi(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
                    ref_chosen_logps: torch.Tensor | None, ref_rejected_logps: torch.Tensor | None, *,
                    loss_types: list[str], loss_weights: list[float] | None, beta: float = 0.1,
                    label_smoothing: float = 0.0, chosen_lengths: torch.Tensor | None = None,
-                   rejected_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                   rejected_lengths: torch.Tensor | None = None,
+                   sync_metrics: bool = True) -> tuple[torch.Tensor, dict[str, float] | dict[str, torch.Tensor]]:
     """Weighted sum of DPO losses, as TRL 1.16's `loss_type=[...]` + `loss_weights`:
 
         L = Σ_k w_k · mean_i ℓ_k,i     (w_k = 1 when loss_weights is None)
 
     e.g. RPO (arXiv:2404.19733) is loss_types=["sigmoid", "sft"], loss_weights=[1.0, α]. The per-type
-    formulas are in this module's docstring. Returns (scalar loss, metrics) like `dpo_loss`.
+    formulas are in this module's docstring. Returns (scalar loss, metrics) like `dpo_loss`; with
+    sync_metrics=False the metrics are 0-dim tensors (no host sync: a loop reads them once per step).
     """
     check_dpo_options(loss_types, loss_weights, beta, label_smoothing)
     pairs = _make_pairs(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_lengths,
                         rejected_lengths, loss_types, beta, label_smoothing)
     weights = loss_weights if loss_weights is not None else [1.0] * len(loss_types)
     loss = sum(w * _PER_PAIR[t](pairs).mean() for t, w in zip(loss_types, weights, strict=True))
-    return loss, _metrics(pairs)
+    return loss, _metrics(pairs, sync_metrics)
 
 
 def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor | None,

@@ -212,7 +212,8 @@ def grpo_loss(
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
     kl_ratio_correction: bool = False,
-) -> tuple[torch.Tensor, dict[str, float]]:
+    sync_metrics: bool = True,
+) -> tuple[torch.Tensor, dict[str, float] | dict[str, torch.Tensor]]:
     """GRPO-family loss of one (micro-)batch and its metrics.
 
     logps, old_logps, ref_logps: (B, T) per-token log-probs of the completion tokens under the
@@ -227,7 +228,9 @@ def grpo_loss(
     kl_ratio_correction: multiply k3 by r (DeepSeek-V3.2, arXiv:2512.02556; TRL 1.16's
     use_bias_correction_kl, on by default there) so its gradient is the unbiased reverse-KL one.
 
-    Metrics (python floats): kl (masked mean of the KL term actually used, 0.0 when beta == 0)
+    Metrics (python floats, or 0-dim tensors with sync_metrics=False, so a training loop can read
+    all micro-batches' metrics in one host sync at the end of its step): kl (masked mean of the KL
+    term actually used, 0.0 when beta == 0)
     and clip_ratio/{low_mean, high_mean, region_mean, low_min, high_max}, see `_clip_metrics`.
     """
     _validate(loss_type, importance_sampling_level, beta, ref_logps, epsilon_high, logps, advantages, mask)
@@ -256,17 +259,19 @@ def grpo_loss(
         max_completion_length=max_completion_length, num_items=num_items,
     )
     metrics = {"kl": kl_metric, **_clip_metrics(log_w.detach(), adv, mask, loss_type, epsilon, eps_high)}
+    if not sync_metrics:
+        return loss, metrics
     values = torch.stack(list(metrics.values())).tolist()  # one device sync for all metrics
     return loss, dict(zip(metrics, values))
 
 
-def microbatch_weight(loss_type: str, mask_mb: torch.Tensor, *, batch_seqs: int, batch_tokens: float) -> float:
+def microbatch_weight(loss_type: str, *, rows: int, tokens: float, batch_seqs: int, batch_tokens: float) -> float:
     """Factor for `grpo_loss` of one micro-batch so that summing over micro-batches (and ranks)
     gives the loss and gradient of one pass over the whole generation batch.
 
     batch_seqs / batch_tokens: sequences / unmasked completion tokens of the whole generation
-    batch (across ranks; ranks must then SUM gradients, not average them). With b = rows and
-    n = unmasked tokens of the micro-batch:
+    batch (across ranks; ranks must then SUM gradients, not average them). With b = `rows` and
+    n = `tokens` (unmasked) of the micro-batch, counts the caller holds on the host (no device read):
         grpo, sapo, dr_grpo: b / batch_seqs   (per-batch mean over sequences; dr_grpo also
                                                needs a fixed max_completion_length)
         bnpo:                max(n, 1) / max(batch_tokens, 1)  (undoes the local token mean)
@@ -277,5 +282,5 @@ def microbatch_weight(loss_type: str, mask_mb: torch.Tensor, *, batch_seqs: int,
     if loss_type in ("dapo", "cispo"):
         return 1.0
     if loss_type == "bnpo":
-        return max(float(mask_mb.sum()), 1.0) / max(float(batch_tokens), 1.0)
-    return mask_mb.shape[0] / batch_seqs
+        return max(float(tokens), 1.0) / max(float(batch_tokens), 1.0)
+    return rows / batch_seqs

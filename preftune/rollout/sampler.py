@@ -4,7 +4,8 @@
 stopping criteria, cache bookkeeping). This loop does only what GRPO needs: prefill each distinct
 prompt once, copy its cache G times into preallocated buffers, then one forward per new token with
 the last-token logits, a Gumbel-max draw, and one host sync per token (stop when all rows are
-done; rows that finished leave the batch once they are an eighth of it).
+done; rows that finished leave the batch once they are an eighth of it, except at the fixed shapes
+a CUDA graph replays, where they stay, masked: `model.cuda_graphs`).
 Positions come from the attention mask, so a left-padded prompt sees the same positions as an
 unpadded one, here and in the training forward pass (`train/logps.py` calls `positions_from_mask`).
 """
@@ -124,7 +125,7 @@ def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id, t
         finished = int(done.sum())  # the one host sync per token: stop, or drop finished rows
         if finished == done.numel():
             break
-        if finished * 8 >= done.numel():  # compaction: finished rows leave the batch (and the cache)
+        if finished * 8 >= done.numel() and decoder.compacts:  # finished rows leave the batch (and the cache)
             keep = (~done).nonzero().squeeze(1)  # (n',)
             rows, done, tok, attn, next_pos = rows[keep], done[keep], tok[keep], attn[keep], next_pos[keep]
             decoder.select(keep)
@@ -134,15 +135,22 @@ def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id, t
 
 
 def _decoder(model, capacity: int):
-    """The lean decoder (`preftune/decoder.py`) where it replays the model, else the HF forward."""
+    """The lean decoder (`preftune/decoder.py`) where it replays the model (its step replayed as a
+    CUDA graph with `model.cuda_graphs` on a GPU), else the HF forward."""
     from preftune.decoder import Lean
 
     lean = Lean.of(model)
-    return _LeanDecoder(lean, capacity) if lean is not None else _HFDecoder(model, capacity)
+    if lean is None:
+        return _HFDecoder(model, capacity)
+    if getattr(model, "preftune_cuda_graphs", False) and lean.embed.is_cuda:
+        return _GraphedDecoder(lean, capacity)
+    return _LeanDecoder(lean, capacity)
 
 
 class _HFDecoder:
     """The model's own forward with a cache whose layers are preallocated buffers."""
+
+    compacts = True
 
     def __init__(self, model, capacity: int):
         from transformers import DynamicCache
@@ -170,6 +178,8 @@ class _HFDecoder:
 class _LeanDecoder:
     """Fused projections, a rotary table built once, keys/values written in place."""
 
+    compacts = True
+
     def __init__(self, lean, capacity: int):
         self.lean, self.capacity, self.filled = lean, capacity, 0
         self.cos, self.sin = (t[0] for t in lean.rope(torch.arange(capacity + 1, device=lean.embed.device)[None]))
@@ -196,6 +206,72 @@ class _LeanDecoder:
         h = self.lean.forward(tok[:, None], (self.cos[pos], self.sin[pos]), mask, kv=self.kv, start=self.filled)
         self.filled += 1
         return self.lean.logits(h[:, -1]).float()  # (n, V)
+
+
+class _StaticDecoder(_LeanDecoder):
+    """Decoding at fixed shapes: every row on every step (a finished row is masked, not dropped),
+    attention over the buffers' whole width under a boolean mask, the write column a tensor. Each
+    step then runs the same kernels on the same addresses, which `_GraphedDecoder` replays as one
+    CUDA graph. Here it runs eagerly: tests compare its tokens with `_LeanDecoder`'s."""
+
+    compacts = False
+
+    def prefill(self, prompt_ids, prompt_mask, copies) -> torch.Tensor:
+        logits = super().prefill(prompt_ids, prompt_mask, copies)  # (N, V)
+        P, N = prompt_ids.size(1), logits.size(0)
+        for buf in (self.kv.keys, self.kv.values):
+            buf[:, :, :, P:].zero_()  # masked columns still meet 0 x value: no NaN from unwritten memory
+        device = logits.device
+        self.tok = torch.zeros(N, 1, dtype=torch.long, device=device)  # (N, 1) the step's inputs, filled in place
+        self.pos = torch.zeros(N, 1, dtype=torch.long, device=device)  # (N, 1)
+        self.col = torch.zeros(1, dtype=torch.long, device=device)  # (1,) the column written
+        self.mask = torch.zeros(N, 1, 1, self.capacity, dtype=torch.bool, device=device)  # (N, 1, 1, cap)
+        return logits
+
+    def step(self, tok, attn, pos) -> torch.Tensor:
+        self.tok.copy_(tok[:, None])
+        self.pos.copy_(pos)
+        self.col.fill_(self.filled)
+        self.mask[:, 0, 0, :attn.size(1)] = attn.bool()  # (n, S): later columns stay False
+        self.filled += 1
+        return self._run()
+
+    def _run(self) -> torch.Tensor:
+        rope = (self.cos[self.pos], self.sin[self.pos])  # (N, 1, d) each
+        h = self.lean.forward(self.tok, rope, self.mask, kv=self.kv, start=self.col)  # (N, 1, H)
+        return self.lean.logits(h[:, -1]).float()  # (N, V)
+
+
+class _GraphedDecoder(_StaticDecoder):
+    """The fixed-shape step captured as a CUDA graph on its first call and replayed after: one
+    launch per token instead of one per kernel (hundreds for a 24-layer model), which is what
+    bounds decoding a small batch on a GPU. Captured once per rollout (the buffers are new)."""
+
+    graph = None
+
+    def _run(self) -> torch.Tensor:
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        return self.logits
+
+    def _capture(self) -> None:
+        # autocast's cast cache would hand the graph tensors that are freed when the cache clears
+        dtype, on = torch.get_autocast_dtype("cuda"), torch.is_autocast_enabled("cuda")
+        side = torch.cuda.Stream()  # capture needs a stream other than the default one
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.autocast("cuda", dtype=dtype, enabled=on, cache_enabled=False), torch.cuda.stream(side):
+            super()._run()  # warm-up outside the graph (lazy library handles, workspaces)
+            torch.cuda.synchronize()  # as torch.cuda.graph does: nothing in flight while capturing
+            self.graph = torch.cuda.CUDAGraph()
+            # capture_begin/end, not `torch.cuda.graph`, whose entry empties the allocator's cache:
+            # once per rollout, that would hand the training pass's cached blocks back to the driver
+            self.graph.capture_begin()
+            try:
+                self.logits = super()._run()  # (N, V), rewritten by every replay
+            finally:
+                self.graph.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
 
 
 def draw(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, greedy: bool,

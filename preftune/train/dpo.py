@@ -26,6 +26,7 @@ from preftune.models import autocast, load_model
 from preftune.rollout.sampler import left_pad, right_pad
 from preftune.train.head import head_logps
 from preftune.train.logps import completion_logps, length_buckets, microbatches
+from preftune.train.metrics import read_once
 
 log = logging.getLogger("preftune")
 
@@ -303,7 +304,7 @@ class DPOTask:
 
     def step(self, model, step: int, stop) -> dict:
         idx = self.stream.take(self.d.batch_size)
-        B, totals, tokens = len(idx), {}, 0  # B: the global batch; this rank trains on its share
+        B, totals, tokens, parts = len(idx), {}, 0, []  # B: the global batch; this rank trains on its share
         idx = idx[self.dp.split(B, "dpo.batch_size")]
         for sl in microbatches(len(idx), self.d.micro_batch_size):
             stop.check()
@@ -321,12 +322,14 @@ class DPOTask:
             loss, m = dpo_loss_multi(lp[:b], lp[b:], ref_c, ref_r, loss_types=self.loss_types,
                                      loss_weights=self.d.loss_weights, beta=self.d.beta,
                                      label_smoothing=self.d.label_smoothing, chosen_lengths=lengths[:b],
-                                     rejected_lengths=lengths[b:])
+                                     rejected_lengths=lengths[b:], sync_metrics=False)
             (loss * (b / B)).backward()  # per-pair means: a micro-batch of b pairs weighs b/B
-            m["loss"] = loss.item()
+            parts.append((b, m | {"loss": loss.detach(), "num_tokens": lengths.sum()}))
+            tokens += 2 * sum(len(e.prompt) for e in batch)
+        for (b, _), m in zip(parts, read_once([m for _, m in parts])):
+            tokens += int(m.pop("num_tokens"))
             for k, v in m.items():
                 totals[k] = totals.get(k, 0.0) + v * b / B
-            tokens += int(lengths.sum()) + 2 * sum(len(e.prompt) for e in batch)
         totals["num_tokens"] = tokens
         return self.dp.reduce_metrics(totals)
 

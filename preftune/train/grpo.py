@@ -18,6 +18,7 @@ from preftune.losses.grpo import CLIP_KEYS, microbatch_weight
 from preftune.rollout.sampler import Rollout
 from preftune.rollout.scored import Scored
 from preftune.train.logps import completion_logps, microbatches
+from preftune.train.metrics import read_once
 
 
 @dataclass
@@ -141,19 +142,21 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
     mask = ro.completion_mask.float()  # (N, T)
     if cfg.mask_truncated_completions:
         mask = mask * (~ro.truncated).float()[:, None]
-    batch_seqs, batch_tokens = dp.sum(mask.size(0), mask.sum().item())  # global sequences and tokens
+    all_tokens = mask.sum(1).tolist()  # one host sync: each row's tokens (normalisers, metric shares)
+    batch_seqs, batch_tokens = dp.sum(len(all_tokens), sum(all_tokens))  # global sequences and tokens
     batch_seqs = int(batch_seqs)
     keep = trained_rows(batch.advantages, mask, cfg.beta)
+    row_tokens = all_tokens if keep is None else [all_tokens[i] for i in keep.tolist()]
     pick = (lambda t: t) if keep is None else (lambda t: t.index_select(0, keep))  # noqa: E731
     ro_ids, ro_pmask, ro_cids, ro_cmask = (pick(t) for t in (ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
                                                                ro.completion_mask))
-    batch_mask, mask, adv = mask, pick(mask), pick(batch.advantages)
+    mask, adv = pick(mask), pick(batch.advantages)
     old_all = None if ro.old_logps is None else pick(ro.old_logps)
     record = cfg.num_iterations > 1 and ro.old_logps is None  # the first of the batch's steps
     recorded = []
     ref_all = None if batch.ref_logps is None else pick(batch.ref_logps)
-    totals: dict[str, float] = {}
-    ent_sum, run_tokens = 0.0, dp.sum(mask.sum().item())[0]
+    run_tokens = dp.sum(sum(row_tokens))[0]
+    parts = []  # per micro-batch (slice, weight, metric tensors), read once after the loop
     slices = list(microbatches(mask.size(0), cfg.micro_batch_size))
     for _ in range(int(dp.max(len(slices))[0]) - len(slices)):  # FSDP: every rank runs as many passes
         check()
@@ -170,21 +173,21 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
                             epsilon_high=cfg.epsilon_high, delta=cfg.delta,
                             importance_sampling_level=cfg.importance_sampling_level,
                             max_completion_length=cfg.max_completion_length, num_items=batch_tokens,
-                            kl_ratio_correction=cfg.use_bias_correction_kl)
-        w = microbatch_weight(cfg.loss_type, mask[sl], batch_seqs=batch_seqs, batch_tokens=batch_tokens)
+                            kl_ratio_correction=cfg.use_bias_correction_kl, sync_metrics=False)
+        w = microbatch_weight(cfg.loss_type, rows=sl.stop - sl.start, tokens=sum(row_tokens[sl]),
+                              batch_seqs=batch_seqs, batch_tokens=batch_tokens)
         (loss * w).backward()
-        _accumulate(totals, m, loss.item() * w, token_share=mask[sl].sum().item() / max(batch_tokens, 1.0),
-                    row_share=(sl.stop - sl.start) / batch_seqs,
-                    by_rows=cfg.importance_sampling_level == "sequence")
-        ent_sum += (entropy * mask[sl]).sum().item()
+        parts.append((sl, w, m | {"loss": loss.detach(), "entropy_sum": (entropy.detach() * mask[sl]).sum()}))
+    totals, ent_sum = _fold(parts, row_tokens, batch_tokens, batch_seqs,
+                            by_rows=cfg.importance_sampling_level == "sequence")
     if record:  # only once the step is whole: an abandoned step leaves the batch as it was
         ro.old_logps = _scatter_rows(recorded, keep, ro.completion_mask)
-    skipped = batch_mask.size(0) - mask.size(0)
+    skipped = len(all_tokens) - len(row_tokens)
     if skipped:
         _zero_missing_grads(model)  # every row skipped: the optimiser still steps on zeros, as without skipping
         for k in ("loss", "kl", *(f"clip_ratio/{c}" for c in CLIP_KEYS)):  # nothing ran: zero loss, no clipping
             totals.setdefault(k, 0.0)
-        if cfg.beta == 0 and skipped > int((batch_mask.sum(1) == 0).sum()):
+        if cfg.beta == 0 and skipped > all_tokens.count(0.0):
             # some skipped row has tokens, and is never clipped: its per-row fraction is 0
             totals["clip_ratio/low_min"] = min(totals["clip_ratio/low_min"], 0.0)
     totals["entropy"] = ent_sum / max(run_tokens, 1.0)
@@ -208,6 +211,19 @@ def idle_pass(model, ro: Rollout) -> None:
     one = torch.ones((1, 1), dtype=ro.prompt_ids.dtype, device=ro.prompt_ids.device)
     logps, _ = completion_logps(model, one, one, one, one)
     (logps.sum() * 0.0).backward()
+
+
+def _fold(parts: list, row_tokens: list[float], batch_tokens: float, batch_seqs: int, *,
+          by_rows: bool) -> tuple[dict, float]:
+    """The micro-batches' metrics (read in one host sync) folded into the batch's (`_accumulate`)
+    -> (totals, entropy summed over tokens)."""
+    totals, ent_sum = {}, 0.0
+    for (sl, w, _), m in zip(parts, read_once([stats for _, _, stats in parts])):
+        loss, ent = m.pop("loss"), m.pop("entropy_sum")
+        _accumulate(totals, m, loss * w, token_share=sum(row_tokens[sl]) / max(batch_tokens, 1.0),
+                    row_share=(sl.stop - sl.start) / batch_seqs, by_rows=by_rows)
+        ent_sum += ent
+    return totals, ent_sum
 
 
 def _accumulate(totals: dict, m: dict, loss: float, *, token_share: float, row_share: float, by_rows: bool) -> None:

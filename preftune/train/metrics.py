@@ -33,6 +33,18 @@ def read_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def read_once(rows: list[dict]) -> list[dict[str, float]]:
+    """Dicts of 0-dim tensors (one per micro-batch, the same keys) as python floats, in one host
+    sync: reading each micro-batch's as it ends would stall the device between passes."""
+    if not rows:
+        return []
+    import torch
+
+    names = list(rows[0])
+    values = torch.stack([torch.stack([r[k].to(torch.float64) for k in names]) for r in rows]).tolist()
+    return [dict(zip(names, v)) for v in values]
+
+
 class MetricsLog:
     """metrics.jsonl, the progress bar and the trackers of log.report_to (train/loggers.py)."""
 

@@ -289,7 +289,8 @@ def test_microbatch_split_equals_one_pass(loss_type, level):
         mb = slice(lo, hi)
         loss, _ = grpo_loss(parts[mb, :t], old[mb, :t], ref[mb, :t], adv[mb], mask[mb, :t],
                             num_items=total_tokens, **opts)
-        w = microbatch_weight(loss_type, mask[mb, :t], batch_seqs=mask.shape[0], batch_tokens=total_tokens)
+        w = microbatch_weight(loss_type, rows=mask[mb].shape[0], tokens=mask[mb, :t].sum().item(),
+                              batch_seqs=mask.shape[0], batch_tokens=total_tokens)
         (w * loss).backward()
         split_sum += w * loss.item()
 
@@ -300,4 +301,4 @@ def test_microbatch_split_equals_one_pass(loss_type, level):
 
 def test_microbatch_weight_rejects_unknown_loss():
     with pytest.raises(ValueError, match="dapo"):
-        microbatch_weight("ppo", MASK, batch_seqs=2, batch_tokens=3)
+        microbatch_weight("ppo", rows=2, tokens=3.0, batch_seqs=2, batch_tokens=3)

@@ -60,13 +60,17 @@ def test_pack_rows_share_rows_here():
 
 @pytest.mark.parametrize("shapes", [SHAPES, SHAPES[:1], [(6, 3, 0), (6, 0, 3), (2, 5, 5)]],
                          ids=["shared_rows", "one_pair", "empty_responses"])
-def test_packed_equals_bucketed_and_plain_forward(model64, monkeypatch, shapes):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_weights", "module_weights"])
+def test_packed_equals_bucketed_and_plain_forward(model64, monkeypatch, shapes, fused):
     batch = _pairs(shapes)
     n = 2 * len(batch)
     w = torch.randn(n, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
 
+    # a large model trains on its own q/k/v and gate/up matrices (no per-use copy): same sums and gradients
+    monkeypatch.setattr(D, "FUSE_WITH_GRAD_BYTES", 1 << 40 if fused else 0)
     lean = D.Lean.of(model64)
     assert lean is not None
+    assert isinstance(lean.layers[0]["qkv"], torch.Tensor) == fused
     packed, p_counts = packed_sequence_logps(lean, batch, PAD, "cpu")
     g_packed = _grads(model64, packed, w)
     with monkeypatch.context() as mp:

@@ -220,3 +220,18 @@ def test_reference_per_batch_with_lora_is_the_base_under_the_adapters(make_confi
                 p.add_(0.05)
     _, m = _step(task, policy, 6)
     assert m["loss"] != pytest.approx(math.log(2), abs=1e-3)
+
+
+def test_the_step_reads_metrics_once_not_per_micro_batch(make_config, traces_file, model, tokenizer, monkeypatch):
+    """Metrics stay on the device until the step ends: as many host reads with 6 micro-batches as with one."""
+    from tests.conftest import HostReads
+
+    task = make_task(_cfg(make_config, traces_file), model, tokenizer)
+    reads = HostReads(monkeypatch, dpo_mod, "sequence_logps")  # its own reads size the pass
+    counts = []
+    for micro in (6, 1):
+        reads.count = 0
+        _, m = _step(task, model, micro)
+        counts.append(reads.count)
+        assert m["num_tokens"] > 0 and math.isfinite(m["loss"])
+    assert counts[0] == counts[1] <= 2, counts

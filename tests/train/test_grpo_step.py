@@ -17,7 +17,7 @@ from preftune.rollout.scored import Scored
 from preftune.losses.advantages import group_advantages
 from preftune.train.grpo import GRPOBatch, grpo_step, new_batch, reference_logps
 from preftune.train.logps import completion_logps
-from tests.conftest import flat_grads
+from tests.conftest import HostReads, flat_grads
 
 PROMPTS = ["12+7=", "3+4=", "19+19=", "0+0="]
 G, T = 3, 6  # generations per prompt, completion width
@@ -459,3 +459,22 @@ def test_abandoned_first_step_records_nothing(tokenizer):
     run_step(model, batch, cfg)
     m = ro.completion_mask.bool()
     torch.testing.assert_close(ro.old_logps[m], _logps_now(model, ro, 1.0)[m], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_type,beta", [("dapo", 0.0), ("dapo", 0.04), ("bnpo", 0.04)])
+def test_the_step_reads_metrics_once_not_per_micro_batch(shared, monkeypatch, loss_type, beta):
+    """Metrics stay on the device until the step ends: as many host reads with N / 2 micro-batches
+    as with one (bnpo's weights come from token counts read once, before the first pass)."""
+    import preftune.train.grpo as module
+
+    model, batch = shared
+    cfg = GRPOConfig(loss_type=loss_type, beta=beta, micro_batch_size=N, max_completion_length=T)
+    reads = HostReads(monkeypatch, module, "completion_logps")  # its own reads size the pass
+    counts = []
+    for mb in (N, 2):
+        reads.count = 0
+        m = grpo_step(model, batch, dataclasses.replace(cfg, micro_batch_size=mb))
+        model.zero_grad(set_to_none=True)
+        counts.append(reads.count)
+        assert m["loss"] != 0 and m["entropy"] > 0
+    assert N // 2 >= 6 and counts[0] == counts[1] <= 4, counts

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The one prepared command for a session with a GPU (bench/README.md, "GPU"): the suite's 0.5B rows in bf16,
+# preftune and TRL, on this machine's GPU, with nothing fetched from the network. From the repo root:
+#
+#   bash bench/gpu.sh                     # = python3 bench/gpu_decode.py, then bench/suite.py --size gpu
+#   bash bench/gpu.sh --size quick        # other suite options replace `--size gpu`
+#
+# Wheels the machine lacks (bench/gpu_wheels.sh, carried in .whl/) are installed into /tmp/site first.
+# Writes $OUT/gpu-decode.json (DECODE=0 skips that run), $OUT/bench-gpu.json (rewritten after each row)
+# and $OUT/bench-gpu.log (all of this script's output); OUT defaults to ./bench-gpu-out. Exits non-zero
+# when an import, a check or a run fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/bench-gpu-out}"
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT"
+# No network there: the HF libraries must not wait on the hub. Expandable segments spare both frameworks
+# out-of-memory failures from fragmentation (it changes what is reserved, not max_memory_allocated).
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+export PYTHONUNBUFFERED=1
+
+install_wheels() {
+  compgen -G ".whl/*.whl" >/dev/null || { echo "== no .whl/ wheels: using what is installed"; return 0; }
+  echo "== installing $(ls .whl/*.whl | wc -l) wheels from .whl/ into /tmp/site"
+  if "$PY" -m pip --version >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  else  # no pip: these wheels are pure Python, and a pure-Python wheel installs by unpacking it
+    "$PY" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall("/tmp/site") for w in sys.argv[1:]]' .whl/*.whl
+  fi
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+}
+
+check_imports() {
+  "$PY" - <<'PYEOF'
+import importlib, sys
+failed = []
+for name in ("preftune", "datasets", "trl", "accelerate"):
+    try:
+        mod = importlib.import_module(name)
+        print(f"{name} {getattr(mod, '__version__', '?')} from {mod.__file__}")
+    except Exception as e:  # noqa: BLE001 - any failure to import is the message to show
+        failed.append(f"{name}: {type(e).__name__}: {e}")
+if not failed:
+    try:  # TRL imports its trainers lazily: a missing dependency shows only here
+        from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        failed.append(f"trl trainers: {type(e).__name__}: {e}")
+if failed:
+    print("cannot run the benchmark, imports failed:\n  " + "\n  ".join(failed), file=sys.stderr)
+    print("fetch the missing wheels with `bash bench/gpu_wheels.sh` and carry .whl/ with the run", file=sys.stderr)
+    sys.exit(1)
+PYEOF
+}
+
+main() {
+  echo "== $(date -u +%FT%TZ) $(hostname) in $PWD, output in $OUT"
+  nvidia-smi || echo "(no nvidia-smi)"
+  "$PY" -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch", torch.__version__,
+    "cuda", torch.version.cuda, "available", torch.cuda.is_available(), "transformers", transformers.__version__)'
+  install_wheels
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  check_imports
+  [ $# -gt 0 ] || set -- --size gpu
+  local cache=/tmp/preftune-bench-models  # the 0.5B model is built once, for the suite and the decode bench
+  local rc=0
+  # first the sampler's decoders (bench/gpu_decode.py, about a minute; DECODE=0 skips it): the only check
+  # of the CUDA-graph step, which has never run on a GPU, and it builds the model the suite reuses
+  if [ "${DECODE:-1}" != 0 ]; then
+    echo "== $PY bench/gpu_decode.py --json $OUT/gpu-decode.json --model-cache $cache"
+    timeout "${DECODE_TIMEOUT:-180}" "$PY" bench/gpu_decode.py --json "$OUT/gpu-decode.json" --model-cache "$cache" \
+      || rc=$?
+  fi
+  echo "== $PY bench/suite.py $* --json $OUT/bench-gpu.json --model-cache $cache"
+  time "$PY" bench/suite.py "$@" --json "$OUT/bench-gpu.json" --model-cache "$cache" || rc=$((rc ? rc : $?))
+  return "$rc"
+}
+
+main "$@" 2>&1 | tee "$OUT/bench-gpu.log"
