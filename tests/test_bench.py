@@ -264,3 +264,11 @@ def test_gpu_decode_bench_runs_its_checks_on_cpu(tmp_path, capsys):
     assert set(record["rows"]) == {"hf", "lean", "static"}  # no CUDA graph without CUDA
     assert all(r["new_tokens_per_s"] > 0 for r in record["rows"].values())
     assert "| static |" in capsys.readouterr().out
+
+
+def test_draw_bench_times_three_draws(capsys):
+    from bench import bench_draw
+
+    result = bench_draw.main(["--rows", "4", "--vocab", "300", "--repeats", "2"])
+    assert set(result) == {"preftune draw (uniform noise)", "exponential_ noise", "softmax + multinomial"}
+    assert all(ms > 0 for ms in result.values()) and "4 rows x 300 scores" in capsys.readouterr().out

@@ -277,12 +277,15 @@ class _GraphedDecoder(_StaticDecoder):
 def draw(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, greedy: bool,
          generator: torch.Generator | None) -> torch.Tensor:
     """One token per row (n, V) -> (n,): argmax, or a sample by the Gumbel-max trick
-    (argmax of logits/T + Gumbel noise, noise = -log E with E ~ Exp(1)), which needs no softmax,
-    cumulative sum or multinomial."""
+    (argmax of logits/T + Gumbel noise, noise = -log E with E = -log U ~ Exp(1), U uniform), which
+    needs no softmax, cumulative sum or multinomial."""
     if greedy:
         return logits.argmax(-1)
     scores = filter_logits(logits / temperature, top_k, top_p)  # (n, V)
-    noise = torch.empty_like(scores).exponential_(generator=generator).log_()  # (n, V): -Gumbel
+    # uniform then two logs: 3-5x faster on CPU than exponential_ at a 152k vocabulary (bench_draw.py);
+    # U >= tiny keeps the noise finite (float32 rand returns 0 about once in 2^24 draws)
+    u = torch.rand(scores.shape, generator=generator, device=scores.device, dtype=scores.dtype)  # (n, V)
+    noise = u.clamp_min_(torch.finfo(scores.dtype).tiny).log_().neg_().log_()  # (n, V): log E = -Gumbel
     return (scores - noise).argmax(-1)
 
 
