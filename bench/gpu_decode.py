@@ -68,7 +68,7 @@ def rollout(model, variant: str, ids, mask, args, *, greedy: bool):
     if variant == "hf":
         D.supported = lambda m: False
     elif variant == "static":
-        S._decoder = lambda m, capacity: S._StaticDecoder(D.Lean(m), capacity)
+        S._decoder = lambda m, capacity: S._StaticDecoder(D.Lean(m, decoding=True), capacity)
     model.preftune_cuda_graphs = variant == "graphed"
     try:
         sync = torch.cuda.synchronize if ids.device.type == "cuda" else (lambda: None)

@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # model_type values whose layers this replays
-# With grad, fused q/k/v and gate/up are a copy of most weights and of their gradient per use: a few
-# MB for a small model (fewer, larger matmuls win), GBs for a 0.5B one (separate matrices win).
-FUSE_WITH_GRAD_BYTES = 64 << 20  # decoder layers up to this size are fused with grad too
+# Fused q/k/v and gate/up are a copy of most weights (and, with grad, of their gradient) per use: a
+# few MB for a small model (fewer, larger matmuls win), GBs for a 0.5B one (separate matrices win)
+# unless the copy serves a whole rollout of decode steps.
+FUSE_MAX_BYTES = 64 << 20  # decoder layers up to this size are fused for every use, not only decoding
 
 
 def _base(model):
@@ -89,10 +90,10 @@ class KVBuffers:
 class Lean:
     """The decoder as a few tensor ops on the module's parameters. Built per use (a rollout, a
     micro-batch): it reads the live parameters, so gradients flow back into them and an optimiser
-    step is seen by the next `Lean.of`. q/k/v and gate/up are fused into one matrix each without
-    grad, and with grad only while the layers are small (`FUSE_WITH_GRAD_BYTES`)."""
+    step is seen by the next `Lean.of`. q/k/v and gate/up are fused into one matrix each for
+    `decoding`, and for other passes only while the layers are small (`FUSE_MAX_BYTES`)."""
 
-    def __init__(self, model):
+    def __init__(self, model, decoding: bool = False):
         cfg, base = model.config, _base(model)
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
@@ -100,11 +101,10 @@ class Lean:
         self.embed, self.norm, self.head = base.embed_tokens.weight, base.norm.weight, model.lm_head.weight
         self.head_module = model.lm_head  # for `train/head.py`'s chunked projection
         self.rotary = base.rotary_emb
-        fuse = not torch.is_grad_enabled() or sum(p.numel() * p.element_size()
-                                                  for p in base.layers.parameters()) <= FUSE_WITH_GRAD_BYTES
+        fuse = decoding or sum(p.numel() * p.element_size() for p in base.layers.parameters()) <= FUSE_MAX_BYTES
         self.layers = [self._fuse(layer, fuse) for layer in base.layers[: cfg.num_hidden_layers]]
         device = self.embed.device.type
-        if not torch.is_grad_enabled() and torch.is_autocast_enabled(device):
+        if decoding and not torch.is_grad_enabled() and torch.is_autocast_enabled(device):
             # decoding under bf16 autocast: cast the fused matrices once, not on every step (autocast
             # caches casts of leaf parameters only; these are concatenations)
             low = torch.get_autocast_dtype(device)
@@ -115,8 +115,8 @@ class Lean:
                     w[k] = cast(w[k])
 
     @classmethod
-    def of(cls, model) -> "Lean | None":
-        return cls(model) if supported(model) else None
+    def of(cls, model, decoding: bool = False) -> "Lean | None":
+        return cls(model, decoding) if supported(model) else None
 
     @staticmethod
     def _fuse(layer, fuse: bool) -> dict:

@@ -416,7 +416,7 @@ def test_fixed_shape_decoding_gives_the_same_rollout(model64, tokenizer, monkeyp
     rows = []
     forward = D.Lean.forward
     monkeypatch.setattr(D.Lean, "forward", lambda self, x, *a, **k: rows.append(x.shape) or forward(self, x, *a, **k))
-    monkeypatch.setattr(S, "_decoder", lambda model, capacity: S._StaticDecoder(D.Lean(model), capacity))
+    monkeypatch.setattr(S, "_decoder", lambda model, cap: S._StaticDecoder(D.Lean(model, decoding=True), cap))
     got = run()
     for k in ("completion_ids", "completion_mask", "truncated"):
         assert torch.equal(getattr(got, k), getattr(want, k)), k
@@ -499,7 +499,7 @@ def test_bf16_forward_and_decode_equal_the_module(precision):
         hf_ro = run()
     assert torch.equal(lean_ro.completion_ids, hf_ro.completion_ids)
     with pytest.MonkeyPatch.context() as m:  # the fixed-shape step (what CUDA graphs replay), bf16 keys/values
-        m.setattr(sampler, "_decoder", lambda model, capacity: sampler._StaticDecoder(D.Lean(model), capacity))
+        m.setattr(sampler, "_decoder", lambda model, cap: sampler._StaticDecoder(D.Lean(model, decoding=True), cap))
         static_ro = run()
     assert torch.equal(static_ro.completion_ids, lean_ro.completion_ids)
 
@@ -521,17 +521,24 @@ def test_remote_code_and_longrope_take_the_module_forward():
 
 
 def test_decoding_under_autocast_casts_the_fused_weights_once(monkeypatch):
+    """Decoding fuses q/k/v and gate/up and casts them to bf16 once per rollout; other passes fuse
+    only small layers (`FUSE_MAX_BYTES`), so a large model's training and reference passes make no
+    copy of its weights (nor, with grad, of their gradients)."""
     model = tiny("qwen2", dtype=torch.float32)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    same = lambda got, params: tuple(map(id, got)) == tuple(map(id, params))  # noqa: E731
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with torch.no_grad():
-            lean = D.Lean(model)
+            lean = D.Lean(model, decoding=True)
         assert lean.layers[0]["qkv"].dtype == lean.layers[0]["down"].dtype == lean.head.dtype == torch.bfloat16
         small = D.Lean(model)  # with grad, small layers: float32 concatenations that gradients flow through
         assert small.layers[0]["qkv"].dtype == torch.float32 and small.layers[0]["qkv"].requires_grad
-        monkeypatch.setattr(D, "FUSE_WITH_GRAD_BYTES", 0)
+        monkeypatch.setattr(D, "FUSE_MAX_BYTES", 0)
+        with torch.no_grad():
+            assert isinstance(D.Lean(model, decoding=True).layers[0]["qkv"], torch.Tensor)  # decoding still fuses
+            reference = D.Lean(model)  # a large model's pass without grad (DPO's reference): no copy either
+        assert same(reference.layers[0]["qkv"], (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
         trained = D.Lean(model)  # with grad, large layers: the float32 masters themselves, no copy
-        attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-        same = lambda got, params: tuple(map(id, got)) == tuple(map(id, params))  # noqa: E731
         assert same(trained.layers[0]["qkv"], (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
         assert same(trained.layers[0]["qkv_bias"], (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias))
         assert same(trained.layers[0]["gate_up"], (mlp.gate_proj.weight, mlp.up_proj.weight))

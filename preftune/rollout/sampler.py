@@ -139,7 +139,7 @@ def _decoder(model, capacity: int):
     CUDA graph with `model.cuda_graphs` on a GPU), else the HF forward."""
     from preftune.decoder import Lean
 
-    lean = Lean.of(model)
+    lean = Lean.of(model, decoding=True)
     if lean is None:
         return _HFDecoder(model, capacity)
     if getattr(model, "preftune_cuda_graphs", False) and lean.embed.is_cuda:

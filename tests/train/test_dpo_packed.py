@@ -67,7 +67,7 @@ def test_packed_equals_bucketed_and_plain_forward(model64, monkeypatch, shapes, 
     w = torch.randn(n, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
 
     # a large model trains on its own q/k/v and gate/up matrices (no per-use copy): same sums and gradients
-    monkeypatch.setattr(D, "FUSE_WITH_GRAD_BYTES", 1 << 40 if fused else 0)
+    monkeypatch.setattr(D, "FUSE_MAX_BYTES", 1 << 40 if fused else 0)
     lean = D.Lean.of(model64)
     assert lean is not None
     assert isinstance(lean.layers[0]["qkv"], torch.Tensor) == fused
