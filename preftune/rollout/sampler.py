@@ -202,9 +202,13 @@ class _LeanDecoder:
         self.kv.select(keep, self.filled)
 
     def step(self, tok, attn, pos) -> torch.Tensor:
-        mask = attn.bool()[:, None, None, :]  # (n, 1, 1, S)
-        h = self.lean.forward(tok[:, None], (self.cos[pos], self.sin[pos]), mask, kv=self.kv, start=self.filled)
+        logits = self._next(tok[:, None], pos, attn.bool()[:, None, None, :], self.filled)  # mask (n, 1, 1, S)
         self.filled += 1
+        return logits
+
+    def _next(self, tok, pos, mask, start) -> torch.Tensor:
+        """Last-position logits (n, V) of one new token per row (n, 1) at positions (n, 1)."""
+        h = self.lean.forward(tok, (self.cos[pos], self.sin[pos]), mask, kv=self.kv, start=start)  # (n, 1, H)
         return self.lean.logits(h[:, -1]).float()  # (n, V)
 
 
@@ -237,9 +241,7 @@ class _StaticDecoder(_LeanDecoder):
         return self._run()
 
     def _run(self) -> torch.Tensor:
-        rope = (self.cos[self.pos], self.sin[self.pos])  # (N, 1, d) each
-        h = self.lean.forward(self.tok, rope, self.mask, kv=self.kv, start=self.col)  # (N, 1, H)
-        return self.lean.logits(h[:, -1]).float()  # (N, V)
+        return self._next(self.tok, self.pos, self.mask, self.col)  # (N, V)
 
 
 class _GraphedDecoder(_StaticDecoder):

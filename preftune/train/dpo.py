@@ -151,7 +151,7 @@ def packed_sequence_logps(lean, batch: list[EncodedPair], pad_id: int, device,
     picked = hidden.reshape(-1, hidden.size(-1))[src]  # (K, H) only the positions that predict response tokens
     logps, _ = head_logps(lean.rms(picked, lean.norm), lean.head_module, ids.view(-1)[dst])  # (K,)
     sums = logps.new_zeros(2 * len(batch)).index_add(0, slot, logps)  # (2b,)
-    counts = torch.zeros(2 * len(batch), dtype=torch.long, device=device).index_add(0, slot, torch.ones_like(slot))
+    counts = torch.tensor([len(e.chosen) for e in batch] + [len(e.rejected) for e in batch], device=device)  # (2b,)
     return sums, counts
 
 
@@ -324,10 +324,9 @@ class DPOTask:
                                      label_smoothing=self.d.label_smoothing, chosen_lengths=lengths[:b],
                                      rejected_lengths=lengths[b:], sync_metrics=False)
             (loss * (b / B)).backward()  # per-pair means: a micro-batch of b pairs weighs b/B
-            parts.append((b, m | {"loss": loss.detach(), "num_tokens": lengths.sum()}))
-            tokens += 2 * sum(len(e.prompt) for e in batch)
+            parts.append((b, m | {"loss": loss.detach()}))
+            tokens += sum(2 * len(e.prompt) + len(e.chosen) + len(e.rejected) for e in batch)
         for (b, _), m in zip(parts, read_once([m for _, m in parts])):
-            tokens += int(m.pop("num_tokens"))
             for k, v in m.items():
                 totals[k] = totals.get(k, 0.0) + v * b / B
         totals["num_tokens"] = tokens
