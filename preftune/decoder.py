@@ -21,10 +21,11 @@ import torch
 import torch.nn.functional as F
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # model_type values whose layers this replays
-# Fused q/k/v and gate/up are a copy of most weights (and, with grad, of their gradient) per use: a
-# few MB for a small model (fewer, larger matmuls win), GBs for a 0.5B one (separate matrices win)
-# unless the copy serves a whole rollout of decode steps.
-FUSE_MAX_BYTES = 64 << 20  # decoder layers up to this size are fused for every use, not only decoding
+# Fused q/k/v and gate/up are a copy of most weights per use: a few MB for a small model (fewer,
+# larger matmuls win without grad), GBs for a 0.5B one (separate matrices win) unless the copy
+# serves a whole rollout of decode steps. With grad, separate matrices win at any size: the fused
+# product's gradient would be assembled from its parts' by one more copy.
+FUSE_MAX_BYTES = 64 << 20  # decoder layers up to this size are fused for no-grad passes, not only decoding
 
 
 def _base(model):
@@ -91,7 +92,9 @@ class Lean:
     """The decoder as a few tensor ops on the module's parameters. Built per use (a rollout, a
     micro-batch): it reads the live parameters, so gradients flow back into them and an optimiser
     step is seen by the next `Lean.of`. q/k/v and gate/up are fused into one matrix each for
-    `decoding`, and for other passes only while the layers are small (`FUSE_MAX_BYTES`)."""
+    `decoding`, and for other passes without grad only while the layers are small
+    (`FUSE_MAX_BYTES`). With grad, RMSNorm and RoPE have hand-written backward passes (`_RMSNorm`,
+    `_Rope`: fewer passes over the activations than autograd's)."""
 
     def __init__(self, model, decoding: bool = False):
         cfg, base = model.config, _base(model)
@@ -101,7 +104,8 @@ class Lean:
         self.embed, self.norm, self.head = base.embed_tokens.weight, base.norm.weight, model.lm_head.weight
         self.head_module = model.lm_head  # for `train/head.py`'s chunked projection
         self.rotary = base.rotary_emb
-        fuse = decoding or sum(p.numel() * p.element_size() for p in base.layers.parameters()) <= FUSE_MAX_BYTES
+        small = sum(p.numel() * p.element_size() for p in base.layers.parameters()) <= FUSE_MAX_BYTES
+        fuse = decoding or (small and not torch.is_grad_enabled())
         self.layers = [self._fuse(layer, fuse) for layer in base.layers[: cfg.num_hidden_layers]]
         device = self.embed.device.type
         if decoding and not torch.is_grad_enabled() and torch.is_autocast_enabled(device):
@@ -121,7 +125,7 @@ class Lean:
     @staticmethod
     def _fuse(layer, fuse: bool) -> dict:
         """The layer's weights; with `fuse`, q/k/v and gate/up each one matrix, else tuples of parts
-        (see `_linear`)."""
+        (see `_project`)."""
         a, mlp = layer.self_attn, layer.mlp
 
         def join(mods):
@@ -130,7 +134,10 @@ class Lean:
                 biases = None
             elif fuse:
                 biases = [w.new_zeros(w.size(0)) if b is None else b for w, b in zip(weights, biases)]
-            return (torch.cat(weights), biases and torch.cat(biases)) if fuse else (tuple(weights), biases)
+            if not fuse:
+                return tuple(weights), biases
+            # stored transposed, (in, out) in memory, as the matmul reads it: 10-20% faster small products
+            return torch.cat(weights).t().contiguous().t(), biases and torch.cat(biases)
 
         qkv, qkv_bias = join((a.q_proj, a.k_proj, a.v_proj))
         gate_up, gate_up_bias = join((mlp.gate_proj, mlp.up_proj))
@@ -145,6 +152,8 @@ class Lean:
 
     def rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm as the HF module computes it: in float32 (even for float64 weights), then the weight."""
+        if x.dtype == torch.float32 and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            return _RMSNorm.apply(x, weight, self.eps)  # the same forward, a shorter backward
         h = x.to(torch.float32)  # a no-op for float32
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * h.to(x.dtype)
@@ -168,7 +177,6 @@ class Lean:
         every column of the buffers (S = capacity, the mask says which count): the same shapes and
         addresses on every step, which a CUDA graph needs (`rollout/sampler.py`)."""
         B, L = ids.shape
-        d, nh, nkv = self.head_dim, self.heads, self.kv_heads
         fixed = isinstance(start, torch.Tensor)
         if mask is None and kv is not None and not fixed and start:  # causal over the cache: query i sees 0..start+i
             mask = torch.ones(L, start + L, dtype=torch.bool, device=ids.device).tril(diagonal=start)[None, None]
@@ -178,15 +186,7 @@ class Lean:
         cos, sin = (t.unsqueeze(2) for t in rope)  # (B, L, 1, d)
         x = F.embedding(ids, self.embed)  # (B, L, H)
         for i, w in enumerate(self.layers):
-            qkv = _linear(self.rms(x, w["norm1"]), w["qkv"], w["qkv_bias"])  # (B, L, (nh + 2 nkv) d)
-            qkv = qkv.view(B, L, nh + 2 * nkv, d)
-            if w["q_norm"] is not None:  # Qwen3 normalises each head's q and k before the rotation
-                q, k = self.rms(qkv[:, :, :nh], w["q_norm"]), self.rms(qkv[:, :, nh:nh + nkv], w["k_norm"])
-                qk = torch.cat([q, k], 2)
-            else:
-                qk = qkv[:, :, :nh + nkv]
-            qk = _rotate(qk, cos, sin).transpose(1, 2)  # (B, nh + nkv, L, d): q and k in one rotation
-            q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, :, nh + nkv:].transpose(1, 2)  # v: (B, nkv, L, d)
+            q, k, v = self._qkv(self.rms(x, w["norm1"]), w, cos, sin)  # (B, nh | nkv, L, d)
             if fixed:
                 kv.keys[i].index_copy_(2, start, k.to(kv.keys.dtype))  # (B, nkv, 1, d) into column `start`
                 kv.values[i].index_copy_(2, start, v.to(kv.values.dtype))  # (casts as the slice assignment does)
@@ -197,9 +197,69 @@ class Lean:
                 k, v = kv.keys[i, :, :, :start + L], kv.values[i, :, :, :start + L]  # (B, nkv, S, d)
             o = _attend(q, k, v, mask)  # (B, L, nh d)
             x = x + F.linear(o, w["o"], w["o_bias"])
-            gate, up = _linear(self.rms(x, w["norm2"]), w["gate_up"], w["gate_up_bias"]).chunk(2, dim=-1)  # (B, L, I)
+            inner = w["down"].size(1)
+            gate, up = _project(self.rms(x, w["norm2"]), w["gate_up"], w["gate_up_bias"], (inner, inner))  # (B, L, I)
             x = x + F.linear(F.silu(gate) * up, w["down"], w["down_bias"])  # (B, L, H)
         return x
+
+    def _qkv(self, h: torch.Tensor, w: dict, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotated q (B, nh, L, d), rotated k and v (B, nkv, L, d) of normed hidden states (B, L, H)."""
+        B, L, _ = h.shape
+        d, nh, nkv = self.head_dim, self.heads, self.kv_heads
+        if isinstance(w["qkv"], torch.Tensor) and w["q_norm"] is None:  # fused: q and k in one rotation
+            qk, v = F.linear(h, w["qkv"], w["qkv_bias"]).view(B, L, nh + 2 * nkv, d).split((nh + nkv, nkv), 2)
+            q, k = _rotate(qk, cos, sin).split((nh, nkv), 2)
+        else:
+            q, k, v = (t.view(B, L, -1, d) for t in _project(h, w["qkv"], w["qkv_bias"], (nh * d, nkv * d, nkv * d)))
+            if w["q_norm"] is not None:  # Qwen3 normalises each head's q and k before the rotation
+                q, k = self.rms(q, w["q_norm"]), self.rms(k, w["k_norm"])
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def quick(self) -> bool:
+        """Can `step` decode here? Fused weights without autocast (whose casts `step`'s fused
+        residual adds would skip) and without Qwen3's per-head q/k norms."""
+        return (isinstance(self.layers[0]["qkv"], torch.Tensor) and self.layers[0]["q_norm"] is None
+                and not torch.is_autocast_enabled(self.embed.device.type))
+
+    def step(self, tok: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, mask: torch.Tensor,
+             kv: KVBuffers, col: int | torch.Tensor) -> torch.Tensor:
+        """One new token per row -> logits (n, V): `forward` for decoding in about half the tensor
+        ops, since on a CPU a small model's decode step costs per op more than per FLOP.
+
+        tok (n,); cos, sin_signed (n, d), the new positions' rotary rows, the sine's first half
+        negated (`signed_sin`); mask (n, S) boolean, the cache columns a row attends (the new one
+        included). The keys/values go to column `col`: an int attends columns 0..col (S = col + 1);
+        a (1,) tensor, the whole buffers (S = capacity) at fixed shapes, as `forward` does.
+        Residual adds run inside the o and down matmuls (addmm), RoPE is x c + [x2, x1] s' with the
+        sign in s', and attention scores are one baddbmm with an additive mask built once per step."""
+        n, d, nh, nkv = tok.size(0), self.head_dim, self.heads, self.kv_heads
+        half, g, S = d // 2, nh // nkv, mask.size(1)
+        cos, sin_signed = cos[:, None], sin_signed[:, None]  # (n, 1, d)
+        bias = torch.zeros(mask.shape, dtype=self.embed.dtype, device=tok.device).masked_fill_(~mask, float("-inf"))
+        bias = bias.repeat_interleave(nkv, 0)[:, None]  # (n nkv, 1, S)
+        wide = torch.promote_types(self.embed.dtype, torch.float32)  # softmax at least in float32
+        x = F.embedding(tok, self.embed)  # (n, H)
+        for i, w in enumerate(self.layers):
+            qkv = _addmm(w["qkv_bias"], self.rms(x, w["norm1"]), w["qkv"])  # (n, (nh + 2 nkv) d)
+            qk = qkv[:, :(nh + nkv) * d].view(n, nh + nkv, d)
+            qk = torch.addcmul(qk * cos, torch.cat([qk[..., half:], qk[..., :half]], -1), sin_signed)  # rotated
+            k, v = qk[:, nh:], qkv[:, (nh + nkv) * d:].view(n, nkv, d)  # (n, nkv, d)
+            if isinstance(col, torch.Tensor):
+                kv.keys[i].index_copy_(2, col, k[:, :, None])  # (n, nkv, 1, d) into column `col`
+                kv.values[i].index_copy_(2, col, v[:, :, None])
+            else:
+                kv.keys[i, :, :, col], kv.values[i, :, :, col] = k, v
+            keys = kv.keys[i, :, :, :S].reshape(n * nkv, S, d)  # a view: rows and heads merge
+            values = kv.values[i, :, :, :S].reshape(n * nkv, S, d)
+            q = qk[:, :nh].reshape(n * nkv, g, d)  # the g query heads of each key head
+            scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=d ** -0.5)  # (n nkv, g, S)
+            probs = scores.to(wide).softmax(-1).to(values.dtype)
+            o = torch.bmm(probs, values).view(n, nh * d)
+            x = _addmm(x, o, w["o"], w["o_bias"])  # x + o Wo^T (+ b)
+            gate, up = _addmm(w["gate_up_bias"], self.rms(x, w["norm2"]), w["gate_up"]).chunk(2, -1)  # (n, I)
+            x = _addmm(x, F.silu(gate) * up, w["down"], w["down_bias"])  # (n, H)
+        return self.logits(x)  # (n, V)
 
     def new_kv(self, rows: int, capacity: int) -> KVBuffers:
         """Buffers in the dtype keys/values are computed in: the autocast dtype when it is on."""
@@ -210,19 +270,85 @@ class Lean:
         return KVBuffers(self.embed.new_empty(shape, dtype=dtype), self.embed.new_empty(shape, dtype=dtype))
 
 
-def _linear(x: torch.Tensor, weight, bias) -> torch.Tensor:
-    """x @ weight.T + bias for one fused matrix, or for a tuple of parts (with a list of biases or
-    None), their outputs side by side: (..., H) -> (..., sum of out_features)."""
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """The rotary sine with its first half negated (..., d): `Lean.step`'s RoPE needs no negation."""
+    half = sin.size(-1) // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], -1)
+
+
+def _addmm(base: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """base + x @ weight.T (+ bias) for 2-D x (n, in): one matmul that adds (base None: x @ weight.T)."""
+    out = torch.mm(x, weight.t()) if base is None else torch.addmm(base, x, weight.t())
+    return out if bias is None else out + bias
+
+
+def _project(x: torch.Tensor, weight, bias, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """The outputs (..., size) of x @ weight.T + bias for one fused matrix (split into `sizes`, views
+    of one product) or for a tuple of matrices (with a list of biases or None): never a
+    concatenation, whose backward would copy every gradient once more."""
     if isinstance(weight, torch.Tensor):
-        return F.linear(x, weight, bias)
+        return F.linear(x, weight, bias).split(sizes, -1)
     biases = [None] * len(weight) if bias is None else bias
-    return torch.cat([F.linear(x, w, b) for w, b in zip(weight, biases)], -1)
+    return tuple(F.linear(x, w, b) for w, b in zip(weight, biases))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE: x * cos + [-x2, x1] * sin. (B, L, h, d) -> (B, L, h, d)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Rope.apply(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def _rotate_into(y: torch.Tensor, x: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """y += sign * [-x2 s1, x1 s2], in place on y's halves: the rotation's cross terms in two
+    fused multiply-adds, without building [-x2, x1]."""
+    h = x.size(-1) // 2
+    x1, x2, s1, s2 = x[..., :h], x[..., h:], sin[..., :h], sin[..., h:]
+    y[..., :h].addcmul_(x2, s1, value=-sign)
+    y[..., h:].addcmul_(x1, s2, value=sign)
+    return y
+
+
+class _Rope(torch.autograd.Function):
+    """RoPE for the training passes, in three passes over x each way instead of about six:
+    y = x c + [-x2 s1, x1 s2]; dx = g c + [g2 s2, -g1 s1] (the rotation's transpose)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotate_into(x * cos, x, sin, 1.0)  # (B, L, h, d)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        h = g.size(-1) // 2
+        gx = g * cos
+        gx[..., :h].addcmul_(g[..., h:], sin[..., h:])
+        gx[..., h:].addcmul_(g[..., :h], sin[..., :h], value=-1.0)
+        return gx, None, None
+
+
+class _RMSNorm(torch.autograd.Function):
+    """RMSNorm (Zhang & Sennrich, 2019) for the training passes: y = w n, n = x r,
+    r = 1 / sqrt(mean(x^2) + eps); forward as the HF module computes it, backward
+    dx = r (g w - n mean(g w n)), dw = sum over tokens of g n, in about 8 passes over x instead
+    of autograd's 12, keeping x and r (not n)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (x * rstd)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, rstd = ctx.saved_tensors
+        n = x * rstd  # (..., H)
+        gn = g * weight
+        gx = torch.addcmul(gn, n, (gn * n).mean(-1, keepdim=True), value=-1.0).mul_(rstd)
+        gw = (g * n).flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None  # (H,)
+        return gx, gw, None
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -61,6 +61,13 @@ def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion
     groups = prompt_groups(prompt_ids, prompt_mask)
     if groups is not None and shared_pays(model, prompt_mask, completion_ids, completion_mask, len(groups)):
         return _shared_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, groups, split)
+    if split is not None:
+        from preftune.decoder import Lean
+
+        lean = Lean.of(model)
+        if lean is not None:
+            with autocast(model):
+                return _lean_hidden(lean, prompt_ids, prompt_mask, completion_ids, completion_mask)
     ids, attn, keep, idx = _layout(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     with autocast(model):
         logits = _run(model, split, keep, input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
@@ -69,6 +76,19 @@ def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion
         return logits[:, :-1]  # (B, T, V)
     # packed: completion token t of row b is predicted at idx[b, t]
     return logits.gather(1, idx[..., None].expand(-1, -1, logits.size(-1)))  # (B, T, V)
+
+
+def _lean_hidden(lean, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+    """Final-normed hidden states (B, T, H) that predict each completion token, by the lean decoder over the
+    packed layout: each row's tokens moved left, so padding only follows real tokens and plain
+    causal attention (no mask) is exact for them."""
+    ids, _, start = pack_left(prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, L), (B,)
+    if int(start.min()) < 1:
+        raise ValueError("every prompt needs at least one token")
+    L, T = ids.size(1), completion_ids.size(1)
+    hidden = lean.forward(ids, lean.rope(torch.arange(L, device=ids.device)[None]), None)  # (B, L, H)
+    idx = (start[:, None] - 1 + torch.arange(T, device=ids.device)).clamp(max=L - 1)  # (B, T) predicting positions
+    return lean.rms(hidden.gather(1, idx[..., None].expand(-1, -1, hidden.size(-1))), lean.norm)  # (B, T, H)
 
 
 def _run(model, split, keep: int, **kwargs) -> torch.Tensor:

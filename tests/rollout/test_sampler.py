@@ -220,9 +220,11 @@ def test_finished_rows_leave_the_batch(model, tokenizer, monkeypatch, forward):
                                                  with_kwargs=True)
     else:
         assert decoder.supported(model)
-        lean_forward = decoder.Lean.forward
+        lean_forward, lean_step = decoder.Lean.forward, decoder.Lean.step  # prefill, decode steps
         monkeypatch.setattr(decoder.Lean, "forward", lambda self, ids, *a, **k: sizes.append(ids.size(0))
                             or lean_forward(self, ids, *a, **k))
+        monkeypatch.setattr(decoder.Lean, "step", lambda self, tok, *a, **k: sizes.append(tok.size(0))
+                            or lean_step(self, tok, *a, **k))
         handle = None
     try:
         ro = _sample(model, tokenizer, num_generations=2, max_new_tokens=8, greedy=True)

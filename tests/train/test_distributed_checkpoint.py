@@ -42,12 +42,15 @@ def two_rank_run(data_dir, tmp_path_factory):
 
 
 def train_one_process(ovr: list[str]) -> None:
-    """In this process, with the ranks' log-prob layout (one forward per pass, no shared-prompt pass),
-    so comparisons measure the world size, not the layouts' rounding."""
+    """In this process, with the ranks' log-prob layout (one forward of the HF module per pass: no
+    shared-prompt pass, no lean decoder, which FSDP2 wrapping rules out), so comparisons measure the
+    world size, not the layouts' rounding."""
+    import preftune.decoder as decoder
     import preftune.train.logps as logps
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(logps, "_uses_cache", lambda model: False)
+        m.setattr(decoder, "supported", lambda model: False)
         loop.train(load_config(None, ovr))
 
 

@@ -1,6 +1,8 @@
-"""The two log-prob layouts (aligned and left-packed) give the same numbers; the cost model picks."""
+"""The log-prob layouts (aligned and left-packed on the HF module, left-packed on the lean decoder)
+give the same numbers; the cost model picks between the HF ones."""
 import torch
 
+from preftune import decoder as D
 from preftune.train import logps as L
 from tests.train.test_grpo_step import synthetic_rollout
 
@@ -14,13 +16,17 @@ def _run(model, ro):
 def test_packed_and_aligned_layouts_agree(model, tokenizer, monkeypatch):
     model.eval()
     ro = synthetic_rollout(tokenizer)
+    assert D.supported(model)
+    lean = _run(model, ro)  # the lean decoder replays this model: it takes the per-row pass
+    monkeypatch.setattr(D, "supported", lambda m: False)  # the HF module's forward
     monkeypatch.setattr(L, "prefer_packed", lambda *a: True)
     packed = _run(model, ro)
     monkeypatch.setattr(L, "prefer_packed", lambda *a: False)
     aligned = _run(model, ro)
     mask = ro.completion_mask.bool()
-    for a, b in zip(packed, aligned):
+    for a, b, c in zip(packed, aligned, lean):
         torch.testing.assert_close(a[mask], b[mask], rtol=0, atol=2e-5)
+        torch.testing.assert_close(c[mask], b[mask], rtol=0, atol=2e-5)
 
 
 def test_packing_shrinks_the_width_of_uneven_rows(tokenizer):

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from preftune import decoder as D
 from preftune.config import GRPOConfig
 from preftune.train import logps as L
 from preftune.train.grpo import GRPOBatch, grpo_step, reference_logps, trained_rows
@@ -31,6 +32,8 @@ def setup(tokenizer):
 
     mp = pytest.MonkeyPatch()
     mp.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", _rms_norm_f64)
+    mp.setattr(D.Lean, "rms", lambda self, h, weight: weight * (
+        h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)))  # the lean decoder's too
     model = AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float64)
     ro = synthetic_rollout(tokenizer)
     cfg = GRPOConfig(micro_batch_size=N)
@@ -63,21 +66,24 @@ def test_prompt_groups_are_runs_of_equal_prompts():
 
 
 def test_shared_layout_equals_per_row_forward(setup):
-    """Log-probs, entropy and their gradient: shared prompt == aligned == packed, to float64 rounding."""
+    """Log-probs, entropy and their gradient: shared prompt == the lean decoder's packed rows == the
+    HF module's aligned and packed rows, to float64 rounding."""
     model, batch = setup
     ro = batch.rollout
     out = {}
-    for layout in ("shared", "aligned", "packed"):
+    for layout in ("shared", "lean", "aligned", "packed"):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(L, "shared_pays", lambda *a, _l=layout: _l == "shared")
             mp.setattr(L, "prefer_packed", lambda *a, _l=layout: _l == "packed")
+            if layout in ("aligned", "packed"):
+                mp.setattr(D, "supported", lambda m: False)
             model.zero_grad(set_to_none=True)
             lp, ent = L.completion_logps(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
                                          ro.completion_mask, temperature=0.7, with_entropy=True)
             (lp * ro.completion_mask).sum().backward()
             out[layout] = (lp.detach(), ent, torch.cat([p.grad.flatten() for p in model.parameters()]))
     m = ro.completion_mask.bool()
-    for layout in ("aligned", "packed"):
+    for layout in ("lean", "aligned", "packed"):
         for x, y in zip(out["shared"][:2], out[layout][:2]):
             torch.testing.assert_close(x[m], y[m], rtol=0, atol=1e-12)
         g = out[layout][2]
