@@ -20,15 +20,17 @@ def completion_logps(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(y_t | x, y_<t) for each completion token -> (B, T) and optionally the entropy (B, T).
 
-    Three equivalent layouts, the cheapest by `_cost` (a multiply-add count from the model config):
-    shared (rows with the same prompt next to each other, as GRPO groups and DPO pairs are: each
-    distinct prompt runs once, its keys/values are copied to its rows and the completions run on
-    them; the copy's backward sums the rows' gradients into the one prompt pass), aligned
-    (left-padded prompts, right-padded completions) or packed (each row's prompt+completion moved
-    left, which pays when prompt lengths vary a lot). Only positions that predict completion tokens
-    are projected to the vocabulary; logits are divided by the sampling temperature (the ratio is
-    taken against the distribution the completions were drawn from, as TRL does); log-softmax is
-    logit - logsumexp, so no (B, T, V) log-softmax is kept for the backward.
+    Equivalent layouts, the cheapest by a multiply-add count from the model config: shared (rows
+    with the same prompt next to each other, as GRPO groups and DPO pairs are: each distinct prompt
+    runs once, its keys/values are copied to its rows and the completions run on them; the copy's
+    backward sums the rows' gradients into the one prompt pass), else one pass per row: on the lean
+    decoder over left-packed rows (`_lean_hidden`) where it replays the model, otherwise on the
+    module, aligned (left-padded prompts, right-padded completions) or packed (each row's
+    prompt+completion moved left, which pays when prompt lengths vary a lot). Only positions that
+    predict completion tokens are projected to the vocabulary; logits are divided by the sampling
+    temperature (the ratio is taken against the distribution the completions were drawn from, as
+    TRL does); log-softmax is logit - logsumexp, so no (B, T, V) log-softmax is kept for the
+    backward.
     """
     split = split_head(model)
     feats = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, split=split)

@@ -17,6 +17,7 @@ def test_packed_and_aligned_layouts_agree(model, tokenizer, monkeypatch):
     model.eval()
     ro = synthetic_rollout(tokenizer)
     assert D.supported(model)
+    monkeypatch.setattr(L, "shared_pays", lambda *a: False)  # the per-row layouts (these rows share prompts)
     lean = _run(model, ro)  # the lean decoder replays this model: it takes the per-row pass
     monkeypatch.setattr(D, "supported", lambda m: False)  # the HF module's forward
     monkeypatch.setattr(L, "prefer_packed", lambda *a: True)
@@ -48,3 +49,29 @@ def test_cost_model_weighs_width_against_vocabulary():
     cfg.vocab_size = 100  # the decoder dominates: the narrower sequence wins (packed)
     assert L.prefer_packed(cfg, width=30, keep=25, P=30, T=10)
     assert L.prefer_packed(None, width=30, keep=11, P=30, T=10) and not L.prefer_packed(None, 30, 12, 30, 10)
+
+
+def test_lean_rows_train_as_the_module(model, tokenizer, monkeypatch):
+    """With grad in float32 (the hand-written RMSNorm and RoPE backward passes): the lean per-row
+    pass gives the HF module's log-probs and gradients, to float32 rounding."""
+    ro = synthetic_rollout(tokenizer)
+    monkeypatch.setattr(L, "shared_pays", lambda *a: False)
+    calls = []
+    lean_hidden = L._lean_hidden
+    monkeypatch.setattr(L, "_lean_hidden", lambda *a: calls.append(1) or lean_hidden(*a))
+    out = []
+    for supported in (True, False):
+        with monkeypatch.context() as m:
+            if not supported:
+                m.setattr(D, "supported", lambda model: False)
+            model.zero_grad(set_to_none=True)
+            lp, _ = L.completion_logps(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+            (lp * ro.completion_mask).sum().backward()
+            out.append((lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+    model.zero_grad(set_to_none=True)
+    assert calls == [1]  # the first pass was the lean one, the second the module's
+    mask = ro.completion_mask.bool()
+    torch.testing.assert_close(out[0][0][mask], out[1][0][mask], rtol=0, atol=2e-5)
+    scale = out[1][1].abs().max().item()
+    assert scale > 0
+    torch.testing.assert_close(out[0][1], out[1][1], rtol=0, atol=1e-5 * scale)
