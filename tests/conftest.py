@@ -89,17 +89,19 @@ def make_config(tmp_path):
 
 
 class HostReads:
-    """Counts tensor -> Python reads (each a device sync on a GPU) made outside `module.name`
-    (a forward pass whose own reads size it, such as trimming padding, and are not metrics)."""
+    """Counts tensor -> Python reads (each a device sync on a GPU), all of them or those made
+    outside `module.name` (a pass whose own reads size it and are not metrics)."""
 
     METHODS = ("item", "tolist", "__int__", "__float__", "__bool__")
 
-    def __init__(self, monkeypatch, module, name: str):
+    def __init__(self, monkeypatch, module=None, name: str | None = None):
         import torch
 
         self.count, self._inside = 0, 0
         for method in self.METHODS:
             monkeypatch.setattr(torch.Tensor, method, self._counted(getattr(torch.Tensor, method)))
+        if module is None:
+            return
         inner = getattr(module, name)
 
         def sized(*a, **k):

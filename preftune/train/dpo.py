@@ -25,7 +25,7 @@ from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
 from preftune.models import autocast, load_model
 from preftune.rollout.sampler import left_pad, right_pad
 from preftune.train.head import head_logps
-from preftune.train.logps import completion_logps, length_buckets, microbatches
+from preftune.train.logps import Rows, completion_logps, length_buckets, microbatches
 from preftune.train.metrics import read_once
 
 log = logging.getLogger("preftune")
@@ -99,8 +99,11 @@ def sequence_logps(model, batch: list[EncodedPair], pad_id: int, device) -> tupl
     lengths = [len(e.prompt) + max(len(e.chosen), len(e.rejected)) for e in batch]
     sums = counts = None
     for rows in length_buckets(lengths):
-        p_ids, p_mask, c_ids, c_mask = (t.to(device) for t in pair_tensors([batch[i] for i in rows], pad_id))
-        logps, _ = completion_logps(model, p_ids, p_mask, c_ids, c_mask)  # (2r, T)
+        pairs = [batch[i] for i in rows]
+        p_ids, p_mask, c_ids, c_mask = (t.to(device) for t in pair_tensors(pairs, pad_id))
+        sized = Rows.of([e.prompt for e in pairs for _ in (0, 1)],  # pair_tensors' rows, on the host
+                        [len(r) for e in pairs for r in (e.chosen, e.rejected)])
+        logps, _ = completion_logps(model, p_ids, p_mask, c_ids, c_mask, rows=sized)  # (2r, T)
         idx = torch.tensor(rows, device=device)
         if sums is None:
             sums = logps.new_zeros(len(batch), 2)  # (b, 2): chosen, rejected

@@ -17,7 +17,7 @@ from preftune.losses.advantages import group_advantages, group_spread, nanmean
 from preftune.losses.grpo import CLIP_KEYS, microbatch_weight
 from preftune.rollout.sampler import Rollout
 from preftune.rollout.scored import Scored
-from preftune.train.logps import completion_logps, microbatches
+from preftune.train.logps import Rows, completion_logps, microbatches
 from preftune.train.metrics import read_once
 
 
@@ -102,10 +102,11 @@ def reference_logps(model, rollout: Rollout, cfg: GRPOConfig, *, without_adapter
     With LoRA the reference is the policy with its adapters disabled: no second model in memory."""
     with model.disable_adapter() if without_adapter else contextlib.nullcontext():
         out = []
+        rows = Rows.read(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_mask)  # one host read
         for sl in microbatches(rollout.completion_ids.size(0), cfg.micro_batch_size):
             lp, _ = completion_logps(model, rollout.prompt_ids[sl], rollout.prompt_mask[sl],
                                      rollout.completion_ids[sl], rollout.completion_mask[sl],
-                                     temperature=cfg.temperature)
+                                     temperature=cfg.temperature, rows=rows[sl])
             out.append(lp)
     return torch.cat(out)  # (N, T)
 
@@ -146,7 +147,10 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
     batch_seqs, batch_tokens = dp.sum(len(all_tokens), sum(all_tokens))  # global sequences and tokens
     batch_seqs = int(batch_seqs)
     keep = trained_rows(batch.advantages, mask, cfg.beta)
-    row_tokens = all_tokens if keep is None else [all_tokens[i] for i in keep.tolist()]
+    kept = None if keep is None else keep.tolist()
+    row_tokens = all_tokens if kept is None else [all_tokens[i] for i in kept]
+    rows = Rows.read(ro.prompt_ids, ro.prompt_mask, ro.completion_mask)  # sizes every pass: no read per pass
+    rows = rows if kept is None else rows[kept]
     pick = (lambda t: t) if keep is None else (lambda t: t.index_select(0, keep))  # noqa: E731
     ro_ids, ro_pmask, ro_cids, ro_cmask = (pick(t) for t in (ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
                                                                ro.completion_mask))
@@ -164,7 +168,7 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
     for sl in slices:
         check()  # preemption: may abandon the step between micro-batches
         logps, entropy = completion_logps(model, ro_ids[sl], ro_pmask[sl], ro_cids[sl], ro_cmask[sl],
-                                          temperature=cfg.temperature, with_entropy=True)
+                                          temperature=cfg.temperature, with_entropy=True, rows=rows[sl])
         if record:  # the policy that sampled this batch, as its later steps' old log-probs
             recorded.append(logps.detach())
         old = None if record or old_all is None else old_all[sl]
@@ -209,7 +213,7 @@ def idle_pass(model, ro: Rollout) -> None:
     """A zero-weight forward/backward on one padding token: a rank with fewer micro-batches than the
     others joins their FSDP all-gathers and reduce-scatters without changing any gradient."""
     one = torch.ones((1, 1), dtype=ro.prompt_ids.dtype, device=ro.prompt_ids.device)
-    logps, _ = completion_logps(model, one, one, one, one)
+    logps, _ = completion_logps(model, one, one, one, one, rows=Rows([1], [1], [1]))
     (logps.sum() * 0.0).backward()
 
 

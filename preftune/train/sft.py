@@ -21,7 +21,7 @@ from preftune.errors import UserError
 from preftune.losses.sft import sft_loss
 from preftune.models import autocast
 from preftune.rollout.sampler import left_pad, right_pad
-from preftune.train.logps import completion_logps, microbatches, token_logps
+from preftune.train.logps import Rows, completion_logps, microbatches, token_logps
 
 
 @dataclass
@@ -105,7 +105,8 @@ def padded_logps(model, batch: list[EncodedExample], pad_id: int, device):
     p_ids, p_mask = left_pad([e.prompt for e in batch], pad_id)  # (b, P)
     c_ids, c_mask = right_pad([e.completion for e in batch], pad_id)  # (b, T)
     p_ids, p_mask, c_ids, c_mask = (t.to(device) for t in (p_ids, p_mask, c_ids, c_mask))
-    logps, entropy = completion_logps(model, p_ids, p_mask, c_ids, c_mask, with_entropy=True)  # (b, T)
+    rows = Rows.of([e.prompt for e in batch], [len(e.completion) for e in batch])  # sizes the pass: no host read
+    logps, entropy = completion_logps(model, p_ids, p_mask, c_ids, c_mask, with_entropy=True, rows=rows)  # (b, T)
     real = c_mask.bool()
     return logps[real], entropy[real]  # row-major: example order
 

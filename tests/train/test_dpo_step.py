@@ -223,11 +223,12 @@ def test_reference_per_batch_with_lora_is_the_base_under_the_adapters(make_confi
 
 
 def test_the_step_reads_metrics_once_not_per_micro_batch(make_config, traces_file, model, tokenizer, monkeypatch):
-    """Metrics stay on the device until the step ends: as many host reads with 6 micro-batches as with one."""
+    """Metrics stay on the device until the step ends and the passes are sized on the host: as many
+    host reads with 6 micro-batches as with one."""
     from tests.conftest import HostReads
 
     task = make_task(_cfg(make_config, traces_file), model, tokenizer)
-    reads = HostReads(monkeypatch, dpo_mod, "sequence_logps")  # its own reads size the pass
+    reads = HostReads(monkeypatch)
     counts = []
     for micro in (6, 1):
         reads.count = 0

@@ -461,15 +461,19 @@ def test_abandoned_first_step_records_nothing(tokenizer):
     torch.testing.assert_close(ro.old_logps[m], _logps_now(model, ro, 1.0)[m], rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("layout", ["shared", "per_row"])
 @pytest.mark.parametrize("loss_type,beta", [("dapo", 0.0), ("dapo", 0.04), ("bnpo", 0.04)])
-def test_the_step_reads_metrics_once_not_per_micro_batch(shared, monkeypatch, loss_type, beta):
-    """Metrics stay on the device until the step ends: as many host reads with N / 2 micro-batches
-    as with one (bnpo's weights come from token counts read once, before the first pass)."""
-    import preftune.train.grpo as module
+def test_the_step_reads_metrics_once_not_per_micro_batch(shared, monkeypatch, loss_type, beta, layout):
+    """Nothing waits on the device between micro-batches: as many host reads with N / 2 micro-batches
+    as with one, in either log-prob layout (the rows' lengths and prompt runs that size every pass
+    are read once, `logps.Rows`; metrics stay on the device until the step ends; bnpo's weights come
+    from token counts read once, before the first pass)."""
+    import preftune.train.logps as logps
 
     model, batch = shared
+    monkeypatch.setattr(logps, "shared_pays", lambda *a: layout == "shared")
     cfg = GRPOConfig(loss_type=loss_type, beta=beta, micro_batch_size=N, max_completion_length=T)
-    reads = HostReads(monkeypatch, module, "completion_logps")  # its own reads size the pass
+    reads = HostReads(monkeypatch)
     counts = []
     for mb in (N, 2):
         reads.count = 0

@@ -34,7 +34,8 @@ def test_packing_shrinks_the_width_of_uneven_rows(tokenizer):
     ro = synthetic_rollout(tokenizer)
     short = ro.completion_mask.clone()
     short[:, 2:] = 0  # every completion at most 2 tokens: the longest row is now shorter than P+T
-    ids, mask, start = L.pack_left(ro.prompt_ids, ro.prompt_mask, ro.completion_ids, short)
+    width = L.Rows.read(ro.prompt_ids, ro.prompt_mask, short).width
+    ids, mask, start = L.pack_left(ro.prompt_ids, ro.prompt_mask, ro.completion_ids, short, width)
     assert ids.size(1) < ro.prompt_ids.size(1) + ro.completion_ids.size(1)
     assert torch.equal(start, ro.prompt_mask.sum(1))
     for i in range(ids.size(0)):  # each row keeps its tokens, in order, then padding
@@ -75,3 +76,17 @@ def test_lean_rows_train_as_the_module(model, tokenizer, monkeypatch):
     scale = out[1][1].abs().max().item()
     assert scale > 0
     torch.testing.assert_close(out[0][1], out[1][1], rtol=0, atol=1e-5 * scale)
+
+
+def test_hf_mask_is_built_on_the_device_not_read():
+    """The mask handed to the HF module: none without left padding (plain causal attention), else
+    SDPA's 4-D boolean mask by hand (real keys up to the query's column, and the query itself),
+    or the 2-D mask for other attention kernels."""
+    sdpa = type("M", (), {"config": type("C", (), {"_attn_implementation": "sdpa"})()})()
+    eager = type("M", (), {"config": type("C", (), {"_attn_implementation": "eager"})()})()
+    keys = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 0]])  # row 0 left-padded; row 1 ends in a padded completion token
+    assert L._hf_mask(sdpa, keys, 4, left_padded=False) is None
+    assert L._hf_mask(eager, keys, 4, left_padded=True) is keys
+    got = L._hf_mask(sdpa, keys, 2, left_padded=True)  # the last 2 columns query
+    want = torch.tensor([[[[0, 1, 1, 0], [0, 1, 1, 1]]], [[[1, 1, 1, 0], [1, 1, 1, 1]]]], dtype=torch.bool)
+    assert got.shape == (2, 1, 2, 4) and torch.equal(got, want)

@@ -60,9 +60,15 @@ def test_prompt_groups_are_runs_of_equal_prompts():
     ids = torch.tensor([[0, 5], [0, 5], [9, 5], [7, 7], [7, 7], [7, 7]])
     mask = torch.tensor([[0, 1], [0, 1], [0, 1], [1, 1], [1, 1], [1, 1]])
     # rows 0-2: the same real prompt (5), different padding ids; then one prompt three times
-    assert L.prompt_groups(ids, mask).tolist() == [3, 3]
-    assert L.prompt_groups(ids[2:4], mask[2:4]) is None  # no row repeats the one before
-    assert L.prompt_groups(ids[:1], mask[:1]) is None
+    cmask = torch.ones(6, 3, dtype=torch.long)
+    cmask[1, 2:] = 0
+    rows = L.Rows.read(ids, mask, cmask)
+    assert rows.groups() == [3, 3] and rows.prompt == [1, 1, 1, 2, 2, 2] and rows.completion == [3, 2, 3, 3, 3, 3]
+    assert rows[2:4].groups() is None and L.Rows.read(ids[2:4], mask[2:4], cmask[2:4]).groups() is None
+    assert rows[:1].groups() is None and rows[[0, 2, 3]].groups() == [2, 1]  # picked rows keep their runs
+    assert rows.width == 5
+    # built on the host from token lists: the same runs
+    assert L.Rows.of([[5], [5], [5], [7, 7], [7, 7], [7, 7]], [3, 2, 3, 3, 3, 3]) == rows
 
 
 def test_shared_layout_equals_per_row_forward(setup):
@@ -163,10 +169,9 @@ def test_all_rows_skipped_still_gives_zero_gradients(setup):
 
 def test_cost_model_prefers_sharing_long_prompts(setup):
     model, _ = setup
-    pm = torch.ones(64, 40, dtype=torch.long)  # 8 prompts of 40 tokens, G = 8
-    cids, cm = torch.ones(64, 8, dtype=torch.long), torch.ones(64, 8, dtype=torch.long)
-    assert L.shared_pays(model, pm, cids, cm, 8)
-    assert not L.shared_pays(model, pm, cids, cm, 64)  # every prompt distinct: nothing to share
+    rows = L.Rows([40] * 64, [8] * 64, [i // 8 for i in range(64)])  # 8 prompts of 40 tokens, G = 8
+    assert L.shared_pays(model, rows, 40, 8, 8)
+    assert not L.shared_pays(model, rows, 40, 8, 64)  # every prompt distinct: nothing to share
 
 
 def test_dpo_pairs_share_prompt_and_buckets_change_nothing(setup, tokenizer, monkeypatch):
