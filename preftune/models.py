@@ -110,6 +110,17 @@ def autocast(model):
     return torch.autocast(device_type=next(model.parameters()).device.type, dtype=dtype)
 
 
+def to_device(host, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host tensor (or list) on `device` without making the host wait for it: a copy from pageable
+    memory to a GPU first waits for everything queued on the GPU (a sync per micro-batch); from
+    pinned memory it is queued behind that work instead."""
+    t = host if isinstance(host, torch.Tensor) else torch.tensor(host, dtype=dtype)
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _wrap_lora(model, cfg: ModelConfig):
     try:
         from peft import LoraConfig, get_peft_model

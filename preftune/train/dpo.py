@@ -22,7 +22,7 @@ from preftune.data.stream import IndexStream
 from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response, fit_prompt
 from preftune.errors import UserError
 from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
-from preftune.models import autocast, load_model
+from preftune.models import autocast, load_model, to_device
 from preftune.rollout.sampler import left_pad, right_pad
 from preftune.train.head import head_logps
 from preftune.train.logps import Rows, completion_logps, length_buckets, microbatches
@@ -100,11 +100,11 @@ def sequence_logps(model, batch: list[EncodedPair], pad_id: int, device) -> tupl
     sums = counts = None
     for rows in length_buckets(lengths):
         pairs = [batch[i] for i in rows]
-        p_ids, p_mask, c_ids, c_mask = (t.to(device) for t in pair_tensors(pairs, pad_id))
+        p_ids, p_mask, c_ids, c_mask = (to_device(t, device) for t in pair_tensors(pairs, pad_id))
         sized = Rows.of([e.prompt for e in pairs for _ in (0, 1)],  # pair_tensors' rows, on the host
                         [len(r) for e in pairs for r in (e.chosen, e.rejected)])
         logps, _ = completion_logps(model, p_ids, p_mask, c_ids, c_mask, rows=sized)  # (2r, T)
-        idx = torch.tensor(rows, device=device)
+        idx = to_device(rows, device)
         if sums is None:
             sums = logps.new_zeros(len(batch), 2)  # (b, 2): chosen, rejected
             counts = c_mask.new_zeros(len(batch), 2)
@@ -147,14 +147,14 @@ def packed_sequence_logps(lean, batch: list[EncodedPair], pad_id: int, device,
                 slot += [k * len(batch) + i] * n
                 start += n
             at = start
-    ids, pos, segment, branch = (torch.tensor(x, dtype=torch.long, device=device).view(-1, width)
+    ids, pos, segment, branch = (to_device(x, device, torch.long).view(-1, width)
                                  for x in (ids, pos, segment, branch))  # (R, W)
-    src, dst, slot = (torch.tensor(x, dtype=torch.long, device=device) for x in (src, dst, slot))
+    src, dst, slot = (to_device(x, device, torch.long) for x in (src, dst, slot))
     hidden = lean.forward(ids, lean.rope(pos), tree_mask(segment, branch))  # (R, W, H)
     picked = hidden.reshape(-1, hidden.size(-1))[src]  # (K, H) only the positions that predict response tokens
     logps, _ = head_logps(lean.rms(picked, lean.norm), lean.head_module, ids.view(-1)[dst])  # (K,)
     sums = logps.new_zeros(2 * len(batch)).index_add(0, slot, logps)  # (2b,)
-    counts = torch.tensor([len(e.chosen) for e in batch] + [len(e.rejected) for e in batch], device=device)  # (2b,)
+    counts = to_device([len(e.chosen) for e in batch] + [len(e.rejected) for e in batch], device)  # (2b,)
     return sums, counts
 
 
@@ -317,7 +317,7 @@ class DPOTask:
             b = len(part)
             ref_c = ref_r = None
             if self.ref is not None:
-                ref = self.ref[part].to(lp.device)  # (b, 2)
+                ref = to_device(self.ref[part], lp.device)  # (b, 2)
                 ref_c, ref_r = ref[:, 0], ref[:, 1]
             elif self.ref_model is not None:
                 ref = self._live_reference(model, batch)  # (2b,)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from preftune.decoder import stack_and_head as split_head  # (decoder stack, output layer) or None
-from preftune.models import autocast
+from preftune.models import autocast, to_device
 from preftune.rollout.sampler import positions_from_mask
 
 
@@ -25,6 +25,8 @@ class Rows:
     @classmethod
     def read(cls, prompt_ids, prompt_mask, completion_mask) -> "Rows":
         """One host read. Rows share a prompt when their real tokens and padding agree (padding ids may differ)."""
+        if prompt_ids.size(0) == 0:  # a rank can hold no rows of a batch
+            return cls([], [], [])
         same = ((prompt_ids[1:] == prompt_ids[:-1]) | (prompt_mask[1:] == 0)).all(1) \
             & (prompt_mask[1:] == prompt_mask[:-1]).all(1)  # (B-1,) row i+1 repeats row i
         starts = torch.cat([same.new_ones(1), ~same]).long()  # (B,) 1 where a run begins
@@ -34,7 +36,7 @@ class Rows:
     @classmethod
     def of(cls, prompts: list[list[int]], completion_lengths: list[int]) -> "Rows":
         """From the rows' prompt tokens and completion lengths, already on the host."""
-        starts = [i == 0 or prompts[i] != prompts[i - 1] for i in range(len(prompts))]
+        starts = [int(i == 0 or prompts[i] != prompts[i - 1]) for i in range(len(prompts))]
         return cls([len(x) for x in prompts], list(completion_lengths), list(itertools.accumulate(starts)))
 
     def __getitem__(self, rows: slice | list[int]) -> "Rows":
@@ -49,7 +51,7 @@ class Rows:
     @property
     def width(self) -> int:
         """The longest row's real tokens (prompt + completion), at least 1."""
-        return max(1, max(p + c for p, c in zip(self.prompt, self.completion)))
+        return max(1, max((p + c for p, c in zip(self.prompt, self.completion)), default=0))
 
 
 def completion_logps(
@@ -122,6 +124,8 @@ def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion
     ids, attn, keep, idx = _layout(model, prompt_ids, prompt_mask, completion_ids, completion_mask, rows)
     with autocast(model):
         mask = _hf_mask(model, attn, attn.size(1), left_padded=idx is None and min(rows.prompt) < prompt_mask.size(1))
+        # no mask: HF reads the positions once to look for packed sequences (a host read per pass,
+        # kept: a 4-D mask would cost the attention its causal fast path)
         logits = _run(model, split, keep, input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(attn),
                       use_cache=False)  # (B, keep, V or H)
     if idx is None:  # aligned: position P-1+t predicts completion token t
@@ -145,17 +149,28 @@ def _hf_mask(model, keys: torch.Tensor, queries: int, left_padded: bool) -> torc
     """The attention mask for the HF module, built without reading `keys` (B, S) on the host (HF
     reads a 2-D mask to decide whether it can skip it: a device sync per call). No padding before
     a real token (`left_padded` False, known from `Rows`): None, plain causal attention, exact for
-    every real token. Else, with SDPA, the 4-D boolean mask (B, 1, queries, S) HF would build
-    (query i, at column S - queries + i, sees the real keys up to its column, and itself: no empty
-    softmax row), which HF takes as it is; other attention kernels get the 2-D mask."""
+    every real token. Else, with SDPA and full attention in every layer, the 4-D boolean mask
+    (B, 1, queries, S) HF builds (query i, at column S - queries + i, sees the real keys up to its
+    column; here also itself, so no softmax row is empty), which HF takes as it is. Other
+    attention kernels, and sliding-window layers (HF would hand them this mask unchanged), get
+    the 2-D mask."""
     if not left_padded:
         return None
-    if getattr(getattr(model, "config", None), "_attn_implementation", None) != "sdpa":
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not _full_attention(config):
         return keys
     S = keys.size(1)
     col = torch.arange(S, device=keys.device)  # (S,)
     at = col[S - queries:, None]  # (queries, 1) each query's column
     return (((col <= at) & keys.bool()[:, None, :]) | (col == at))[:, None]  # (B, 1, queries, S)
+
+
+def _full_attention(config) -> bool:
+    """Does every layer attend over the whole causal past (no sliding window, no chunks)?"""
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return all(t == "full_attention" for t in types)
+    return not getattr(config, "sliding_window", None)
 
 
 def _run(model, split, keep: int, **kwargs) -> torch.Tensor:
@@ -205,10 +220,10 @@ def _shared_logits(model, prompt_ids, prompt_mask, completion_ids, completion_ma
 
     B, T = completion_ids.shape
     device = prompt_ids.device
-    firsts = torch.tensor([0, *itertools.accumulate(sizes)][:-1], device=device)  # (U,) first row of each group
+    firsts = to_device([0, *itertools.accumulate(sizes)][:-1], device)  # (U,) first row of each group
     lead = prompt_mask.size(1) - max(rows.prompt)  # all-padding columns on the left: drop them
     p_ids, p_mask = prompt_ids[:, lead:], prompt_mask[:, lead:]  # (B, P')
-    group = torch.tensor([u for u, n in enumerate(sizes) for _ in range(n)], device=device)  # (B,) group of each row
+    group = to_device([u for u, n in enumerate(sizes) for _ in range(n)], device)  # (B,) group of each row
     cache = DynamicCache()
     kw = {cache_kwarg(model): cache}
     u_mask = p_mask[firsts]  # (U, P')

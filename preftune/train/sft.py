@@ -19,7 +19,7 @@ from preftune.data.stream import IndexStream
 from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response, fit_prompt
 from preftune.errors import UserError
 from preftune.losses.sft import sft_loss
-from preftune.models import autocast
+from preftune.models import autocast, to_device
 from preftune.rollout.sampler import left_pad, right_pad
 from preftune.train.logps import Rows, completion_logps, microbatches, token_logps
 
@@ -92,7 +92,7 @@ def packed_batch(batch: list[EncodedExample], rows: list[list[int]], pad_id: int
 
 def packed_logps(model, batch: list[EncodedExample], rows: list[list[int]], pad_id: int, device):
     """Completion-token log-probs and entropies, flat (N,) in example order, from packed rows."""
-    ids, pos, r, c, targets = (t.to(device) for t in packed_batch(batch, rows, pad_id))
+    ids, pos, r, c, targets = (to_device(t, device) for t in packed_batch(batch, rows, pad_id))
     keep = torch.unique(c)  # positions some completion token is predicted from (sorted)
     with autocast(model):  # attention_mask=None + restarting positions: attention stays within each example
         out = model(input_ids=ids, position_ids=pos, logits_to_keep=keep, use_cache=False)
@@ -104,7 +104,7 @@ def padded_logps(model, batch: list[EncodedExample], pad_id: int, device):
     """The same (N,) log-probs and entropies with one example per row (left-padded prompts)."""
     p_ids, p_mask = left_pad([e.prompt for e in batch], pad_id)  # (b, P)
     c_ids, c_mask = right_pad([e.completion for e in batch], pad_id)  # (b, T)
-    p_ids, p_mask, c_ids, c_mask = (t.to(device) for t in (p_ids, p_mask, c_ids, c_mask))
+    p_ids, p_mask, c_ids, c_mask = (to_device(t, device) for t in (p_ids, p_mask, c_ids, c_mask))
     rows = Rows.of([e.prompt for e in batch], [len(e.completion) for e in batch])  # sizes the pass: no host read
     logps, entropy = completion_logps(model, p_ids, p_mask, c_ids, c_mask, with_entropy=True, rows=rows)  # (b, T)
     real = c_mask.bool()

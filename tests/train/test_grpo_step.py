@@ -482,3 +482,14 @@ def test_the_step_reads_metrics_once_not_per_micro_batch(shared, monkeypatch, lo
         counts.append(reads.count)
         assert m["loss"] != 0 and m["entropy"] > 0
     assert N // 2 >= 6 and counts[0] == counts[1] <= 4, counts
+
+
+def test_a_rank_without_rows_steps_idle(model):
+    """A rank whose round drew no prompts (`online.empty_scored`) runs the step on zero rows: no pass,
+    zero entropy, nothing skipped."""
+    from preftune.rollout.online import empty_scored
+
+    ro = empty_scored(1).rollout
+    m = grpo_step(model, GRPOBatch(rollout=ro, advantages=torch.zeros(0), ref_logps=None),
+                  GRPOConfig(beta=0.0, micro_batch_size=2))
+    assert m == {"entropy": 0.0, "rows_skipped": 0.0}

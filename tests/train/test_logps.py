@@ -90,3 +90,49 @@ def test_hf_mask_is_built_on_the_device_not_read():
     got = L._hf_mask(sdpa, keys, 2, left_padded=True)  # the last 2 columns query
     want = torch.tensor([[[[0, 1, 1, 0], [0, 1, 1, 1]]], [[[1, 1, 1, 0], [1, 1, 1, 1]]]], dtype=torch.bool)
     assert got.shape == (2, 1, 2, 4) and torch.equal(got, want)
+
+
+def test_sliding_window_models_keep_their_window():
+    """A sliding-window model takes the HF module's forward (the lean decoder refuses it), and HF hands
+    a 4-D mask to every layer unchanged: it gets the 2-D mask, so left-padded rows keep their window."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from preftune.rollout.sampler import positions_from_mask
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, sliding_window=3, attn_implementation="sdpa")
+    model = MistralForCausalLM(cfg).eval()
+    assert not D.supported(model) and not L._full_attention(model.config)
+    p_ids, c_ids = torch.randint(3, 64, (2, 6)), torch.randint(3, 64, (2, 5))
+    p_mask, c_mask = torch.ones(2, 6, dtype=torch.long), torch.ones(2, 5, dtype=torch.long)
+    p_mask[1, :2] = 0  # row 1 left-padded
+    with torch.no_grad():
+        got, _ = L.completion_logps(model, p_ids, p_mask, c_ids, c_mask)
+        ids, attn = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn)).logits.float()
+    want, _ = L.token_logps(logits[:, p_ids.size(1) - 1:-1], c_ids)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    full = type("C", (), {"layer_types": ["full_attention"] * 2})()
+    assert L._full_attention(full) and L._full_attention(type("C", (), {})())
+    assert not L._full_attention(type("C", (), {"layer_types": ["full_attention", "sliding_attention"]})())
+
+
+def test_rows_of_token_lists_equal_rows_read_from_the_padded_tensors():
+    """DPO and SFT build `Rows` from their token lists (no host read): the same as reading the padded
+    rows they run (pad ids inside prompts and responses, empty responses, repeated prompts); and a
+    batch with no rows (a rank whose round drew none) reads as empty."""
+    from preftune.rollout.sampler import left_pad, right_pad
+
+    g = torch.Generator().manual_seed(3)
+    prompts, comps = [], []
+    for i in range(12):
+        p = torch.randint(0, 6, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(1 + i % 3):  # runs of 1-3 rows with one prompt
+            prompts.append(p)
+            comps.append(torch.randint(0, 6, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g).tolist())
+    p_ids, p_mask = left_pad(prompts, pad_id=0)
+    _, c_mask = right_pad(comps, pad_id=0)
+    assert L.Rows.of(prompts, [len(c) for c in comps]) == L.Rows.read(p_ids, p_mask, c_mask)
+    empty = torch.zeros((0, 1), dtype=torch.long)
+    assert L.Rows.read(empty, empty, empty) == L.Rows([], [], [])
