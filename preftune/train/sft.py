@@ -92,8 +92,9 @@ def packed_batch(batch: list[EncodedExample], rows: list[list[int]], pad_id: int
 
 def packed_logps(model, batch: list[EncodedExample], rows: list[list[int]], pad_id: int, device):
     """Completion-token log-probs and entropies, flat (N,) in example order, from packed rows."""
-    ids, pos, r, c, targets = (to_device(t, device) for t in packed_batch(batch, rows, pad_id))
-    keep = torch.unique(c)  # positions some completion token is predicted from (sorted)
+    ids, pos, r, c, targets = packed_batch(batch, rows, pad_id)  # on the host
+    keep = torch.unique(c)  # positions some completion token is predicted from (sorted; on the host: no device sync)
+    ids, pos, r, c, targets, keep = (to_device(t, device) for t in (ids, pos, r, c, targets, keep))
     with autocast(model):  # attention_mask=None + restarting positions: attention stays within each example
         out = model(input_ids=ids, position_ids=pos, logits_to_keep=keep, use_cache=False)
     logits = out.logits.float()[r, torch.searchsorted(keep, c)]  # (N, V)
