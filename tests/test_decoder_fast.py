@@ -108,7 +108,7 @@ def test_quick_step_equals_the_forward_step(arch):
         for col, cols in ((6, 7), (torch.tensor([6]), 9)):
             kv = lean.new_kv(3, 9)
             kv.keys.copy_(prefix.keys), kv.values.copy_(prefix.values)
-            got = lean.step(ids[:, 6], cos[pos[:, 6]], D.signed_sin(sin)[pos[:, 6]], mask[:, :cols], kv, col)
+            got = lean.step(ids[:, 6], cos[pos[:, 6]], sin[pos[:, 6]], mask[:, :cols], kv, col)
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
             torch.testing.assert_close(kv.keys[:, :, :, :7], want_kv.keys[:, :, :, :7], rtol=0, atol=1e-14)
             torch.testing.assert_close(kv.values[:, :, :, :7], want_kv.values[:, :, :, :7], rtol=0, atol=1e-14)

@@ -181,11 +181,8 @@ class _LeanDecoder:
     compacts = True
 
     def __init__(self, lean, capacity: int):
-        from preftune.decoder import signed_sin
-
         self.lean, self.capacity, self.filled, self.quick = lean, capacity, 0, lean.quick()
         self.cos, self.sin = (t[0] for t in lean.rope(torch.arange(capacity + 1, device=lean.embed.device)[None]))
-        self.sin_signed = signed_sin(self.sin) if self.quick else None  # (capacity + 1, d)
 
     def prefill(self, prompt_ids, prompt_mask, copies) -> torch.Tensor:
         B, P = prompt_ids.shape
@@ -214,7 +211,7 @@ class _LeanDecoder:
         if self.quick:  # `Lean.step`: the same maths in fewer tensor ops
             at = pos[:, 0]  # (n,)
             cols = mask.size(-1) if isinstance(start, torch.Tensor) else start + 1
-            return self.lean.step(tok[:, 0], self.cos[at], self.sin_signed[at], mask[:, 0, 0, :cols], self.kv,
+            return self.lean.step(tok[:, 0], self.cos[at], self.sin[at], mask[:, 0, 0, :cols], self.kv,
                                   start).float()  # (n, V)
         h = self.lean.forward(tok, (self.cos[pos], self.sin[pos]), mask, kv=self.kv, start=start)  # (n, 1, H)
         return self.lean.logits(h[:, -1]).float()  # (n, V)

@@ -77,10 +77,11 @@ def encode_pairs(pairs, tokenizer, cfg: Config) -> tuple[list[EncodedPair], dict
 
 def pair_tensors(batch: list[EncodedPair], pad_id: int):
     """2b rows, pair by pair: chosen_i then rejected_i, next to each other so their one prompt is
-    computed once (the shared layout of `completion_logps`)."""
-    p_ids, p_mask = left_pad([e.prompt for e in batch for _ in (0, 1)], pad_id)  # (2b, P)
-    c_ids, c_mask = right_pad([r for e in batch for r in (e.chosen, e.rejected)], pad_id)  # (2b, T)
-    return p_ids, p_mask, c_ids, c_mask
+    computed once (the shared layout of `completion_logps`), and their `Rows` (from the host lists)."""
+    prompts, responses = [e.prompt for e in batch for _ in (0, 1)], [r for e in batch for r in (e.chosen, e.rejected)]
+    p_ids, p_mask = left_pad(prompts, pad_id)  # (2b, P)
+    c_ids, c_mask = right_pad(responses, pad_id)  # (2b, T)
+    return p_ids, p_mask, c_ids, c_mask, Rows.of(prompts, [len(r) for r in responses])
 
 
 def sequence_logps(model, batch: list[EncodedPair], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,10 +100,8 @@ def sequence_logps(model, batch: list[EncodedPair], pad_id: int, device) -> tupl
     lengths = [len(e.prompt) + max(len(e.chosen), len(e.rejected)) for e in batch]
     sums = counts = None
     for rows in length_buckets(lengths):
-        pairs = [batch[i] for i in rows]
-        p_ids, p_mask, c_ids, c_mask = (to_device(t, device) for t in pair_tensors(pairs, pad_id))
-        sized = Rows.of([e.prompt for e in pairs for _ in (0, 1)],  # pair_tensors' rows, on the host
-                        [len(r) for e in pairs for r in (e.chosen, e.rejected)])
+        *tensors, sized = pair_tensors([batch[i] for i in rows], pad_id)
+        p_ids, p_mask, c_ids, c_mask = (to_device(t, device) for t in tensors)
         logps, _ = completion_logps(model, p_ids, p_mask, c_ids, c_mask, rows=sized)  # (2r, T)
         idx = to_device(rows, device)
         if sums is None:

@@ -108,7 +108,8 @@ def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion
                       rows: Rows | None = None) -> torch.Tensor:
     """Float logits that predict each completion token -> (B, T, V), in the cheapest layout; with
     `split` (`split_head`), the decoder's hidden states at those positions (B, T, H) instead."""
-    rows = rows or Rows.read(prompt_ids, prompt_mask, completion_mask)
+    if rows is None:
+        rows = Rows.read(prompt_ids, prompt_mask, completion_mask)
     if min(rows.prompt) < 1:
         raise ValueError("every prompt needs at least one token")
     groups = rows.groups()
