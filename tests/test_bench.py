@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import platform
 import subprocess
 
 import pytest
@@ -272,3 +273,20 @@ def test_draw_bench_times_three_draws(capsys):
     result = bench_draw.main(["--rows", "4", "--vocab", "300", "--repeats", "2"])
     assert set(result) == {"preftune draw (uniform noise)", "exponential_ noise", "softmax + multinomial"}
     assert all(ms > 0 for ms in result.values()) and "4 rows x 300 scores" in capsys.readouterr().out
+
+
+def test_passes_bench_measures_old_and_new_ways(capsys):
+    """bench_passes.py runs each pair of ways (the page-fault pair in fresh processes) and leaves the
+    sampler as it found it."""
+    import preftune.rollout.sampler as sampler
+    from bench import bench_passes
+
+    result = bench_passes.main(["--model", "demo", "--rows", "4", "--prompt", "5", "--completion", "3",
+                                "--repeats", "1", "--rounds", "1"])
+    assert set(result["no-grad pass ms"]) == {"fused per call", "separate (now)"}
+    assert set(result["rollout ms"]) == {"no_grad", "inference mode (now)"}
+    faults = result["forward+backward"]
+    assert faults["keep"]["kept"] is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
+    assert faults["default"]["kept"] is False and all(r["ms"] > 0 for r in faults.values())
+    assert sampler._LeanDecoder.inference is True
+    assert "demo, 4 rows x (5 + 3) tokens" in capsys.readouterr().out

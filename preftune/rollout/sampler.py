@@ -11,6 +11,7 @@ unpadded one, here and in the training forward pass (`train/logps.py` calls `pos
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from dataclasses import dataclass
@@ -107,31 +108,36 @@ def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id, t
     P = prompt_ids.size(1)
     copies = torch.arange(prompt_ids.size(0), device=device).repeat_interleave(G)  # (N,) prompt of each row
     decoder = _decoder(model, P + max_new_tokens - 1)
-    logits = decoder.prefill(prompt_ids, prompt_mask, copies)  # (N, V)
-    N = logits.size(0)
-    attn = torch.zeros(N, P + max_new_tokens, dtype=prompt_mask.dtype, device=device)  # (N, P+T) filled as we go
-    attn[:, :P] = prompt_mask[copies]
-    next_pos = attn.sum(-1, keepdim=True)  # (N, 1)
-    tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)  # (N, T)
-    rows = torch.arange(N, device=device)  # (n,) the rollout row of each row still in the batch
-    done = torch.zeros(N, dtype=torch.bool, device=device)  # (n,)
-    for t in range(max_new_tokens):
-        tok = draw(logits, temperature, top_k, top_p, greedy, generator).masked_fill(done, pad_id)  # (n,)
-        tokens[rows, t] = tok
-        attn[:, P + t] = (~done).to(attn.dtype)  # a finished row's pad is not attended to
-        done = done | (tok == eos_id)
-        if t == max_new_tokens - 1:
-            break
-        finished = int(done.sum())  # the one host sync per token: stop, or drop finished rows
-        if finished == done.numel():
-            break
-        if finished * 8 >= done.numel() and decoder.compacts:  # finished rows leave the batch (and the cache)
-            keep = (~done).nonzero().squeeze(1)  # (n',)
-            rows, done, tok, attn, next_pos = rows[keep], done[keep], tok[keep], attn[keep], next_pos[keep]
-            decoder.select(keep)
-        logits = decoder.step(tok, attn[:, :P + t + 1], next_pos)  # (n, V)
-        next_pos = next_pos + 1
-    return _assemble(prompt_ids[copies], prompt_mask[copies], tokens, eos_id)
+    # inference mode skips autograd's per-op bookkeeping (version counters, view tracking): about 7% of
+    # a small model's decode step on a CPU. Not for the module (hooks such as FSDP2's may keep tensors
+    # made here for the training pass) nor for a CUDA graph (its replay has no per-op work to save);
+    # those stay in `sample`'s no_grad (`inference_mode(False)` would turn grad back on)
+    with torch.inference_mode() if decoder.inference else contextlib.nullcontext():
+        logits = decoder.prefill(prompt_ids, prompt_mask, copies)  # (N, V)
+        N = logits.size(0)
+        attn = torch.zeros(N, P + max_new_tokens, dtype=prompt_mask.dtype, device=device)  # (N, P+T) filled as we go
+        attn[:, :P] = prompt_mask[copies]
+        next_pos = attn.sum(-1, keepdim=True)  # (N, 1)
+        tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)  # (N, T)
+        rows = torch.arange(N, device=device)  # (n,) the rollout row of each row still in the batch
+        done = torch.zeros(N, dtype=torch.bool, device=device)  # (n,)
+        for t in range(max_new_tokens):
+            tok = draw(logits, temperature, top_k, top_p, greedy, generator).masked_fill(done, pad_id)  # (n,)
+            tokens[rows, t] = tok
+            attn[:, P + t] = (~done).to(attn.dtype)  # a finished row's pad is not attended to
+            done = done | (tok == eos_id)
+            if t == max_new_tokens - 1:
+                break
+            finished = int(done.sum())  # the one host sync per token: stop, or drop finished rows
+            if finished == done.numel():
+                break
+            if finished * 8 >= done.numel() and decoder.compacts:  # finished rows leave the batch (and the cache)
+                keep = (~done).nonzero().squeeze(1)  # (n',)
+                rows, done, tok, attn, next_pos = rows[keep], done[keep], tok[keep], attn[keep], next_pos[keep]
+                decoder.select(keep)
+            logits = decoder.step(tok, attn[:, :P + t + 1], next_pos)  # (n, V)
+            next_pos = next_pos + 1
+    return _assemble(prompt_ids[copies], prompt_mask[copies], tokens.clone(), eos_id)  # a normal tensor again
 
 
 def _decoder(model, capacity: int):
@@ -150,7 +156,7 @@ def _decoder(model, capacity: int):
 class _HFDecoder:
     """The model's own forward with a cache whose layers are preallocated buffers."""
 
-    compacts = True
+    compacts, inference = True, False
 
     def __init__(self, model, capacity: int):
         from transformers import DynamicCache
@@ -178,7 +184,7 @@ class _HFDecoder:
 class _LeanDecoder:
     """Fused projections, a rotary table built once, keys/values written in place."""
 
-    compacts = True
+    compacts, inference = True, True
 
     def __init__(self, lean, capacity: int):
         self.lean, self.capacity, self.filled, self.quick = lean, capacity, 0, lean.quick()
@@ -254,7 +260,7 @@ class _GraphedDecoder(_StaticDecoder):
     launch per token instead of one per kernel (hundreds for a 24-layer model), which is what
     bounds decoding a small batch on a GPU. Captured once per rollout (the buffers are new)."""
 
-    graph = None
+    graph, inference = None, False
 
     def _run(self) -> torch.Tensor:
         if self.graph is None:

@@ -30,6 +30,7 @@ from preftune.train.checkpointer import (  # noqa: F401 - load_weights, rng_stat
 )
 from preftune.train.distributed import Parallel, SharedStop
 from preftune.train.evaluate import build_evaluator
+from preftune.train.host_memory import keep_freed_memory
 from preftune.train.loggers import build_trackers
 from preftune.train.metrics import MetricsLog
 from preftune.train.optim import build_optimizer, lr_at, set_lr
@@ -82,6 +83,8 @@ class Run:
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
         self.device = dp.device
+        if self.device.type == "cpu":  # activations live in host memory: reuse it from step to step
+            keep_freed_memory()
         self.mirror = ckpt.RemoteMirror(cfg.checkpoint_uri, cfg.save_total_limit) \
             if cfg.checkpoint_uri and dp.is_main else None
         # rank 0 decides (it may set damaged checkpoints aside or download one) and tells the others

@@ -239,3 +239,35 @@ def test_finished_rows_leave_the_batch(model, tokenizer, monkeypatch, forward):
     # a decode step runs no more rows than were still sampling at that step
     for t, n in enumerate(sizes[1:], start=1):
         assert n >= int((lengths > t).sum())
+
+
+@pytest.mark.parametrize("forward", ["lean", "hf"])
+def test_decoding_runs_in_inference_mode_and_hands_back_normal_tensors(model, tokenizer, monkeypatch, forward):
+    """The lean decoder's steps run under inference mode (no autograd bookkeeping per op); the HF
+    module's do not (its hooks may keep what they make), and neither runs with grad. Either way the
+    rollout is made of normal tensors, which a training pass can save for its backward (an
+    inference tensor would raise), and the tokens are those of a plain no-grad decode."""
+    import preftune.decoder as decoder
+    import preftune.rollout.sampler as sampler
+
+    seen = []
+    if forward == "hf":
+        monkeypatch.setattr(decoder, "supported", lambda m: False)
+        step = sampler._HFDecoder.step
+        monkeypatch.setattr(sampler._HFDecoder, "step", lambda self, *a: seen.append(
+            (torch.is_inference_mode_enabled(), torch.is_grad_enabled())) or step(self, *a))
+    else:
+        step = sampler._LeanDecoder.step
+        monkeypatch.setattr(sampler._LeanDecoder, "step", lambda self, *a: seen.append(
+            (torch.is_inference_mode_enabled(), torch.is_grad_enabled())) or step(self, *a))
+    ro = _sample(model, tokenizer, num_generations=2, max_new_tokens=6, generator=torch.Generator().manual_seed(3))
+    assert seen and set(seen) == {(forward == "lean", False)}  # never with grad
+    for t in (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask, ro.truncated):
+        assert not t.is_inference()
+    monkeypatch.setattr(sampler._LeanDecoder, "inference", False)
+    plain = _sample(model, tokenizer, num_generations=2, max_new_tokens=6, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(plain.completion_ids, ro.completion_ids)
+    logits = model(input_ids=torch.cat([ro.prompt_ids, ro.completion_ids], 1)).logits  # embedding saves the ids
+    logits.float().logsumexp(-1).sum().backward()
+    assert model.get_input_embeddings().weight.grad is not None
+    model.zero_grad(set_to_none=True)
