@@ -69,17 +69,23 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tok
 
 
-def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True):
-    """The policy (trainable, optionally LoRA-wrapped) or a frozen copy for the reference."""
-    from transformers import AutoModelForCausalLM
+def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True, weights: bool = True):
+    """The policy (trainable, optionally LoRA-wrapped) or a frozen copy for the reference. Without
+    `weights`, the same module on the meta device, from config.json alone (shapes, no storage: the
+    FSDP2 ranks that receive their shards from rank 0, `Parallel.load`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     # Full fine-tuning in bfloat16 keeps float32 master weights and computes under autocast: AdamW
     # steps on bf16 weights round most updates away. Frozen models and LoRA bases load as bf16.
     mixed = trainable and cfg.dtype == "bfloat16" and not cfg.lora.enabled
+    dtype, remote = torch.float32 if mixed else DTYPES[cfg.dtype], cfg.trust_remote_code
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32 if mixed else DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
-        )
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=remote)
+        else:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=remote)
     except _load_errors() as e:  # corrupt or truncated weights, bad config.json
         raise UserError(f"cannot load model: {one_line(e, with_type=True)}", where=path) from None
     model.preftune_lean = cfg.lean_forward  # read by preftune.decoder.supported

@@ -89,16 +89,20 @@ class Parallel:
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
-    def on_main(self, fn):
-        """Run `fn` on rank 0 only and hand its result to every rank; a UserError there is raised on
-        every rank (so all exit 78 together instead of the others waiting for it)."""
+    def on_main(self, fn, *, share: bool = True):
+        """Run `fn` on rank 0 only and hand its result to every rank (`share` False: to rank 0 only,
+        None elsewhere); a UserError there is raised on every rank (so all exit 78 together instead
+        of the others waiting for it)."""
         result, error = None, None
         if self.is_main:
             try:
                 result = fn()
             except UserError as e:
                 error = str(e)
-        result, error = self.broadcast((result, error))
+        if share:
+            result, error = self.broadcast((result, error))
+        else:
+            error = self.broadcast(error)
         if error is not None:
             raise UserError(error)
         return result
@@ -155,9 +159,39 @@ class Parallel:
 
     # ---------------------------------------------------------------- model wrapping
 
+    def load(self, cfg, path: str, *, trainable: bool = True, reshard_after_forward: bool = True):
+        """`models.load_model` for this strategy, on this rank's device (the policy, or with
+        `trainable` False the frozen reference). Under FSDP2 without LoRA only rank 0 reads the
+        weights, into host memory: every rank builds the module on the meta device and shards it,
+        then rank 0 sends each rank its shards and the buffers outside the state dict (rotary
+        tables). So no other rank ever holds a whole weight, and no device the whole model (the
+        32B sizing in the README: 131 GB of fp32 weights per rank otherwise)."""
+        from preftune.models import load_model
+
+        mixed = trainable and cfg.dtype == "bfloat16" and not cfg.lora.enabled
+        kw = {"mixed_bf16": mixed, "reshard_after_forward": reshard_after_forward}
+        if not self.sharded or cfg.lora.enabled:  # LoRA: peft wraps the loaded module first
+            return self.wrap(load_model(cfg, path, trainable=trainable), **kw)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full = self.on_main(lambda: load_model(cfg, path, trainable=trainable), share=False)  # rank 0, host
+        model = self.wrap(load_model(cfg, path, trainable=trainable, weights=False), **kw)  # meta shards
+        model.to_empty(device=self.device)
+        set_model_state_dict(model, full.state_dict() if full is not None else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        sources = dict(full.named_buffers()) if full is not None else {}
+        for name, buf in model.named_buffers():
+            if full is not None:
+                buf.copy_(sources[name])
+            torch.distributed.broadcast(buf, src=0)
+        log.info("model built on the meta device and sharded; weights sent by rank 0")
+        return model
+
     def wrap(self, model, *, mixed_bf16: bool = False, reshard_after_forward: bool = True):
-        """The policy (or the frozen reference) for this strategy, on this rank's device."""
-        model = model.to(self.device)
+        """The policy (or the frozen reference) for this strategy, on this rank's device (a module on
+        the meta device stays there: `load` gives it storage once it is sharded)."""
+        if not next(model.parameters()).is_meta:
+            model = model.to(self.device)
         if self.active:  # one forward per log-prob pass, see below; on every strategy for equal numerics
             model.preftune_one_forward = True
         if not self.active or self.strategy != "fsdp":

@@ -22,7 +22,7 @@ from preftune.data.stream import IndexStream
 from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response, fit_prompt
 from preftune.errors import UserError
 from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
-from preftune.models import autocast, load_model, to_device
+from preftune.models import autocast, to_device
 from preftune.rollout.sampler import left_pad, right_pad
 from preftune.train.head import head_logps
 from preftune.train.logps import Rows, completion_logps, length_buckets, microbatches
@@ -290,8 +290,8 @@ class DPOTask:
         self.ref, self.ref_model = None, None  # ref (n, 2): from the checkpoint on a resume, else prepare()
         if not self.d.reference_free and not self.d.precompute_ref_logps:
             # run on each batch: the base under LoRA, else a frozen copy, sharded like the policy
-            self.ref_model = model if cfg.model.lora.enabled else self.dp.wrap(load_model(
-                cfg.model, cfg.model.name_or_path, trainable=False))
+            self.ref_model = model if cfg.model.lora.enabled else self.dp.load(
+                cfg.model, cfg.model.name_or_path, trainable=False)
         self.stream = IndexStream(len(self.encoded), cfg.seed, cfg.data.shuffle)
 
     def prepare(self, model) -> None:

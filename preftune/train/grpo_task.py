@@ -8,7 +8,6 @@ import torch
 from preftune.config import Config
 from preftune.data.tokenize import PromptTruncation, encode_prompt
 from preftune.errors import UserError
-from preftune.models import load_model
 from preftune.rewards.registry import load_reward_funcs
 from preftune.train.grpo import GRPOBatch, grpo_step, new_batch
 
@@ -72,7 +71,7 @@ class GRPOTask:
         if self.g.beta > 0 and cfg.model.lora.enabled:  # the base under the adapters is the reference
             self.ref_model = model
         elif self.g.beta > 0:  # the reference is only needed for the KL term
-            self.ref_model = self.dp.wrap(load_model(cfg.model, cfg.model.name_or_path, trainable=False))
+            self.ref_model = self.dp.load(cfg.model, cfg.model.name_or_path, trainable=False)
         self.pending: GRPOBatch | None = None
 
     def prepare(self, model) -> None:

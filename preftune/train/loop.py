@@ -22,7 +22,7 @@ from preftune.atomic import atomic_write, copy_atomic
 from preftune.config import Config, to_dict, to_yaml
 from preftune.data.report import write_data_report
 from preftune.errors import Preempted, UserError
-from preftune.models import check_model_path, import_model_libraries, load_model, load_tokenizer
+from preftune.models import check_model_path, import_model_libraries, load_tokenizer
 from preftune.train import checkpoint as ckpt
 from preftune.train import distributed
 from preftune.train.checkpointer import (  # noqa: F401 - load_weights, rng_state: used by tests and tools
@@ -94,9 +94,7 @@ class Run:
         seed_everything(cfg.seed)
         base_path = check_model_path(cfg.model.name_or_path)
         self.tokenizer = load_tokenizer(base_path, cfg.model.trust_remote_code)
-        mixed = cfg.model.dtype == "bfloat16" and not cfg.model.lora.enabled
-        self.model = dp.wrap(load_model(cfg.model, base_path), mixed_bf16=mixed,
-                             reshard_after_forward=cfg.distributed.reshard_after_forward)
+        self.model = dp.load(cfg.model, base_path, reshard_after_forward=cfg.distributed.reshard_after_forward)
         clock.mark("model")
         self.task = build_task(cfg, self.model, self.tokenizer, self.device, dp)
         self.evaluator = build_evaluator(cfg, self.tokenizer)

@@ -18,12 +18,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Runs `preftune` after optional test hooks: PREFTUNE_TEST_FAKE_SAMPLER=1 replaces the sampler by
 # fake_sample (same completions for a prompt whatever the rank); PREFTUNE_TEST_STEP_PAUSE=S sleeps S
-# seconds after each step's forward/backward, so a test can signal a rank mid-run.
+# seconds after each step's forward/backward, so a test can signal a rank mid-run;
+# PREFTUNE_TEST_MARK_LOADS=1 prints a line for each read of a model's weights.
 DRIVER = """
 import os, sys, time
 if os.environ.get("PREFTUNE_TEST_DUMP_AFTER"):  # a hung rank prints its stacks and exits
     import faulthandler
     faulthandler.dump_traceback_later(float(os.environ["PREFTUNE_TEST_DUMP_AFTER"]), exit=True)
+if os.environ.get("PREFTUNE_TEST_MARK_LOADS"):  # each read of a model's weights prints a line
+    import transformers
+    read = transformers.AutoModelForCausalLM.from_pretrained
+    def marked(*a, **k):
+        print("TEST weights read", flush=True)
+        return read(*a, **k)
+    transformers.AutoModelForCausalLM.from_pretrained = marked
 if os.environ.get("PREFTUNE_TEST_FAKE_SAMPLER"):
     from tests.train.ranks import install_fake_sampler
     install_fake_sampler()

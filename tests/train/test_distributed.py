@@ -86,6 +86,7 @@ def assert_same_training(one, two) -> None:
 def test_two_ranks_train_like_one(kind, strategy, one_rank, data_dir, tmp_path):
     out = tmp_path / "run"
     env = {"PREFTUNE_TEST_FAKE_SAMPLER": "1"} if kind == "online" else {}
+    env["PREFTUNE_TEST_MARK_LOADS"] = "1"
     ranks = Ranks(tmp_path, 2, [write_config(tmp_path / "run.yaml"), *args(kind, out, data_dir, **{"distributed.strategy": strategy})], **env)
     codes = ranks.wait()
     assert codes == [EXIT_OK, EXIT_OK], ranks.text(0)[-3000:] + ranks.text(1)[-3000:]
@@ -103,6 +104,14 @@ def test_two_ranks_train_like_one(kind, strategy, one_rank, data_dir, tmp_path):
     if kind == "online":  # groups were dropped and resampled, so ranks held unequal rows (idle passes)
         assert any(r["dynamic_sampling/dropped_groups"] for r in metric_rows(out))
     assert " rank 1 INFO rank 1 of 2" in ranks.text(1)  # each rank's log lines carry its rank
+    # FSDP2 (full fine-tuning): only rank 0 reads the weights (the policy, and online GRPO's beta > 0
+    # reference; again for final/, which only rank 0 writes); rank 1 builds both on the meta device
+    # and receives its shards
+    models = 2 if kind == "online" else 1
+    meta = strategy == "fsdp" and kind != "lora"
+    reads = [ranks.text(r).count("TEST weights read") for r in (0, 1)]
+    assert reads[0] >= models and reads[1] == (0 if meta else models)
+    assert all(ranks.text(r).count("weights sent by rank 0") == (models if meta else 0) for r in (0, 1))
     assert not (out / "metrics.jsonl").read_text().count('"step": 1,') > 1  # only rank 0 writes
 
 
@@ -111,4 +120,24 @@ def test_global_batch_not_divisible_is_refused_by_every_rank(data_dir, tmp_path)
     ranks = Ranks(tmp_path, 2, [write_config(tmp_path / "run.yaml"), *args("offline", out, data_dir, **{"grpo.prompts_per_step": 3})])
     assert ranks.wait() == [EXIT_USER, EXIT_USER]
     assert "grpo.prompts_per_step=3 not divisible by the world size 2" in ranks.text(0)
+    assert not out.exists()
+
+
+def test_corrupt_weights_read_by_rank_0_stop_every_rank_with_78(data_dir, tmp_path):
+    """Under FSDP2 only rank 0 reads the weights; its error reaches rank 1, which has built its
+    module from config.json alone, so both exit 78 with the same line instead of rank 1 waiting."""
+    import shutil
+
+    from tests.train.test_resume import MODEL
+
+    model = tmp_path / "model"
+    shutil.copytree(MODEL, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    out = tmp_path / "run"
+    ranks = Ranks(tmp_path, 2, [write_config(tmp_path / "run.yaml"), *args("dpo", out, data_dir, **{
+        "distributed.strategy": "fsdp", "model.name_or_path": str(model)})])
+    assert ranks.wait() == [EXIT_USER, EXIT_USER]
+    for r in (0, 1):
+        assert "cannot load model" in ranks.text(r) and "Traceback" not in ranks.text(r)
     assert not out.exists()

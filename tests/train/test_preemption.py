@@ -163,7 +163,9 @@ def test_second_signal_during_the_save_does_not_corrupt_it(cli_reference, data_d
 
 
 def test_signal_during_setup_stops_at_once_without_a_checkpoint(data_dir, tmp_path, monkeypatch, capsys):
-    load = loop.load_model
+    import preftune.models as models
+
+    load = models.load_model  # what `Parallel.load` calls
     trained = []
 
     def load_then_signal(*args, **kwargs):
@@ -171,7 +173,7 @@ def test_signal_during_setup_stops_at_once_without_a_checkpoint(data_dir, tmp_pa
         os.kill(os.getpid(), signal.SIGTERM)
         return model
 
-    monkeypatch.setattr(loop, "load_model", load_then_signal)
+    monkeypatch.setattr(models, "load_model", load_then_signal)
     monkeypatch.setattr(loop.Run, "_one_step", lambda *a: trained.append(1))
     cfg = write_config(tmp_path / "run.yaml")
     assert main(["train", str(cfg), *overrides("online", tmp_path / "run", data_dir)]) == EXIT_PREEMPTED
