@@ -27,8 +27,9 @@ import torch.nn.functional as F
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # model_type values whose layers this replays
 # q/k/v and gate/up are fused into one matrix each for decoding only: there the copy serves a whole
 # rollout of small matmuls. Any other pass builds its `Lean` per micro-batch, and the copy cost more than
-# the fused products saved (a no-grad pass of the 3M model over 32 x 84 tokens: 113 ms fused, 94 ms
-# separate); with grad the fused product's gradient would also be assembled by one more copy.
+# the fused products saved (bench/bench_passes.py, a no-grad pass of the 3M model: 100 ms fused, 93 ms
+# separate over 32 x 84 tokens; 15 and 9 ms over 8 x 28); with grad the fused product's gradient
+# would also be assembled by one more copy.
 
 
 def _base(model):
