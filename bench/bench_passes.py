@@ -85,6 +85,7 @@ def rollout(model, args) -> dict:
 
     p_ids, p_mask = batch(args)[:2]
     groups = max(1, args.rows // 4)
+    now = sampler._LeanDecoder.inference
 
     def run(inference: bool):
         sampler._LeanDecoder.inference = inference
@@ -95,7 +96,7 @@ def rollout(model, args) -> dict:
         return alternate({"no_grad": lambda: run(False), "inference mode (now)": lambda: run(True)},
                          args.repeats, args.rounds)
     finally:
-        sampler._LeanDecoder.inference = True
+        sampler._LeanDecoder.inference = now
 
 
 def faults_child(args) -> dict:

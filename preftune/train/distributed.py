@@ -168,14 +168,16 @@ class Parallel:
         32B sizing in the README: 131 GB of fp32 weights per rank otherwise)."""
         from preftune.models import load_model
 
-        mixed = trainable and cfg.dtype == "bfloat16" and not cfg.lora.enabled
-        kw = {"mixed_bf16": mixed, "reshard_after_forward": reshard_after_forward}
+        def wrap(model):  # bf16 mixed precision where load_model chose float32 masters under bf16 autocast
+            return self.wrap(model, mixed_bf16=getattr(model, "preftune_autocast", None) is not None,
+                             reshard_after_forward=reshard_after_forward)
+
         if not self.sharded or cfg.lora.enabled:  # LoRA: peft wraps the loaded module first
-            return self.wrap(load_model(cfg, path, trainable=trainable), **kw)
+            return wrap(load_model(cfg, path, trainable=trainable))
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         full = self.on_main(lambda: load_model(cfg, path, trainable=trainable), share=False)  # rank 0, host
-        model = self.wrap(load_model(cfg, path, trainable=trainable, weights=False), **kw)  # meta shards
+        model = wrap(load_model(cfg, path, trainable=trainable, weights=False))  # meta shards
         model.to_empty(device=self.device)
         set_model_state_dict(model, full.state_dict() if full is not None else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

@@ -27,6 +27,14 @@ class GRPOBatch:
     advantages: torch.Tensor  # (N,)
     ref_logps: torch.Tensor | None  # (N, T)
     metrics: dict = field(default_factory=dict)
+    rows: Rows | None = None  # the rollout's sizes, read once for all of the batch's passes (`sizes`)
+
+    def sizes(self) -> Rows:
+        """The rollout's `Rows`: one host read, shared by the reference pass and every step on this batch."""
+        if self.rows is None:
+            ro = self.rollout
+            self.rows = Rows.read(ro.prompt_ids, ro.prompt_mask, ro.completion_mask)
+        return self.rows
 
     def state_dict(self) -> dict:
         ro = self.rollout
@@ -88,21 +96,24 @@ def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig, dp=None) -> GRPOBatc
     # old log-probs (num_iterations > 1) are not a pass of their own: the batch's first step runs the
     # same weights with grad and records them (`grpo_step`)
     ro.old_logps = None
-    ref = None
+    batch = GRPOBatch(rollout=ro, advantages=adv.to(device), ref_logps=None,
+                      metrics=reward_metrics(whole, lengths, truncated))
     if cfg.beta > 0:
         with dp.gathered(ref_model):
-            ref = reference_logps(ref_model, ro, cfg, without_adapter=ref_model is model)
-    return GRPOBatch(rollout=ro, advantages=adv.to(device), ref_logps=ref,
-                     metrics=reward_metrics(whole, lengths, truncated))
+            batch.ref_logps = reference_logps(ref_model, ro, cfg, without_adapter=ref_model is model,
+                                              rows=batch.sizes())
+    return batch
 
 
 @torch.no_grad()
-def reference_logps(model, rollout: Rollout, cfg: GRPOConfig, *, without_adapter: bool = False) -> torch.Tensor:
+def reference_logps(model, rollout: Rollout, cfg: GRPOConfig, *, without_adapter: bool = False,
+                    rows: Rows | None = None) -> torch.Tensor:
     """Log-probs of a rollout under a frozen model (the reference).
     With LoRA the reference is the policy with its adapters disabled: no second model in memory."""
     with model.disable_adapter() if without_adapter else contextlib.nullcontext():
         out = []
-        rows = Rows.read(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_mask)  # one host read
+        if rows is None:  # one host read
+            rows = Rows.read(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_mask)
         for sl in microbatches(rollout.completion_ids.size(0), cfg.micro_batch_size):
             lp, _ = completion_logps(model, rollout.prompt_ids[sl], rollout.prompt_mask[sl],
                                      rollout.completion_ids[sl], rollout.completion_mask[sl],
@@ -149,8 +160,7 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
     keep = trained_rows(batch.advantages, mask, cfg.beta)
     kept = None if keep is None else keep.tolist()
     row_tokens = all_tokens if kept is None else [all_tokens[i] for i in kept]
-    rows = Rows.read(ro.prompt_ids, ro.prompt_mask, ro.completion_mask)  # sizes every pass: no read per pass
-    rows = rows if kept is None else rows[kept]
+    rows = batch.sizes() if kept is None else batch.sizes()[kept]  # sizes every pass: no read per pass
     pick = (lambda t: t) if keep is None else (lambda t: t.index_select(0, keep))  # noqa: E731
     ro_ids, ro_pmask, ro_cids, ro_cmask = (pick(t) for t in (ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
                                                                ro.completion_mask))
