@@ -19,17 +19,30 @@ class EvalResult:
     per_func: torch.Tensor  # (n, k, F); NaN = not applicable
     lengths: torch.Tensor  # (n, k) completion tokens (up to and including EOS)
 
+    @classmethod
+    def empty(cls, k: int) -> "EvalResult":
+        """No prompts (a rank whose share of a small prompt set is empty)."""
+        return cls([], torch.zeros(0, k), torch.zeros(0, k, 0), torch.zeros(0, k))
+
+    @classmethod
+    def merge(cls, parts: list["EvalResult"]) -> "EvalResult":
+        """The parts' prompts in order (each rank's share, gathered in rank order) as one result."""
+        full = [r for r in parts if r.total.size(0)] or parts[:1]
+        return cls(full[0].names, *(torch.cat([getattr(r, f) for r in full]) for f in ("total", "per_func", "lengths")))
+
 
 @torch.no_grad()
 def generate_scored(model, tokenizer, prompt_set, reward_funcs, *, weights, max_new_tokens: int, batch_size: int,
                     truncation: PromptTruncation, state=None, num_samples: int = 1, sampling: dict | None = None,
-                    generator: torch.Generator | None = None) -> EvalResult:
+                    generator: torch.Generator | None = None, share: slice | None = None) -> EvalResult:
     """Greedy (sampling None, one completion) or `num_samples` sampled completions per prompt with
-    `sampling` = {temperature, top_p, top_k} drawn from `generator` (same seed, same draws)."""
+    `sampling` = {temperature, top_p, top_k} drawn from `generator` (same seed, same draws); of the
+    prompts in `share` (default: all)."""
     k = num_samples if sampling is not None else 1
+    share = share or slice(0, len(prompt_set))
     totals, per_func, lengths, names = [], [], [], []
-    for start in range(0, len(prompt_set), batch_size):
-        idx = list(range(start, min(start + batch_size, len(prompt_set))))
+    for start in range(share.start, share.stop, batch_size):
+        idx = list(range(start, min(start + batch_size, share.stop)))
         prompts, columns, ids = encode_prompts(tokenizer, prompt_set, idx, truncation)
         if not ids:
             continue
@@ -43,6 +56,8 @@ def generate_scored(model, tokenizer, prompt_set, reward_funcs, *, weights, max_
         per_func.append(s.per_func.view(len(ids), k, -1))
         lengths.append(ro.completion_mask.sum(-1).view(-1, k).cpu().float())
         names = s.names
+    if not totals:
+        return EvalResult.empty(k)
     return EvalResult(list(names), torch.cat(totals), torch.cat(per_func), torch.cat(lengths))
 
 
@@ -65,11 +80,14 @@ def summarize(r: EvalResult, prefix: str = "eval/") -> dict:
 
 
 def evaluate(model, tokenizer, prompt_set, reward_funcs, *, weights, max_new_tokens: int, batch_size: int,
-             truncation: PromptTruncation, state=None) -> dict:
-    """`eval/reward` = mean over held-out prompts of the (weighted) summed reward of the greedy completion."""
-    return summarize(generate_scored(model, tokenizer, prompt_set, reward_funcs, weights=weights,
-                                     max_new_tokens=max_new_tokens, batch_size=batch_size, truncation=truncation,
-                                     state=state))
+             truncation: PromptTruncation, state=None, dp=None) -> dict:
+    """`eval/reward` = mean over held-out prompts of the (weighted) summed reward of the greedy completion.
+    With `dp` (train/distributed.py's Parallel), each rank generates and scores its contiguous share
+    of the prompts and every rank summarises all of them (a gather of the per-prompt scores)."""
+    share = dp.share(len(prompt_set)) if dp is not None else None
+    part = generate_scored(model, tokenizer, prompt_set, reward_funcs, weights=weights, max_new_tokens=max_new_tokens,
+                           batch_size=batch_size, truncation=truncation, state=state, share=share)
+    return summarize(EvalResult.merge(dp.gather(part)) if dp is not None else part)
 
 
 def eval_prompt_set(cfg):
@@ -94,8 +112,9 @@ def eval_reward_funcs(cfg) -> tuple[list, list | None]:
     return funcs, cfg.grpo.reward_weights if cfg.eval.reward_funcs is None else None
 
 
-def build_evaluator(cfg, tokenizer):
-    """A callable (model, step) -> eval metrics, or None when the config has no held-out prompts."""
+def build_evaluator(cfg, tokenizer, dp=None):
+    """A callable (model, step) -> eval metrics, or None when the config has no held-out prompts;
+    with `dp`, the prompts split over the ranks (`evaluate`)."""
     prompt_set = eval_prompt_set(cfg)
     if prompt_set is None:
         return None
@@ -107,6 +126,7 @@ def build_evaluator(cfg, tokenizer):
 
     def run(model, step: int) -> dict:
         return evaluate(model, tokenizer, prompt_set, funcs, weights=weights, max_new_tokens=max_new,
-                        batch_size=cfg.eval.batch_size, truncation=truncation, state=RewardState(global_step=step))
+                        batch_size=cfg.eval.batch_size, truncation=truncation, state=RewardState(global_step=step),
+                        dp=dp)
 
     return run

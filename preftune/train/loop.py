@@ -97,7 +97,7 @@ class Run:
         self.model = dp.load(cfg.model, base_path, reshard_after_forward=cfg.distributed.reshard_after_forward)
         clock.mark("model")
         self.task = build_task(cfg, self.model, self.tokenizer, self.device, dp)
-        self.evaluator = build_evaluator(cfg, self.tokenizer)
+        self.evaluator = build_evaluator(cfg, self.tokenizer, dp)
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optim)
         self.checkpointer = Checkpointer(cfg, dp, model=self.model, tokenizer=self.tokenizer,
                                          optimizer=self.optimizer, task=self.task, mirror=self.mirror)
@@ -145,7 +145,7 @@ class Run:
 
     def _eval(self) -> None:
         if self.evaluator is not None and self.evaluated != self.step:  # an early stop may follow an eval
-            with self.dp.gathered(self.model):  # each rank evaluates the whole set; rank 0 logs it
+            with self.dp.gathered(self.model):  # each rank evaluates its share of the prompts; rank 0 logs
                 m = self.evaluator(self.model, self.step)
             self._log(m)
             self.evaluated = self.step
