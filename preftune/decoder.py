@@ -296,7 +296,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     """Rotate-half RoPE: x * cos + [-x2, x1] * sin. (B, L, h, d) -> (B, L, h, d)."""
     if torch.is_grad_enabled() and x.requires_grad:
         return _Rope.apply(x, cos, sin)
-    x1, x2 = x.chunk(2, dim=-1)
+    if x.dtype in (torch.float32, torch.float64):  # as `_Rope` computes it, without building [-x2, x1]
+        return _rotate_into(x * cos, x, sin)
+    x1, x2 = x.chunk(2, dim=-1)  # bf16/fp16: the module's roundings (a fused multiply-add rounds once)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 

@@ -290,3 +290,27 @@ def test_passes_bench_measures_old_and_new_ways(capsys):
     assert faults["default"]["kept"] is False and all(r["ms"] > 0 for r in faults.values())
     assert sampler._LeanDecoder.inference is True
     assert "demo, 4 rows x (5 + 3) tokens" in capsys.readouterr().out
+
+
+def test_floor_bench_reads_the_suite_json(tmp_path, capsys):
+    """bench_floor.py: its rows are suite rows; a pass with backward costs more than without; the
+    GRPO floor adds preftune's measured sampling seconds (nominal FLOPs / its sampling rate)."""
+    from bench import bench_floor
+
+    assert set(bench_floor.ROWS) <= {name for name, _, _ in suite.FULL}
+    rows = {"dpo 3M short R8 B32": {"trl": {"median_s": 0.2}, "preftune": {"median_s": 0.1}},
+            "grpo 3M 8x4 T64 b.04": {"trl": {"median_s": 0.8}, "preftune": {
+                "median_s": 0.5, "completion_tokens_per_s": 32 * 8 / 0.5, "phase_gflops": {"sampling": 50.0}}}}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"rows": rows}))
+    out = bench_floor.main(["--json", str(path), "--model-cache", str(tmp_path / "models")])
+    dpo, grpo = out["dpo 3M short R8 B32"], out["grpo 3M 8x4 T64 b.04"]
+    assert dpo["sampling"] == dpo["reference"] == 0 and dpo["floor"] == dpo["train"] > dpo["attention"] > 0
+    assert grpo["completion"] == 8 and 0 < grpo["reference"] < grpo["train"]  # forward only vs forward+backward
+    model = workload.model_dir("rand3m", tmp_path / "models")
+    flops = workload.grpo_flops(workload.model_shape(model), prompts=8, G=4, prompt=grpo["prompt"], completion=8,
+                                beta=0.04, num_iterations=1)
+    assert grpo["sampling"] == pytest.approx(flops["sampling"] / 50e9)
+    assert grpo["floor"] == pytest.approx(grpo["train"] + grpo["reference"] + grpo["sampling"])
+    text = capsys.readouterr().out
+    assert f"| {0.8 / grpo['floor']:.2f}x |" in text and "| 2.00x |" in text  # TRL/floor, and DPO's TRL/preftune

@@ -539,3 +539,20 @@ def test_decoding_under_autocast_casts_the_fused_weights_once():
             assert same(other.layers[0]["qkv"], (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
             assert same(other.layers[0]["qkv_bias"], (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias))
             assert same(other.layers[0]["gate_up"], (mlp.gate_proj.weight, mlp.up_proj.weight))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_passes_with_and_without_grad_compute_the_same_bits(dtype):
+    """The reference pass (no grad) runs the same arithmetic as the training forward (`_RMSNorm`,
+    `_Rope`): while the policy still equals the reference, their log-probs agree to the bit, so
+    the KL term's log-ratio is exactly 0 rather than rounding noise."""
+    from preftune.train.logps import completion_logps
+
+    model = tiny("qwen2", dtype=dtype)
+    g = torch.Generator().manual_seed(5)
+    p_ids, c_ids = torch.randint(3, VOCAB, (4, 7), generator=g), torch.randint(3, VOCAB, (4, 9), generator=g)
+    masks = torch.ones(4, 7, dtype=torch.long), torch.ones(4, 9, dtype=torch.long)
+    with torch.no_grad():
+        ref, _ = completion_logps(model, p_ids, masks[0], c_ids, masks[1])
+    policy, _ = completion_logps(model, p_ids, masks[0], c_ids, masks[1])
+    assert policy.requires_grad and torch.equal(policy.detach(), ref)
