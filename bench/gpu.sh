@@ -2,11 +2,12 @@
 # The one prepared command for a session with a GPU (bench/README.md, "GPU"): the suite's 0.5B rows in bf16,
 # preftune and TRL, on this machine's GPU, with nothing fetched from the network. From the repo root:
 #
-#   bash bench/gpu.sh                     # = python3 bench/gpu_decode.py, then bench/suite.py --size gpu
+#   bash bench/gpu.sh                     # = bench/gpu_decode.py, bench/fsdp_check.sh, then bench/suite.py --size gpu
 #   bash bench/gpu.sh --size quick        # other suite options replace `--size gpu`
 #
 # Wheels the machine lacks (bench/gpu_wheels.sh, carried in .whl/) are installed into /tmp/site first.
-# Writes $OUT/gpu-decode.json (DECODE=0 skips that run), $OUT/bench-gpu.json (rewritten after each row)
+# Writes $OUT/gpu-decode.json (DECODE=0 skips that run), $OUT/fsdp-check{,.log} (FSDP=0 skips it),
+# $OUT/bench-gpu.json (rewritten after each row)
 # and $OUT/bench-gpu.log (all of this script's output); OUT defaults to ./bench-gpu-out. Exits non-zero
 # when an import, a check or a run fails.
 set -euo pipefail
@@ -70,6 +71,12 @@ main() {
     echo "== $PY bench/gpu_decode.py --json $OUT/gpu-decode.json --model-cache $cache"
     timeout "${DECODE_TIMEOUT:-180}" "$PY" bench/gpu_decode.py --json "$OUT/gpu-decode.json" --model-cache "$cache" \
       || rc=$?
+  fi
+  # then FSDP2 under CUDA/NCCL (bench/fsdp_check.sh, one rank, the tiny model; FSDP=0 skips it): the meta-device
+  # build and rank 0's weights broadcast have run only on CPU with gloo
+  if [ "${FSDP:-1}" != 0 ]; then
+    echo "== bash bench/fsdp_check.sh $OUT/fsdp-check"
+    PYTHON="$PY" timeout "${FSDP_TIMEOUT:-150}" bash bench/fsdp_check.sh "$OUT/fsdp-check" || rc=$((rc ? rc : $?))
   fi
   echo "== $PY bench/suite.py $* --json $OUT/bench-gpu.json --model-cache $cache"
   time "$PY" bench/suite.py "$@" --json "$OUT/bench-gpu.json" --model-cache "$cache" || rc=$((rc ? rc : $?))

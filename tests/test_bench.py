@@ -246,8 +246,24 @@ def test_suite_records_each_row_and_its_peak(tmp_path, monkeypatch):
 
 
 def test_gpu_scripts_parse():
-    for script in ("bench/gpu.sh", "bench/gpu_wheels.sh"):
+    for script in ("bench/gpu.sh", "bench/gpu_wheels.sh", "bench/fsdp_check.sh"):
         subprocess.run(["bash", "-n", str(workload.ROOT / script)], check=True)
+
+
+def test_fsdp_check_runs_on_cpu(tmp_path):
+    """bench/fsdp_check.sh (gpu.sh's FSDP2 step) here with gloo: one torchrun rank, the policy and the
+    reference built on the meta device and sent by rank 0, three steps, a final model."""
+    import os
+    import sys
+
+    out = tmp_path / "run"
+    env = os.environ | {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", str(workload.ROOT / "bench" / "fsdp_check.sh"), str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = (tmp_path / "run.log").read_text()
+    assert "strategy fsdp, backend gloo" in log and log.count("weights sent by rank 0") == 2  # policy, reference
+    assert (out / "final" / "model.safetensors").exists() and "FSDP check passed" in done.stdout
 
 
 def test_gpu_decode_bench_runs_its_checks_on_cpu(tmp_path, capsys):
