@@ -61,7 +61,7 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train a model from a YAML config")
     tr.add_argument("config", help="YAML config file")
-    tr.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides, e.g. grpo.beta=0.04")
+    tr.add_argument("overrides", nargs="*", default=[], help="dotted KEY=VALUE overrides, e.g. grpo.beta=0.04")
     data = sub.add_parser("data", help="inspect labeled traces and build DPO pairs")
     dsub = data.add_subparsers(dest="data_command", required=True)
     ins = dsub.add_parser("inspect", help="summarise a trace dataset")

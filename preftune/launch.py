@@ -130,7 +130,7 @@ def combine(codes: list[int | None]) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("launch", help="container entrypoint: run torchrun for this node of a (multi-node) job")
     p.add_argument("config", help="YAML config file")
-    p.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides")
+    p.add_argument("overrides", nargs="*", default=[], help="dotted KEY=VALUE overrides")
     p.add_argument("--nnodes", type=int, default=None, help="nodes in the job (default: PET_NNODES, WORLD_SIZE, 1)")
     p.add_argument("--node-rank", type=int, default=None, help="this node's index (default: PET_NODE_RANK, RANK, 0)")
     p.add_argument("--master-addr", default=None, help="rank 0's host (default: PET_MASTER_ADDR, MASTER_ADDR)")

@@ -52,6 +52,16 @@ def test_missing_config_file(capsys, tmp_path):
     assert "missing.yaml" in line
 
 
+@pytest.mark.parametrize("command", ["train", "eval", "render", "launch"])
+def test_a_missing_config_is_named_and_overrides_are_optional(command, capsys):
+    with pytest.raises(SystemExit) as e:  # argparse's usage errors, mapped to 78
+        main([command])
+    err = capsys.readouterr().err
+    assert e.value.code == EXIT_USER and "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert "required: config" in line and "overrides" not in line
+
+
 def test_missing_data_file(capsys, config, tmp_path):
     line = user_error(capsys, "train", config, f"data.train={tmp_path / 'nope.jsonl'}", *TINY)
     assert "nope.jsonl" in line and "no such file" in line

@@ -33,7 +33,7 @@ def _estimate_flags(p) -> None:
 def add_parser(sub) -> None:
     render = sub.add_parser("render", help="write the Kubernetes objects of a training job (deploy: section)")
     render.add_argument("config", help="YAML config file (the one the job trains with)")
-    render.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides, e.g. deploy.nodes=2")
+    render.add_argument("overrides", nargs="*", default=[], help="dotted KEY=VALUE overrides, e.g. deploy.nodes=2")
     render.add_argument("-o", "--output", help="folder for the YAML files (one per object)")
     render.add_argument("--check", action="store_true",
                         help="also validate every object against the Kubernetes and CRD schemas")
@@ -43,7 +43,7 @@ def add_parser(sub) -> None:
 
     cost = sub.add_parser("cost", help="estimate what a training job costs (per iteration and per year)")
     cost.add_argument("config", nargs="?", help="YAML config (nodes, GPUs, instance type, workload); optional")
-    cost.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides, e.g. deploy.nodes=2")
+    cost.add_argument("overrides", nargs="*", default=[], help="dotted KEY=VALUE overrides, e.g. deploy.nodes=2")
     cost.add_argument("--nodes", type=int, help="default: deploy.nodes")
     cost.add_argument("--gpus-per-node", type=int, help="default: deploy.gpus_per_node")
     cost.add_argument("--instance-type", action="append", dest="instance_types", metavar="TYPE",

@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
     ev.add_argument("config", help="YAML config (data.eval or eval.split, reward functions, gate thresholds)")
     ev.add_argument("--checkpoint", required=True, help="model folder to evaluate (final/ or checkpoints/step-N/)")
     ev.add_argument("--baseline", default=None, help="model folder to compare with (e.g. the one in production)")
-    ev.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides, e.g. gate.min_reward=0.5")
+    ev.add_argument("overrides", nargs="*", default=[], help="dotted KEY=VALUE overrides, e.g. gate.min_reward=0.5")
     ev.set_defaults(handler=run_eval)
     reg = sub.add_parser("registry", help="the model registry that passing gates append to")
     rsub = reg.add_subparsers(dest="registry_command", required=True)
