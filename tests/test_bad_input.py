@@ -261,6 +261,25 @@ def test_dpo_with_no_pairs_names_the_keys_and_writes_nothing(capsys, config, out
     assert not (out / "data_report.json").exists()
 
 
+@pytest.mark.parametrize("algorithm", ["dpo", "grpo"])
+def test_nothing_to_train_on_counts_the_rows_dropped_on_the_way(capsys, config, out, tmp_path, algorithm):
+    """Rows dropped by data.invalid: drop are named in the error even when some rows were kept: the
+    user sees why 3 rows made one prompt, not a count that does not add up."""
+    rows = [{"input": "1+1=", "output": "2", "final_reward": 1.0}, {"input": "1+1=", "output": "3", "final_reward": 1.4},
+            {"input": "2+2=", "output": "4", "final_reward": float("nan")}]
+    path = write_parquet(tmp_path / "few.parquet", rows)
+    line = train_fails(capsys, config, out, f"algorithm={algorithm}", "grpo.rollout=offline", f"data.train={path}",
+                       "data.invalid=drop")
+    assert "2 of 3 rows were dropped" in line and "data.invalid" in line, line  # train_fails: out as found
+
+
+def test_data_pairs_counts_partial_drops(capsys, tmp_path):
+    rows = [{"input": "1+1=", "output": "2", "final_reward": 1.0}, {"input": "1+1=", "output": "3", "final_reward": -1.0}]
+    path = write_parquet(tmp_path / "one.parquet", rows)
+    line = fails(capsys, "data", "pairs", path, "-o", tmp_path / "p.parquet", "--invalid", "drop")
+    assert "no DPO pairs: 1 prompts" in line and "1 of 2 rows were dropped" in line, line
+
+
 def test_missing_eval_set(capsys, config, out, tmp_path):
     line = train_fails(capsys, config, out, f"data.eval={tmp_path / 'eval.jsonl'}")
     assert "eval.jsonl" in line and "no such file" in line

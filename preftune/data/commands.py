@@ -9,7 +9,7 @@ import numpy as np
 
 from preftune.data.groups import build_groups
 from preftune.data.pairs import PAIR_DEFAULTS, build_pairs, check_writable_file, group_by_prompt, write_pairs
-from preftune.data.traces import DropReport, TraceOptions, load_traces, no_rows_left
+from preftune.data.traces import DropReport, TraceOptions, load_traces, dropped_note
 from preftune.errors import UserError
 
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
@@ -116,13 +116,13 @@ def pairs_command(path: str, out: str, opts: TraceOptions, **pair_options) -> st
     pairs, report = build_pairs(traces, **pair_options)
     if not pairs:
         if not traces:
-            raise UserError("no DPO pairs: no rows left" + no_rows_left(drops), where=str(path))
+            raise UserError("no DPO pairs: no rows left" + dropped_note(drops), where=str(path))
         lo, hi = pair_options["chosen_min"], pair_options["rejected_max"]
         raise UserError(
             f"no DPO pairs: {report.prompts_seen} prompts, {report.prompts_without_chosen} without a chosen "
             f"(reward >= --chosen-min {lo}), {report.prompts_without_rejected} without a "
             f"rejected (reward < --rejected-max {hi}), {report.skipped_by_margin} below --min-margin, "
-            f"{report.skipped_identical} with chosen == rejected", where=str(path))
+            f"{report.skipped_identical} with chosen == rejected" + dropped_note(drops), where=str(path))
     write_pairs(pairs, out)
     return "\n".join([f"wrote {len(pairs)} pairs to {out}", report.format(), _drops_text(drops)])
 

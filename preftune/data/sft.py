@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from preftune.data.traces import (DropReport, TraceOptions, display_path, is_messages, load_traces,
-                                  no_rows_left, normalize_messages, prompt_key, read_rows, require_columns,
+                                  dropped_note, normalize_messages, prompt_key, read_rows, require_columns,
                                   resolve_files, text_problem)
 from preftune.errors import UserError
 
@@ -47,12 +47,12 @@ def load_examples(path: str, opts: TraceOptions, min_reward: float) -> tuple[lis
         kept = [Example(t.prompt, t.response) for t in traces if t.reward >= min_reward]
         if not kept:
             raise UserError(f"no response has reward >= sft.min_reward={min_reward} ({len(traces)} valid rows)"
-                            + no_rows_left(drops), where=path)
+                            + dropped_note(drops), where=path)
         return kept, {"format": fmt, "traces": drops.as_dict(),
                       "sft": {"examples": len(kept), "below_min_reward": len(traces) - len(kept)}}
     examples, drops = _read_trl(path, fmt, opts)
     if not examples:
-        raise UserError("no usable SFT example" + (no_rows_left(drops) or " (the files have no rows)"), where=path)
+        raise UserError("no usable SFT example" + (dropped_note(drops) or " (the files have no rows)"), where=path)
     return examples, {"format": fmt, "rows": drops.as_dict(), "sft": {"examples": len(examples)}}
 
 

@@ -428,9 +428,14 @@ _DROP_KEYS = {"duplicate": "data.duplicates / --duplicates",
 _INVALID_KEY = "data.invalid / --invalid"
 
 
-def no_rows_left(drops: DropReport) -> str:
-    """'; all N rows were dropped: ...' naming the settings that dropped them, or '' if rows remain."""
-    if drops.kept or not drops.total_rows:
+def dropped_note(drops: DropReport | dict) -> str:
+    """'; all N rows were dropped: ...' or '; K of N rows were dropped: ...', naming the settings that
+    dropped them, or '' when no row was dropped: for errors that say why nothing is left to train on.
+    `drops`: a DropReport or its `as_dict()`."""
+    d = drops if isinstance(drops, dict) else drops.as_dict()
+    if not d["dropped"]:
         return ""
-    parts = [f"{n} {reason} ({_DROP_KEYS.get(reason, _INVALID_KEY)})" for reason, n in sorted(drops.dropped.items())]
-    return f"; all {drops.total_rows} rows were dropped: " + ", ".join(parts)
+    parts = [f"{n} {reason} ({_DROP_KEYS.get(reason, _INVALID_KEY)})" for reason, n in sorted(d["dropped"].items())]
+    dropped = d["total_rows"] - d["kept"]
+    head = f"all {d['total_rows']}" if not d["kept"] else f"{dropped} of {d['total_rows']}"
+    return f"; {head} rows were dropped: " + ", ".join(parts)

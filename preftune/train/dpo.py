@@ -263,13 +263,14 @@ def _no_pairs_reason(report: dict) -> str:
     p = report.get("pairs")
     if p is None:
         return f"{report.get('encoded', {}).get('prompts_dropped', 0)} dropped by data.prompt_truncation"
+    from preftune.data.traces import dropped_note
+
     drops = report["traces"]
     if not drops["kept"]:
-        return f"all {drops['total_rows']} trace rows were dropped ({drops['dropped']}; data.invalid, " \
-               "data.duplicates, data.min_reward_threshold)"
+        return "no trace rows left" + dropped_note(drops)
     return (f"{p['prompts_seen']} prompts, {p['prompts_without_chosen']} without a chosen (data.chosen_min), "
             f"{p['prompts_without_rejected']} without a rejected (data.rejected_max), {p['skipped_by_margin']} "
-            f"below data.min_margin, {p['skipped_identical']} with chosen == rejected")
+            f"below data.min_margin, {p['skipped_identical']} with chosen == rejected" + dropped_note(drops))
 
 
 class DPOTask:

@@ -50,7 +50,7 @@ class GRPOTask:
         else:
             from preftune.data.groups import build_groups
             from preftune.data.split import drop_held_out
-            from preftune.data.traces import TraceOptions, load_traces, no_rows_left
+            from preftune.data.traces import TraceOptions, load_traces, dropped_note
             from preftune.rollout.offline import OfflineSource
 
             traces, drops = load_traces(cfg.data.train, TraceOptions.from_config(cfg.data))
@@ -61,7 +61,7 @@ class GRPOTask:
             if not groups:
                 raise UserError("no usable GRPO group (each needs >= 2 responses with different rewards; "
                                 f"{greport.too_small} prompts too small, {greport.zero_spread} with equal rewards)"
-                                + no_rows_left(drops), where=cfg.data.train)
+                                + dropped_note(drops), where=cfg.data.train)
             self.source = OfflineSource(self.g, tokenizer, groups, reward_name=cfg.data.reward_column, dp=self.dp,
                                         **common)
             texts = [g.prompt for g in groups]
