@@ -12,6 +12,7 @@ It prints, per row: TRL's and preftune's s/step from the JSON, the floor and its
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -27,15 +28,22 @@ if __package__:
 else:  # run as a script: bench/ is on sys.path
     import workload
 
-# rows of suite.FULL where both frameworks do the same work (no shared prompt to skip, beta > 0 or DPO
-# with short prompts), with their geometry: (kind, prompts or pairs, G, beta, num_iterations, response length)
-ROWS = {
-    "grpo 3M 8x4 T64 b.04": ("grpo", 8, 4, 0.04, 1, 0),
-    "grpo 3M 4x8 T256 b.04": ("grpo", 4, 8, 0.04, 1, 0),
-    "grpo 3M 8x8 T32 b.04 it2": ("grpo", 8, 8, 0.04, 2, 0),
-    "dpo 3M short R8 B32": ("dpo", 32, 2, 0.0, 1, 8),
-    "dpo 3M long R200 B16": ("dpo", 16, 2, 0.0, 1, 200),
-}
+# rows of suite.FULL where both frameworks do the same work: no prompt to share, and DPO with 5-token
+# prompts. In the it2 row TRL also runs an old-log-prob pass per generation batch, which preftune
+# skips (its first step's forward records them); the floor counts preftune's passes.
+ROWS = ("grpo 3M 8x4 T64 b.04", "grpo 3M 4x8 T256 b.04", "grpo 3M 8x8 T32 b.04 it2", "dpo 3M short R8 B32",
+        "dpo 3M long R200 B16")
+
+
+def sibling(name: str):
+    """Another bench module, imported as this one was (bench.NAME, or NAME when run as a script)."""
+    return importlib.import_module(f"bench.{name}" if __package__ else name)
+
+
+def settings(name: str) -> tuple[str, argparse.Namespace]:
+    """(kind, the bench script's parsed options) of a suite row, from suite.FULL."""
+    kind, options = next((k, o) for n, k, o in sibling("suite").FULL if n == name)
+    return kind, sibling(f"bench_{kind}").build_parser().parse_args(options.split())
 
 
 def mm_seconds(m: int, k: int, n: int, repeats: int = 7) -> float:
@@ -68,6 +76,8 @@ def attention_seconds(rows: int, seq: int, cfg: dict, backward: bool, repeats: i
         once()
         times = []
         for _ in range(repeats):
+            for t in (q, k, v):
+                t.grad = None  # each repeat writes fresh gradients, as one backward does
             t0 = time.perf_counter()
             once()
             times.append(time.perf_counter() - t0)
@@ -98,45 +108,46 @@ def pass_floor(cfg: dict, tokens: int, scored: int, attention: tuple[int, int], 
     return {"matmuls": matmuls, "attention": L * attention_seconds(*attention, cfg, backward)}
 
 
-def geometry(name: str, bench: dict, model: Path) -> tuple[int, int, int, int]:
-    """(rows, prompt tokens, completion tokens, completions per row scored) of a row, from its settings
-    and preftune's measured completion tokens per step (GRPO completions have sampled lengths)."""
+def geometry(name: str, bench: dict, model: Path) -> dict:
+    """Rows per step and mean prompt and completion tokens of a row, as its bench counts them: GRPO
+    from preftune's measured completion tokens per step (sampled lengths), DPO from its pairs."""
     from transformers import AutoTokenizer
 
-    kind, n, G, _, _, response = ROWS[name]
+    kind, a = settings(name)
     tok = AutoTokenizer.from_pretrained(model)
-    prompt = round(statistics.fmean(len(tok(r["input"]).input_ids) for r in workload.prompt_rows(0)[:64]))
-    rows = n * G
     if kind == "dpo":
-        filler = (workload.FILLER * (response // len(workload.FILLER) + 1))[:max(response - 3, 0)]
-        answers = [r["answer"] for r in workload.prompt_rows(0)[:64]]
-        completion = round(statistics.fmean(len(tok(a + filler, verbose=False).input_ids) for a in answers))
-    else:
-        x = bench["rows"][name]["preftune"]
-        completion = round(x["completion_tokens_per_s"] * x["median_s"] / rows)
-    return rows, prompt, completion, completion
+        pairs = sibling("bench_dpo").synthetic_pairs(response=a.response_len)[:64]
+        prompt = statistics.fmean(len(tok(p.prompt).input_ids) for p in pairs)
+        responses = [r for p in pairs for r in (p.chosen, p.rejected)]
+        completion = statistics.fmean(len(tok(r, verbose=False).input_ids) for r in responses)
+        return {"kind": kind, "n": a.batch, "rows": 2 * a.batch, "prompt": prompt, "completion": completion}
+    rows = a.prompts * a.generations
+    prompt = statistics.fmean(len(tok(r["input"]).input_ids) for r in workload.prompt_rows(a.prompt_prefix)[:64])
+    x = bench["rows"][name]["preftune"]
+    return {"kind": kind, "n": a.prompts, "beta": a.beta, "iterations": a.num_iterations, "args": a,
+            "rows": rows, "prompt": prompt, "completion": x["completion_tokens_per_s"] * x["median_s"] / rows}
 
 
 def row_floor(name: str, bench: dict, model: Path) -> dict:
     """The floor of a row's step. GRPO: every row's prompt and completion (no prompt is shared at these
     shapes). DPO: each pair's prompt once and both responses (preftune's tree packing; attention taken
-    as two causal rows per pair, which counts the short prompt's attention twice)."""
-    kind, n, G, beta, iterations, _ = ROWS[name]
+    as two causal rows per pair, which counts the short prompt's attention twice). Timed shapes use the
+    mean lengths rounded; the sampling FLOPs are the bench's own (`grpo_work`), from which it measured
+    its rate."""
+    g = geometry(name, bench, model)
     cfg = workload.config_of(model)
-    rows, prompt, completion, scored = geometry(name, bench, model)
+    rows, prompt, completion = g["rows"], round(g["prompt"]), round(g["completion"])
     seq = prompt + completion
-    tokens = n * (prompt + 2 * completion) if kind == "dpo" else rows * seq
-    train = pass_floor(cfg, tokens, rows * scored, (rows, seq), backward=True)
+    tokens = g["n"] * (prompt + 2 * completion) if g["kind"] == "dpo" else rows * seq
+    train = pass_floor(cfg, tokens, rows * completion, (rows, seq), backward=True)
     out = {"rows": rows, "prompt": prompt, "completion": completion, "train": sum(train.values()),
            "attention": train["attention"], "reference": 0.0, "sampling": 0.0}
-    if kind == "grpo":
-        if beta > 0:  # the reference pass once per generation batch (old log-probs come from the first step's forward)
-            ref = pass_floor(cfg, tokens, rows * scored, (rows, seq), backward=False)
-            out["reference"] = sum(ref.values()) / iterations
-        x = bench["rows"][name]["preftune"]
-        flops = workload.grpo_flops(workload.model_shape(model), prompts=n, G=G, prompt=prompt, completion=completion,
-                                    beta=beta, num_iterations=iterations)
-        out["sampling"] = flops["sampling"] / (x["phase_gflops"]["sampling"] * 1e9)  # preftune's measured rate
+    if g["kind"] == "grpo":
+        if g["beta"] > 0:  # the reference pass once per generation batch
+            ref = pass_floor(cfg, tokens, rows * completion, (rows, seq), backward=False)
+            out["reference"] = sum(ref.values()) / g["iterations"]
+        rate = bench["rows"][name]["preftune"]["phase_gflops"]["sampling"] * 1e9  # preftune's measured rate
+        out["sampling"] = sibling("bench_grpo").grpo_work(g["args"], model, g["completion"])["sampling"] / rate
     out["floor"] = out["train"] + out["reference"] + out["sampling"]
     out["trl"], out["preftune"] = (bench["rows"][name][fw]["median_s"] for fw in ("trl", "preftune"))
     return out

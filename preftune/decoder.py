@@ -298,7 +298,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
         return _Rope.apply(x, cos, sin)
     if x.dtype in (torch.float32, torch.float64):  # as `_Rope` computes it, without building [-x2, x1]
         return _rotate_into(x * cos, x, sin)
-    x1, x2 = x.chunk(2, dim=-1)  # bf16/fp16: the module's roundings (a fused multiply-add rounds once)
+    # bf16/fp16: the module's own ops and roundings, so a frozen bf16 reference gives the module's
+    # log-probs (a fused multiply-add rounds once where the module rounds twice)
+    x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 

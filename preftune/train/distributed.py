@@ -107,6 +107,22 @@ class Parallel:
             raise UserError(error)
         return result
 
+    def together(self, fn):
+        """Run `fn` on every rank; a UserError on any rank is raised on every rank (the lowest such
+        rank's message), so all exit 78 together instead of the others waiting at their next
+        collective for a rank that has left (work split over ranks: each sees only its share)."""
+        if not self.active:
+            return fn()
+        result, error = None, None
+        try:
+            result = fn()
+        except UserError as e:
+            error = str(e)
+        errors = [e for e in self.gather(error) if e is not None]
+        if errors:
+            raise UserError(errors[0])
+        return result
+
     def _comm_device(self) -> torch.device:
         return self.device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
 

@@ -84,10 +84,14 @@ def evaluate(model, tokenizer, prompt_set, reward_funcs, *, weights, max_new_tok
     """`eval/reward` = mean over held-out prompts of the (weighted) summed reward of the greedy completion.
     With `dp` (train/distributed.py's Parallel), each rank generates and scores its contiguous share
     of the prompts and every rank summarises all of them (a gather of the per-prompt scores)."""
-    share = dp.share(len(prompt_set)) if dp is not None else None
-    part = generate_scored(model, tokenizer, prompt_set, reward_funcs, weights=weights, max_new_tokens=max_new_tokens,
-                           batch_size=batch_size, truncation=truncation, state=state, share=share)
-    return summarize(EvalResult.merge(dp.gather(part)) if dp is not None else part)
+    def scored(share: slice | None = None) -> EvalResult:
+        return generate_scored(model, tokenizer, prompt_set, reward_funcs, weights=weights, share=share,
+                               max_new_tokens=max_new_tokens, batch_size=batch_size, truncation=truncation, state=state)
+
+    if dp is None:
+        return summarize(scored())
+    part = dp.together(lambda: scored(dp.share(len(prompt_set))))  # a reward's UserError stops every rank
+    return summarize(EvalResult.merge(dp.gather(part)))
 
 
 def eval_prompt_set(cfg):

@@ -141,3 +141,19 @@ def test_corrupt_weights_read_by_rank_0_stop_every_rank_with_78(data_dir, tmp_pa
     for r in (0, 1):
         assert "cannot load model" in ranks.text(r) and "Traceback" not in ranks.text(r)
     assert not out.exists()
+
+
+def test_a_reward_error_in_one_ranks_eval_share_stops_every_rank_with_78(data_dir, tmp_path):
+    """The held-out evaluation is split over the ranks: a reward that fails on a prompt of rank 1's
+    share stops rank 0 too (Parallel.together), both with 78 and the reward's one line, at step 0."""
+    reward = tmp_path / "picky.py"
+    reward.write_text("def picky(prompts, completions, **kw):\n"
+                      "    if '3+5=' in prompts:\n"
+                      "        raise KeyError('no answer for 3+5=')\n"
+                      "    return [0.0] * len(completions)\n")
+    out = tmp_path / "run"
+    ranks = Ranks(tmp_path, 2, [write_config(tmp_path / "run.yaml"), *args(
+        "offline", out, data_dir, **{"distributed.strategy": "fsdp", "eval.reward_funcs": f"[{reward}:picky]"})])
+    assert ranks.wait() == [EXIT_USER, EXIT_USER], ranks.text(0)[-2000:] + ranks.text(1)[-2000:]
+    for r in (0, 1):
+        assert "reward 'picky': raised KeyError" in ranks.text(r) and "Traceback" not in ranks.text(r)

@@ -49,6 +49,23 @@ def test_metric_reduction_sums_partials_and_keeps_extremes(one_rank_group, monke
     assert out == {"loss": 0.75, "ratio_min": -1.0, "ratio_max": 2.0, "only": 3}
 
 
+def test_a_user_error_on_one_rank_stops_every_rank(one_rank_group, monkeypatch):
+    """Parallel.together: work split over the ranks (the held-out evaluation) raises another rank's
+    UserError here too, so no rank waits at a collective for one that has exited with 78."""
+    dp = one_rank_group
+    assert dp.together(lambda: 7) == 7
+    monkeypatch.setattr(dp, "gather", lambda obj: [obj, "eval.jsonl: reward 'exact': raised KeyError: 'answer'"])
+    with pytest.raises(UserError, match="reward 'exact': raised KeyError"):
+        dp.together(lambda: 7)  # fine here, failed on rank 1
+
+    def fails():
+        raise UserError("row 3: bad", where="a.jsonl")
+
+    monkeypatch.setattr(dp, "gather", lambda obj: [obj, None])
+    with pytest.raises(UserError, match="a.jsonl: row 3: bad"):
+        dp.together(fails)
+
+
 def test_generation_gathers_parameters_once_per_rollout(one_rank_group, model, tokenizer, monkeypatch):
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as group
 

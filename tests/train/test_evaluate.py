@@ -45,6 +45,9 @@ class Gathered:
     def share(self, n: int) -> slice:
         return self.parallel.share(n)
 
+    def together(self, fn):  # Parallel.together's error sharing is tested in test_distributed_unit.py
+        return fn()
+
     def gather(self, obj) -> list:
         return [obj if r == self.parallel.rank else p for r, p in enumerate(self.parts)]
 
