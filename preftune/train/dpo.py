@@ -233,29 +233,47 @@ def _fingerprint(cfg: Config, encoded: list[EncodedPair]) -> str:
 
 
 @torch.no_grad()
-def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int, device, *,
-                    write_cache: bool = True) -> torch.Tensor:
-    """(n, 2) reference [chosen, rejected] log-probs, cached in the output folder (by rank 0)."""
+def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int, device, *, dp=None) -> torch.Tensor:
+    """(n, 2) reference [chosen, rejected] log-probs, cached in the output folder.
+
+    Rank 0 reads the cache and hands it to every rank; without a valid one each rank computes its
+    contiguous share of the pairs (`dp`: train/distributed.py's Parallel; None: one process, all of
+    them), the shares are gathered in rank order and rank 0 writes the cache (atomically)."""
+    from preftune.train.distributed import Parallel
+
+    dp = dp or Parallel()
     cache = Path(cfg.output_dir) / "ref_logps.pt"
     key = _fingerprint(cfg, encoded)
-    if cache.exists():
-        saved = torch.load(cache, weights_only=True)
-        if saved.get("fingerprint") == key:
-            return saved["logps"]
+    cached = dp.on_main(lambda: _read_cache(cache, key))
+    if cached is not None:
+        return cached
     was_training = model.training
     model.eval()
-    out = []
-    for sl in microbatches(len(encoded), cfg.dpo.micro_batch_size):
-        lp, _ = sequence_logps(model, encoded[sl], pad_id, device)
-        b = len(encoded[sl])
+    mine = encoded[dp.share(len(encoded))]
+    out = [torch.zeros(0, 2)]  # a rank can hold no pairs when there are fewer than ranks
+    for sl in microbatches(len(mine), cfg.dpo.micro_batch_size):
+        lp, _ = sequence_logps(model, mine[sl], pad_id, device)
+        b = len(mine[sl])
         out.append(torch.stack([lp[:b], lp[b:]], dim=1).cpu())
     model.train(was_training)
-    logps = torch.cat(out)  # (n, 2)
-    if not write_cache:
-        return logps
-    with atomic_path(cache) as tmp:
-        torch.save({"fingerprint": key, "logps": logps}, tmp)
+    logps = torch.cat(dp.gather(torch.cat(out)))  # (n, 2)
+    if dp.is_main:
+        with atomic_path(cache) as tmp:
+            torch.save({"fingerprint": key, "logps": logps}, tmp)
     return logps
+
+
+def _read_cache(cache: Path, key: str) -> torch.Tensor | None:
+    """The cached log-probs when they were computed for these pairs and weights; an unreadable
+    cache is recomputed (it is written atomically, so only a foreign file can be damaged)."""
+    if not cache.exists():
+        return None
+    try:
+        saved = torch.load(cache, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any damage means: compute them again
+        log.warning("%s unreadable (%s): computing the reference log-probs again", cache, type(e).__name__)
+        return None
+    return saved["logps"] if isinstance(saved, dict) and saved.get("fingerprint") == key else None
 
 
 def _no_pairs_reason(report: dict) -> str:
@@ -299,11 +317,10 @@ class DPOTask:
         """The reference log-probs, with `model` still holding the initial (reference) weights,
         unless the restored checkpoint brought them."""
         if self.ref is None and not self.d.reference_free and self.d.precompute_ref_logps:
-            # every rank computes all pairs on gathered parameters (no collective per pass); rank 0
-            # writes the cache (atomically), the others read it when it is already there
+            # each rank computes its share of the pairs on gathered parameters (no collective per
+            # pass); the shares are gathered and rank 0 writes the cache
             with self.dp.gathered(model):
-                self.ref = reference_logps(model, self.encoded, self.cfg, self.pad_id, self.device,
-                                           write_cache=self.dp.is_main)
+                self.ref = reference_logps(model, self.encoded, self.cfg, self.pad_id, self.device, dp=self.dp)
 
     def step(self, model, step: int, stop) -> dict:
         idx = self.stream.take(self.d.batch_size)

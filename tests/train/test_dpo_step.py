@@ -105,6 +105,63 @@ def test_reference_logps_cached_and_reused(make_config, traces_file, model, toke
     assert torch.equal(torch.load(cache, weights_only=True)["logps"], third.ref)
 
 
+class _Rank:
+    """Rank `rank` of a world whose other ranks' shares are known (`gather` puts this rank's in its
+    place); rank 0's cache read is this rank's own when it is rank 0, else `main`'s answer."""
+
+    def __init__(self, rank: int, world: int, parts: list | None = None, main=None):
+        from preftune.train.distributed import Parallel
+
+        self.parallel, self.parts, self.main = Parallel(rank=rank, world=world), parts, main
+        self.is_main = rank == 0
+
+    def share(self, n: int) -> slice:
+        return self.parallel.share(n)
+
+    def on_main(self, fn):
+        return fn() if self.is_main else self.main
+
+    def gather(self, obj) -> list:
+        return [obj if r == self.parallel.rank else p for r, p in enumerate(self.parts)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 32])
+def test_reference_pass_splits_the_pairs_over_the_ranks(make_config, traces_file, model, tokenizer, monkeypatch,
+                                                        world):
+    """Each rank computes the reference log-probs of its share of the pairs only (world 32: most
+    ranks have none); the gathered shares equal one process's pass, and only rank 0 writes the cache."""
+    cfg = _cfg(make_config, traces_file)
+    encoded = DPOTask(cfg, model, tokenizer, CPU).encoded
+    pad = tokenizer.pad_token_id
+    whole = dpo_mod.reference_logps(model, encoded, cfg, pad, CPU)  # one process (writes the cache)
+    cache = Path(cfg.output_dir) / "ref_logps.pt"
+    cache.unlink()
+    seen = []
+    real = dpo_mod.sequence_logps
+    monkeypatch.setattr(dpo_mod, "sequence_logps", lambda m, batch, *a: seen.append(len(batch)) or real(m, batch, *a))
+    shares = [_Rank(r, world).share(len(encoded)) for r in range(world)]
+    parts = [whole[s] for s in shares]
+    for rank in reversed(range(world)):  # rank 0 last: it writes the cache
+        seen.clear()
+        got = dpo_mod.reference_logps(model, encoded, cfg, pad, CPU, dp=_Rank(rank, world, parts))
+        assert sum(seen) == shares[rank].stop - shares[rank].start
+        torch.testing.assert_close(got, whole, rtol=0, atol=1e-5)
+        assert cache.exists() == (rank == 0)
+    seen.clear()  # a valid cache: rank 0 reads it, every rank gets it, nobody computes
+    assert torch.equal(dpo_mod.reference_logps(model, encoded, cfg, pad, CPU, dp=_Rank(1, world, main=whole)), whole)
+    assert seen == []
+
+
+def test_an_unreadable_reference_cache_is_computed_again(make_config, traces_file, model, tokenizer, caplog):
+    cfg = _cfg(make_config, traces_file)
+    task = make_task(cfg, model, tokenizer)
+    cache = Path(cfg.output_dir) / "ref_logps.pt"
+    cache.write_bytes(b"not a torch file")
+    again = make_task(cfg, model, tokenizer)
+    assert torch.equal(again.ref, task.ref) and "unreadable" in caplog.text
+    assert torch.equal(torch.load(cache, weights_only=True)["logps"], task.ref)  # rewritten
+
+
 def test_reference_at_start_gives_log2_and_reference_free_does_not(make_config, traces_file, model, tokenizer):
     cfg = _cfg(make_config, traces_file)
     task = make_task(cfg, model, tokenizer)
