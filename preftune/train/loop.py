@@ -21,7 +21,7 @@ import torch
 from preftune.atomic import atomic_write, copy_atomic
 from preftune.config import Config, to_dict, to_yaml
 from preftune.data.report import write_data_report
-from preftune.errors import Preempted, UserError
+from preftune.errors import Preempted
 from preftune.models import check_model_path, import_model_libraries, load_tokenizer
 from preftune.train import checkpoint as ckpt
 from preftune.train import distributed
@@ -58,7 +58,7 @@ def build_task(cfg: Config, model, tokenizer, device, dp: Parallel | None = None
     if cfg.algorithm == "sft":
         from preftune.train.sft import SFTTask
 
-        return SFTTask(cfg, model, tokenizer, device)
+        return SFTTask(cfg, model, tokenizer, device, dp)
     from preftune.train.dpo import DPOTask
 
     return DPOTask(cfg, model, tokenizer, device, dp)
@@ -332,7 +332,6 @@ def check_parallel(cfg: Config, dp: Parallel) -> None:
     """The global batch splits evenly over the ranks (exit 78 naming the key otherwise)."""
     if dp.world == 1:
         return
-    if cfg.algorithm == "sft":
-        raise UserError("sft does not run data parallel yet: start it without torchrun", where="algorithm")
-    dp.require_divisible({"grpo.prompts_per_step": cfg.grpo.prompts_per_step} if cfg.algorithm == "grpo"
-                         else {"dpo.batch_size": cfg.dpo.batch_size})
+    key = {"grpo": "grpo.prompts_per_step", "dpo": "dpo.batch_size", "sft": "sft.batch_size"}[cfg.algorithm]
+    section, name = key.split(".")
+    dp.require_divisible({key: getattr(getattr(cfg, section), name)})

@@ -128,12 +128,13 @@ def choose_rows(batch: list[EncodedExample], capacity: int, packing: str) -> lis
 class SFTTask:
     """Builds everything and writes nothing: the loop writes `data_report` once setup has succeeded."""
 
-    def __init__(self, cfg: Config, model, tokenizer, device: torch.device):
+    def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp=None):
         from preftune.data.sft import load_examples
         from preftune.data.split import drop_held_out
         from preftune.data.traces import TraceOptions
+        from preftune.train.distributed import Parallel
 
-        self.cfg, self.s, self.device = cfg, cfg.sft, device
+        self.cfg, self.s, self.device, self.dp = cfg, cfg.sft, device, dp or Parallel()
         self.packing = "auto" if self.s.packing else "never"
         examples, report = load_examples(cfg.data.train, TraceOptions.from_config(cfg.data), self.s.min_reward)
         examples, held_out = drop_held_out(examples, cfg.eval.split)
@@ -153,18 +154,21 @@ class SFTTask:
         return packed_logps(model, batch, rows, self.pad_id, self.device)
 
     def step(self, model, step: int, stop) -> dict:
-        batch = [self.encoded[i] for i in self.stream.take(self.s.batch_size)]
-        n_items = sum(len(e.completion) for e in batch)  # the loss normaliser of the whole step
+        batch = [self.encoded[i] for i in self.stream.take(self.s.batch_size)]  # the global batch
+        B, n_items = len(batch), sum(len(e.completion) for e in batch)  # n_items: the whole step's loss normaliser
+        mine = batch[self.dp.split(B, "sft.batch_size")]  # this rank's share (all of it in one process)
         loss_sum = entropy_sum = 0.0
-        for sl in microbatches(len(batch), self.s.micro_batch_size):
+        for sl in microbatches(len(mine), self.s.micro_batch_size):
             stop.check()
-            logps, entropy = self.logps(model, batch[sl])  # (n,), (n,)
+            logps, entropy = self.logps(model, mine[sl])  # (n,), (n,)
             loss = sft_loss(logps, torch.ones_like(logps), n_items)
-            loss.backward()  # normalised by the step's token count: micro-batches add up exactly
+            loss.backward()  # normalised by the step's token count: micro-batches and ranks add up exactly
             loss_sum += loss.item()
             entropy_sum += entropy.sum().item()
-        return {"loss": loss_sum, "entropy": entropy_sum / n_items, "completion_length": n_items / len(batch),
-                "num_tokens": sum(len(e) for e in batch)}
+        # partial sums of this rank's share, added up over the ranks
+        return self.dp.reduce_metrics({"loss": loss_sum, "entropy": entropy_sum / n_items,
+                                       "completion_length": sum(len(e.completion) for e in mine) / B,
+                                       "num_tokens": sum(len(e) for e in mine)})
 
     def state_dict(self) -> dict:
         return {"stream": self.stream.state_dict()}

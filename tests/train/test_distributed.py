@@ -1,5 +1,5 @@
 """Data parallel on CPU with gloo: 2 ranks and 1 rank on the same data give the same loss and
-gradient norm at every step and the same weights after several steps (offline GRPO, DPO, online
+gradient norm at every step and the same weights after several steps (offline GRPO, DPO, SFT, online
 GRPO fed identical rollouts; FSDP2 and ddp); a global batch that does not split evenly is refused."""
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ EXTRA = {
                "grpo.reward_funcs": "[length]", "grpo.dynamic_sampling": "true", "grpo.num_generations": 2,
                "grpo.loss_type": "bnpo", "grpo.beta": 0.05, "grpo.num_iterations": 2},
     "dpo": {"dpo.batch_size": 4, "dpo.micro_batch_size": 1},
+    # micro-batches of 3 over a share of 4 (3 + 1), packed rows of different widths on each rank
+    "sft": {"sft.batch_size": 8, "sft.micro_batch_size": 3},
     "lora": {"dpo.batch_size": 4, "dpo.micro_batch_size": 2, "model.lora.enabled": "true", "model.lora.r": 4,
              "save_steps": 2},
 }
@@ -82,7 +84,7 @@ def assert_same_training(one, two) -> None:
 
 
 @pytest.mark.parametrize("kind, strategy", [("offline", "fsdp"), ("dpo", "fsdp"), ("online", "fsdp"),
-                                            ("dpo", "ddp"), ("lora", "fsdp")])
+                                            ("dpo", "ddp"), ("lora", "fsdp"), ("sft", "fsdp"), ("sft", "ddp")])
 def test_two_ranks_train_like_one(kind, strategy, one_rank, data_dir, tmp_path):
     out = tmp_path / "run"
     env = {"PREFTUNE_TEST_FAKE_SAMPLER": "1"} if kind == "online" else {}

@@ -60,6 +60,9 @@ def overrides(kind: str, out: Path, data_dir: Path, **extra) -> list[str]:
     if kind == "dpo":
         o |= {"algorithm": "dpo", "data.train": small_traces(data_dir), "dpo.batch_size": 4,
               "dpo.micro_batch_size": 2, "dpo.max_length": 24}
+    elif kind == "sft":
+        o |= {"algorithm": "sft", "data.train": small_traces(data_dir), "sft.min_reward": 0.2, "sft.batch_size": 4,
+              "sft.micro_batch_size": 2, "sft.max_length": 24}
     else:
         o |= {"grpo.prompts_per_step": 2, "grpo.num_generations": 4, "grpo.max_completion_length": 4,
               "grpo.micro_batch_size": 256}
