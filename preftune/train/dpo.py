@@ -243,7 +243,7 @@ def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int,
 
     dp = dp or Parallel()
     cache = Path(cfg.output_dir) / "ref_logps.pt"
-    key = _fingerprint(cfg, encoded)
+    key = _fingerprint(cfg, encoded) if dp.is_main else None  # only rank 0 reads and writes the cache
     cached = dp.on_main(lambda: _read_cache(cache, key))
     if cached is not None:
         return cached
@@ -264,16 +264,17 @@ def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int,
 
 
 def _read_cache(cache: Path, key: str) -> torch.Tensor | None:
-    """The cached log-probs when they were computed for these pairs and weights; an unreadable
-    cache is recomputed (it is written atomically, so only a foreign file can be damaged)."""
-    if not cache.exists():
-        return None
+    """The cached log-probs when they were computed for these pairs and weights. Any failure to
+    read them means computing them again (the file is written atomically, so only a foreign one can
+    be damaged), and never an exception: the other ranks wait for this answer."""
     try:
+        if not cache.exists():
+            return None
         saved = torch.load(cache, weights_only=True)
+        return saved["logps"] if isinstance(saved, dict) and saved.get("fingerprint") == key else None
     except Exception as e:  # noqa: BLE001 - any damage means: compute them again
         log.warning("%s unreadable (%s): computing the reference log-probs again", cache, type(e).__name__)
         return None
-    return saved["logps"] if isinstance(saved, dict) and saved.get("fingerprint") == key else None
 
 
 def _no_pairs_reason(report: dict) -> str:
