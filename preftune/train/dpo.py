@@ -246,6 +246,7 @@ def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int,
     key = _fingerprint(cfg, encoded) if dp.is_main else None  # only rank 0 reads and writes the cache
     cached = dp.on_main(lambda: _read_cache(cache, key))
     if cached is not None:
+        log.info("reference log-probs of %d pairs read from %s", len(cached), cache)
         return cached
     was_training = model.training
     model.eval()
@@ -257,6 +258,7 @@ def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int,
         out.append(torch.stack([lp[:b], lp[b:]], dim=1).cpu())
     model.train(was_training)
     logps = torch.cat(dp.gather(torch.cat(out)))  # (n, 2)
+    log.info("reference log-probs of %d pairs computed (%d on this rank)", len(logps), len(mine))
     if dp.is_main:
         with atomic_path(cache) as tmp:
             torch.save({"fingerprint": key, "logps": logps}, tmp)

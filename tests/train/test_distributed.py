@@ -8,6 +8,7 @@ import pytest
 from preftune.config import load_config
 from preftune.errors import EXIT_OK, EXIT_USER
 from preftune.train import loop
+from preftune.train.distributed import Parallel
 from preftune.train.metrics import read_records
 from tests.train.ranks import Ranks, final_state, metric_rows
 from tests.train.test_resume import data_dir, one_thread, overrides, small_eval, write_config  # noqa: F401
@@ -162,3 +163,27 @@ def test_a_reward_error_in_one_ranks_eval_share_stops_every_rank_with_78(data_di
     assert ranks.wait() == [EXIT_USER, EXIT_USER], ranks.text(0)[-2000:] + ranks.text(1)[-2000:]
     for r in (0, 1):
         assert "reward 'picky': raised KeyError" in ranks.text(r) and "Traceback" not in ranks.text(r)
+
+
+def test_dpo_reference_pass_is_split_and_its_cache_shared_by_rank_0(one_rank, data_dir, tmp_path):
+    """2 ranks compute half of the pairs' reference log-probs each; a run that finds rank 0's cache
+    (here copied from the 1-process run) computes none, every rank receiving it from rank 0."""
+    import shutil
+
+    for cached in (False, True):
+        out = tmp_path / f"run-{cached}"
+        if cached:
+            out.mkdir()
+            shutil.copy(one_rank("dpo") / "ref_logps.pt", out / "ref_logps.pt")
+        ranks = Ranks(tmp_path, 2, [write_config(tmp_path / "run.yaml"), *args(
+            "dpo", out, data_dir, **{"distributed.strategy": "fsdp"})], name=f"ranks-{cached}")
+        assert ranks.wait() == [EXIT_OK, EXIT_OK], ranks.text(0)[-2000:] + ranks.text(1)[-2000:]
+        for r in (0, 1):
+            text = ranks.text(r)
+            if cached:
+                assert "read from" in text and "computed (" not in text
+            else:
+                n = int(text.split("reference log-probs of ")[1].split()[0])
+                share = Parallel(rank=r, world=2).share(n)
+                assert f"reference log-probs of {n} pairs computed ({share.stop - share.start} on this rank)" in text
+        assert_same_training(one_rank("dpo"), out)
