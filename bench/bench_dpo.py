@@ -65,14 +65,21 @@ def dpo_data(traces: Path, tmp: str, prefix: int = 0, response: int = 0) -> tupl
     return path, pairs
 
 
-def dpo_work(args, model: Path, pairs: list) -> tuple[dict, float]:
-    """Nominal FLOPs per step by phase and response tokens per step (mean lengths of these pairs)."""
+def mean_lengths(model: Path, pairs: list) -> tuple[float, float]:
+    """Mean prompt and response tokens of the first 64 pairs (chosen and rejected alike)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
     sample = pairs[:64]
     prompt = statistics.fmean(len(tok(p.prompt).input_ids) for p in sample)
-    response = statistics.fmean(len(tok(p.chosen).input_ids) + len(tok(p.rejected).input_ids) for p in sample) / 2
+    tokens = lambda text: len(tok(text, verbose=False).input_ids)  # noqa: E731 - long responses: no length warning
+    response = statistics.fmean(tokens(p.chosen) + tokens(p.rejected) for p in sample) / 2
+    return prompt, response
+
+
+def dpo_work(args, model: Path, pairs: list) -> tuple[dict, float]:
+    """Nominal FLOPs per step by phase and response tokens per step (mean lengths of these pairs)."""
+    prompt, response = mean_lengths(model, pairs)
     flops = workload.dpo_flops(workload.model_shape(model), pairs=args.batch, prompt=prompt, response=response)
     return flops, 2 * args.batch * response
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -111,21 +110,17 @@ def pass_floor(cfg: dict, tokens: int, scored: int, attention: tuple[int, int], 
 def geometry(name: str, bench: dict, model: Path) -> dict:
     """Rows per step and mean prompt and completion tokens of a row, as its bench counts them: GRPO
     from preftune's measured completion tokens per step (sampled lengths), DPO from its pairs."""
-    from transformers import AutoTokenizer
-
     kind, a = settings(name)
-    tok = AutoTokenizer.from_pretrained(model)
     if kind == "dpo":
-        pairs = sibling("bench_dpo").synthetic_pairs(response=a.response_len)[:64]
-        prompt = statistics.fmean(len(tok(p.prompt).input_ids) for p in pairs)
-        responses = [r for p in pairs for r in (p.chosen, p.rejected)]
-        completion = statistics.fmean(len(tok(r, verbose=False).input_ids) for r in responses)
+        bench_dpo = sibling("bench_dpo")
+        pairs = bench_dpo.synthetic_pairs(prefix=a.prompt_prefix, response=a.response_len)
+        prompt, completion = bench_dpo.mean_lengths(model, pairs)
         return {"kind": kind, "n": a.batch, "rows": 2 * a.batch, "prompt": prompt, "completion": completion}
     rows = a.prompts * a.generations
-    prompt = statistics.fmean(len(tok(r["input"]).input_ids) for r in workload.prompt_rows(a.prompt_prefix)[:64])
     x = bench["rows"][name]["preftune"]
     return {"kind": kind, "n": a.prompts, "beta": a.beta, "iterations": a.num_iterations, "args": a,
-            "rows": rows, "prompt": prompt, "completion": x["completion_tokens_per_s"] * x["median_s"] / rows}
+            "rows": rows, "prompt": sibling("bench_grpo").mean_prompt_tokens(model, a.prompt_prefix),
+            "completion": x["completion_tokens_per_s"] * x["median_s"] / rows}
 
 
 def row_floor(name: str, bench: dict, model: Path) -> dict:

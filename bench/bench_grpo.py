@@ -270,12 +270,17 @@ def train_rows(args, tmp: str) -> tuple[str, list[dict]]:
     return str(path), rows
 
 
-def grpo_work(args, model: Path, completion: float) -> dict:
-    """Nominal FLOPs per step by phase for these settings (see bench/workload.py)."""
+def mean_prompt_tokens(model: Path, prefix: int) -> float:
+    """Mean tokens of the first 64 train prompts after a `prefix`-token shared text."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    prompt = statistics.fmean(len(tok(r["input"]).input_ids) for r in workload.prompt_rows(args.prompt_prefix)[:64])
+    return statistics.fmean(len(tok(r["input"]).input_ids) for r in workload.prompt_rows(prefix)[:64])
+
+
+def grpo_work(args, model: Path, completion: float) -> dict:
+    """Nominal FLOPs per step by phase for these settings (see bench/workload.py)."""
+    prompt = mean_prompt_tokens(model, args.prompt_prefix)
     return workload.grpo_flops(workload.model_shape(model), prompts=args.prompts, G=args.generations, prompt=prompt,
                                completion=completion, beta=args.beta, num_iterations=args.num_iterations)
 

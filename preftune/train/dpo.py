@@ -20,6 +20,7 @@ from preftune.atomic import atomic_path
 from preftune.config import Config
 from preftune.data.stream import IndexStream
 from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response, fit_prompt
+from preftune.data.traces import dropped_note
 from preftune.errors import UserError
 from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
 from preftune.models import autocast, to_device
@@ -284,8 +285,6 @@ def _no_pairs_reason(report: dict) -> str:
     p = report.get("pairs")
     if p is None:
         return f"{report.get('encoded', {}).get('prompts_dropped', 0)} dropped by data.prompt_truncation"
-    from preftune.data.traces import dropped_note
-
     drops = report["traces"]
     if not drops["kept"]:
         return "no trace rows left" + dropped_note(drops)

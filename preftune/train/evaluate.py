@@ -39,7 +39,8 @@ def generate_scored(model, tokenizer, prompt_set, reward_funcs, *, weights, max_
     `sampling` = {temperature, top_p, top_k} drawn from `generator` (same seed, same draws); of the
     prompts in `share` (default: all)."""
     k = num_samples if sampling is not None else 1
-    share = share or slice(0, len(prompt_set))
+    if share is None:
+        share = slice(0, len(prompt_set))
     totals, per_func, lengths, names = [], [], [], []
     for start in range(share.start, share.stop, batch_size):
         idx = list(range(start, min(start + batch_size, share.stop)))

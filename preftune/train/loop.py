@@ -332,6 +332,6 @@ def check_parallel(cfg: Config, dp: Parallel) -> None:
     """The global batch splits evenly over the ranks (exit 78 naming the key otherwise)."""
     if dp.world == 1:
         return
-    key = {"grpo": "grpo.prompts_per_step", "dpo": "dpo.batch_size", "sft": "sft.batch_size"}[cfg.algorithm]
-    section, name = key.split(".")
-    dp.require_divisible({key: getattr(getattr(cfg, section), name)})
+    batch = {"grpo": {"grpo.prompts_per_step": cfg.grpo.prompts_per_step},
+             "dpo": {"dpo.batch_size": cfg.dpo.batch_size}, "sft": {"sft.batch_size": cfg.sft.batch_size}}
+    dp.require_divisible(batch[cfg.algorithm])
