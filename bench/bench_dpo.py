@@ -98,9 +98,9 @@ def dpo_overrides(args, out_dir: str, train: str, model: Path) -> list[str]:
 def run_preftune_dpo(args) -> dict:
     import json
 
-    import preftune.train.dpo as dpo
+    import preftune.algorithms.dpo as dpo
     from preftune.config import load_config
-    from preftune.train.loop import Run
+    from preftune.run.loop import Run
 
     timer = workload.PhaseTimer()
     with tempfile.TemporaryDirectory() as tmp:

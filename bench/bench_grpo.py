@@ -308,9 +308,9 @@ def finish(result: dict, timer, flops: dict, tokens_per_step: float, steps: int)
 
 def run_preftune_grpo(args) -> dict:
     import preftune.rollout.online as online
-    import preftune.train.grpo as grpo
+    import preftune.algorithms.grpo as grpo
     from preftune.config import load_config
-    from preftune.train.loop import Run
+    from preftune.run.loop import Run
 
     evals = read_jsonl(EXAMPLES / "data" / "eval_prompts.jsonl")
     timer = workload.PhaseTimer()

@@ -67,7 +67,7 @@ def load(args):
 
 
 def no_grad_pass(model, args) -> dict:
-    from preftune.decoder import Lean
+    from preftune.model.llama import Lean
 
     ids = torch.cat(batch(args)[0::2], 1)  # (B, P+T)
     rope = Lean(model).rope(torch.arange(ids.size(1))[None])
@@ -101,8 +101,8 @@ def rollout(model, args) -> dict:
 
 def faults_child(args) -> dict:
     """In this (fresh) process: ms and minor faults per forward+backward pass after warm-up."""
-    from preftune.train.host_memory import keep_freed_memory
-    from preftune.train.logps import completion_logps
+    from preftune.run.host_memory import keep_freed_memory
+    from preftune.model.logps import completion_logps
 
     kept = keep_freed_memory() if args.child == "keep" else False
     model, tensors = load(args), batch(args)
@@ -118,7 +118,7 @@ def faults_child(args) -> dict:
 
 
 def page_faults(args, argv: list[str]) -> dict:
-    from preftune.train.host_memory import user_chose
+    from preftune.run.host_memory import user_chose
 
     env = {k: v for k, v in os.environ.items() if not user_chose({k: v})}
     out = {}

@@ -51,7 +51,7 @@ def load(args):
 
 def prompts(args, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random byte-range prompts of --prompt-len tokens, every other one shorter (left padding)."""
-    from preftune.rollout.sampler import left_pad
+    from preftune.data.tensors import left_pad
 
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, min(vocab, 259), (args.prompt_len - (i % 2) * (args.prompt_len // 4),),
@@ -61,7 +61,7 @@ def prompts(args, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def rollout(model, variant: str, ids, mask, args, *, greedy: bool):
     """One `sample` call through the variant's decoder -> (completion ids (N, T), seconds)."""
-    from preftune import decoder as D
+    from preftune.model import llama as D
     from preftune.rollout import sampler as S
 
     saved = D.supported, S._decoder, getattr(model, "preftune_cuda_graphs", False)

@@ -140,7 +140,7 @@ def sft_until_band(init: Path, train: list[dict], work: Path) -> tuple[int, floa
     (fewer correct samples at temperature 1), so GRPO got less signal and gained less.
     """
     from preftune.config import load_config
-    from preftune.train.loop import train as preftune_train
+    from preftune.run.loop import train as preftune_train
 
     data = work / "sft_train.jsonl"
     write_jsonl(data, [{"prompt": r["input"], "completion": r["answer"]} for r in train])

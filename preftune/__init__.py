@@ -10,16 +10,17 @@ __version__ = "0.1.0"
 
 _CONFIG_CLASSES = ("Config", "ModelConfig", "LoraConfig", "DataConfig", "GRPOConfig", "DPOConfig", "SFTConfig",
                    "OptimConfig", "EvalConfig", "GateConfig", "LogConfig", "DistributedConfig", "DeployConfig")
-_HOMES = {"load_config": "preftune.config", "TrainResult": "preftune.api", "UserError": "preftune.errors",
+_HOMES = {"train": "preftune.api", "load_config": "preftune.config", "TrainResult": "preftune.api",
+          "UserError": "preftune.errors",
           "Preempted": "preftune.errors", **dict.fromkeys(_CONFIG_CLASSES, "preftune.config")}
-__all__ = ["train", "losses", *_HOMES]
+__all__ = ["losses", *_HOMES]
 
 
 def __getattr__(name: str):
     import importlib
 
-    if name in ("train", "losses"):  # subpackages; preftune.train is also callable (preftune/train/__init__.py)
-        return importlib.import_module(f"preftune.{name}")
+    if name == "losses":
+        return importlib.import_module("preftune.losses")
     if name in _HOMES:
         return getattr(importlib.import_module(_HOMES[name]), name)
     raise AttributeError(f"module 'preftune' has no attribute {name!r}")

@@ -62,8 +62,8 @@ def run(cfg: Config, *, callbacks: Sequence[Callback] = ()) -> TrainResult:
     """Run a validated config; functions and tables it names must be registered (see `train`)."""
     from preftune.data import memory
     from preftune.rewards.registry import check_callables
-    from preftune.train.loop import train as train_loop
-    from preftune.train.metrics import read_records
+    from preftune.run.loop import train as train_loop
+    from preftune.run.metrics import read_records
 
     # before anything is loaded or written: a run's config.yaml names objects only Python can hand over
     memory.check_registered(cfg.data.train, "data.train")

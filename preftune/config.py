@@ -18,6 +18,7 @@ import yaml
 
 from preftune.deploy.settings import DeployConfig, check_deploy
 from preftune.errors import UserError
+from preftune.run.loggers import check_report_to
 
 
 @dataclass
@@ -466,7 +467,6 @@ def validate(cfg: Config) -> None:
                         f"got {cfg.grpo.overlong_buffer_len}", where="grpo.overlong_buffer_len")
     if not cfg.data.train:
         raise UserError("no training data: set data.train", where="data.train")
-    from preftune.train.loggers import check_report_to
 
     check_report_to(cfg.log.report_to)
     check_deploy(cfg.deploy, cfg.preemption_grace_seconds, cfg.checkpoint_uri)

@@ -54,7 +54,7 @@ def flat_grads(model):
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from preftune.models import load_tokenizer
+    from preftune.model.load import load_tokenizer
 
     return load_tokenizer(str(MODEL_DIR))
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import preftune
 from preftune.cli import main
 from preftune.config import load_config, to_dict
 from preftune.errors import EXIT_USER, UserError
+import preftune
 from tests.conftest import MODEL_DIR, ROOT, TRAIN_PROMPTS, arith_traces, write_parquet
 
 TINY = {"model.name_or_path": str(MODEL_DIR), "max_steps": 2, "save_steps": 0, "log.progress_bar": False,
@@ -64,8 +64,8 @@ def test_import_is_light_and_the_surface_is_named():
             "import preftune.cli\n"
             "heavy = [m for m in ('torch', 'transformers', 'pandas', 'datasets', 'wandb', 'mlflow') if m in sys.modules]\n"
             "assert not heavy, heavy\n"
-            "import preftune.train.loop\n"
-            "assert callable(preftune.train) and preftune.train.loop.Run\n"  # callable even once it is the package
+            "import preftune.run.loop\n"
+            "assert callable(preftune.train) and preftune.run.loop.Run\n"  # callable even once it is the package
             "from preftune.losses import dpo_loss, grpo_loss\n"
             "assert preftune.losses.grpo_loss is grpo_loss and preftune.losses.dpo_loss is dpo_loss\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -1,12 +1,12 @@
 """bench/bench_churn.py's arithmetic: the start-up line it reads and the goodput it reports (the
-churn itself is real processes and belongs to the bench; tests/train/test_notice_moments.py covers
+churn itself is real processes and belongs to the bench; tests/run/test_notice_moments.py covers
 restarts)."""
 from __future__ import annotations
 
 import pytest
 
 from bench import bench_churn
-from preftune.train.startup import PHASES, StartupClock
+from preftune.run.startup import PHASES, StartupClock
 
 
 def test_reads_the_startup_line_the_run_logs(caplog):

@@ -10,7 +10,10 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from preftune.data.traces import normalize_messages, prompt_key
+from preftune.data.prompts import PromptSet, load_prompts
+from preftune.data.sft import TRACES, detect_format, load_examples
+from preftune.data.traces import load_traces, normalize_messages, prompt_key, read_rows, resolve_files
+from preftune.errors import UserError
 
 
 def prompt_fraction(prompt: Any) -> float:
@@ -32,8 +35,6 @@ def drop_held_out(items: list, fraction: float, prompt_of=lambda x: x.prompt) ->
 
 def split_prompt_set(prompt_set, fraction: float, *, held_out: bool):
     """The held-out part (held_out=True) or the training part of a PromptSet."""
-    from preftune.data.prompts import PromptSet
-
     rows = [i for i, p in enumerate(prompt_set.prompts) if is_held_out(p, fraction) == held_out]
     prompts, columns = prompt_set.select(rows)
     return PromptSet(prompts, columns, prompt_set.files)
@@ -42,11 +43,6 @@ def split_prompt_set(prompt_set, fraction: float, *, held_out: bool):
 def held_out_prompts(path: str, fraction: float, opts):
     """The held-out prompts of a training set: a prompt file's rows, or the distinct prompts of traces,
     prompt/completion or messages files (with the other columns of each prompt's first row)."""
-    from preftune.data.prompts import PromptSet, load_prompts
-    from preftune.data.sft import TRACES, detect_format, load_examples
-    from preftune.data.traces import load_traces
-    from preftune.errors import UserError
-
     fmt = detect_format(path)
     cols = _columns(path)
     if fmt == TRACES and opts.response_column in cols and opts.reward_column in cols:
@@ -74,7 +70,5 @@ def held_out_prompts(path: str, fraction: float, opts):
 
 
 def _columns(path: str) -> list[str]:
-    from preftune.data.traces import read_rows, resolve_files
-
     fs, files = resolve_files(path)
     return next((c for c in (read_rows(fs, f)[1] for f in files) if c), None) or []

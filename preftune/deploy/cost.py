@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from preftune.data import inspect as commands
 from preftune.errors import UserError
 
 PRICES = Path(__file__).with_name("prices.yaml")
@@ -107,7 +108,6 @@ class Workload:
 
 def count_samples(cfg) -> int:
     """Prompts (online GRPO), trace groups (offline GRPO) or pairs (DPO) the config's data gives."""
-    from preftune.data import commands
     from preftune.data.pairs import pair_options
     from preftune.data.prompts import load_prompts
     from preftune.data.traces import TraceOptions

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from preftune.config import GateConfig
+from preftune.data.traces import display_path, is_local, resolve_files
 from preftune.errors import UserError
 from preftune.evaluation.stats import bootstrap_mean_bounds
 
@@ -73,8 +74,6 @@ def decide(gate: GateConfig, ckpt: dict, comparison: dict | None) -> Verdict:
 
 def data_fingerprint(path: str) -> str:
     """sha256 over the training files: name + content for local files, name + size + ETag for remote ones."""
-    from preftune.data.traces import display_path, is_local, resolve_files
-
     fs, files = resolve_files(path)
     h = hashlib.sha256()
     for f in files:

@@ -6,6 +6,7 @@ import base64
 import html
 import json
 from pathlib import Path
+from preftune.data.report import DATA_REPORT
 
 
 def _pre(text: str) -> str:
@@ -59,7 +60,6 @@ def render(run_dir: Path, charts: list[tuple[str, str, Path]], status: str, last
         data = base64.b64encode(path.read_bytes()).decode()
         parts.append(f"<figure><img alt='{html.escape(title)}' src='data:image/png;base64,{data}'>"
                      f"<figcaption>{html.escape(title)}</figcaption></figure>")
-    from preftune.data.report import DATA_REPORT
 
     for title, name in (("Resolved config", "config.yaml"), ("Data report", DATA_REPORT)):
         f = run_dir / name

@@ -9,17 +9,17 @@ import torch
 
 from preftune.config import GRPOConfig
 from preftune.data.stream import IndexStream
+from preftune.data.tensors import left_pad, right_pad
 from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response
+from preftune.distributed import Parallel
 from preftune.errors import UserError
-from preftune.rollout.sampler import Rollout, left_pad, right_pad
+from preftune.rollout.sampler import Rollout
 from preftune.rollout.scored import Scored
 
 
 class OfflineSource:
     def __init__(self, cfg: GRPOConfig, tokenizer, groups: list, *, seed: int, shuffle: bool,
                  truncation: PromptTruncation, reward_name: str, dp=None):
-        from preftune.train.distributed import Parallel
-
         self.cfg, self.tok, self.groups, self.truncation = cfg, tokenizer, groups, truncation
         self.dp = dp or Parallel()  # ranks read the same global order and keep their share of it
         self.stream = IndexStream(len(groups), seed, shuffle)

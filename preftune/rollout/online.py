@@ -5,11 +5,13 @@ import torch
 
 from preftune.config import GRPOConfig
 from preftune.data.stream import IndexStream
+from preftune.data.tensors import left_pad
 from preftune.data.tokenize import PromptTruncation, encode_prompt
+from preftune.distributed import Parallel
 from preftune.errors import UserError
-from preftune.rewards.registry import RewardState, as_completions, compute_rewards
-from preftune.rollout.sampler import Rollout, concat, left_pad, sample, select
 from preftune.losses.advantages import group_spread
+from preftune.rewards.registry import RewardState, as_completions, compute_rewards
+from preftune.rollout.sampler import Rollout, concat, sample, select
 from preftune.rollout.scored import Scored
 
 
@@ -54,8 +56,6 @@ def empty_scored(n_funcs: int) -> Scored:
 class OnlineSource:
     def __init__(self, cfg: GRPOConfig, tokenizer, prompt_set, reward_funcs, *, seed: int, shuffle: bool,
                  truncation: PromptTruncation, device: torch.device, dp=None):
-        from preftune.train.distributed import Parallel
-
         self.cfg, self.tok, self.prompt_set, self.reward_funcs = cfg, tokenizer, prompt_set, reward_funcs
         self.dp = dp or Parallel()  # ranks draw the same global order and sample their own share of it
         self.stream = IndexStream(len(prompt_set), seed, shuffle)

@@ -7,16 +7,19 @@ the last-token logits, a Gumbel-max draw, and one host sync per token (stop when
 done; rows that finished leave the batch once they are an eighth of it, except at the fixed shapes
 a CUDA graph replays, where they stay, masked: `model.cuda_graphs`).
 Positions come from the attention mask, so a left-padded prompt sees the same positions as an
-unpadded one, here and in the training forward pass (`train/logps.py` calls `positions_from_mask`).
+unpadded one, here and in the training forward pass (`model/logps.py` calls `data/tensors.positions_from_mask`).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from dataclasses import dataclass
 
 import torch
+
+from preftune.data.tensors import positions_from_mask
+from preftune.model.llama import Lean
+from preftune.model.load import autocast, cache_kwarg
 
 
 @dataclass(slots=True)
@@ -33,28 +36,6 @@ class Rollout:
     def to(self, device) -> "Rollout":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return Rollout(*(move(getattr(self, k)) for k in self.__slots__))
-
-
-def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids that skip left padding: (B, L) mask -> (B, L) positions."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
-
-
-def cache_kwarg(model) -> str:
-    """transformers renamed `past_key_values` to `cache` in 5.x; use whichever the model takes."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
-
-
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # (B, P)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)  # (B, P)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s):] = 1
-    return ids, mask
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -89,8 +70,6 @@ def sample(
     generator: torch.Generator | None = None,
 ) -> Rollout:
     """Sample `num_generations` completions for each of B prompts -> Rollout with N = B * G rows."""
-    from preftune.models import autocast
-
     was_training = model.training
     model.eval()  # dropout off, and HF keeps the cache on even with gradient checkpointing
     try:
@@ -143,8 +122,6 @@ def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id, t
 def _decoder(model, capacity: int):
     """The lean decoder (`preftune/decoder.py`) where it replays the model (its step replayed as a
     CUDA graph with `model.cuda_graphs` on a GPU), else the HF forward."""
-    from preftune.decoder import Lean
-
     lean = Lean.of(model, decoding=True)
     if lean is None:
         return _HFDecoder(model, capacity)
@@ -386,13 +363,3 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
         truncated=torch.cat([r.truncated for r in rollouts]),
         old_logps=torch.cat([rpad(r.old_logps, T, 0.0) for r in rollouts]) if has_old else None,
     )
-
-
-def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(1, max(len(s) for s in seqs))
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # (B, T)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)  # (B, T)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, :len(s)] = 1
-    return ids, mask

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from preftune.data.commands import format_inspect, inspect_report, pairs_command
+from preftune.data.inspect import format_inspect, inspect_report, pairs_command
 from preftune.data.pairs import read_pairs
 from preftune.data.traces import TraceOptions
 from preftune.errors import UserError

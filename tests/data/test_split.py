@@ -6,7 +6,7 @@ import json
 from preftune.data.prompts import load_prompts
 from preftune.data.split import drop_held_out, held_out_prompts, is_held_out, split_prompt_set
 from preftune.data.traces import TraceOptions, load_traces
-from preftune.train.evaluate import eval_prompt_set
+from preftune.evaluation.evaluate import eval_prompt_set
 from tests.conftest import TRAIN_PROMPTS, arith_traces, write_parquet
 
 
@@ -35,7 +35,7 @@ def test_held_out_prompts_of_traces_are_distinct_with_their_columns(tmp_path):
 
 
 def test_training_excludes_and_evaluation_uses_the_held_out_prompts(make_config):
-    from preftune.train.loop import train
+    from preftune.run.loop import train
 
     cfg = make_config("eval.split=0.25", "max_steps=1")
     prompts = eval_prompt_set(cfg)

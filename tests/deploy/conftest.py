@@ -26,7 +26,7 @@ def job_config(tmp_path) -> Path:
 
 def render(config, *overrides):
     """(cfg, objects, notes) as `preftune render` builds them."""
-    from preftune.deploy.commands import _load
+    from preftune.cli.deploy import _load
     from preftune.deploy.render import render_objects
 
     cfg, data = _load(config, list(overrides))

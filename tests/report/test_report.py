@@ -89,7 +89,7 @@ def test_not_a_run_folder_is_exit_78(tmp_path, capsys):
 
 @pytest.mark.parametrize("algorithm", ["sft"])
 def test_report_of_a_real_sft_run(make_config, traces_file, algorithm):
-    from preftune.train.loop import train
+    from preftune.run.loop import train
 
     cfg = make_config(f"algorithm={algorithm}", f"data.train={traces_file}", "sft.batch_size=4",
                       "max_steps=3", "sft.max_length=24", "eval.split=0.5")

@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from preftune.rollout.sampler import Rollout, concat, filter_logits, left_pad, positions_from_mask, sample, select
+from preftune.data.tensors import left_pad, positions_from_mask
+
+from preftune.rollout.sampler import Rollout, concat, filter_logits, sample, select
 
 # Prompts of different lengths, so the batch is left-padded.
 PROMPTS = ["12+7=", "3+4=", "19+19=", "0+0=", "5+11="]
@@ -211,7 +213,7 @@ def test_finished_rows_leave_the_batch(model, tokenizer, monkeypatch, forward):
     """Rows that emitted EOS stop being run (compaction), and the result still matches per-prompt
     greedy decoding (the HF-generate parity test above covers the tokens themselves), with
     preftune's lean decoder and with the HF module's forward."""
-    import preftune.decoder as decoder
+    import preftune.model.llama as decoder
 
     sizes = []
     if forward == "hf":
@@ -247,7 +249,7 @@ def test_decoding_runs_in_inference_mode_and_hands_back_normal_tensors(model, to
     module's do not (its hooks may keep what they make), and neither runs with grad. Either way the
     rollout is made of normal tensors, which a training pass can save for its backward (an
     inference tensor would raise), and the tokens are those of a plain no-grad decode."""
-    import preftune.decoder as decoder
+    import preftune.model.llama as decoder
     import preftune.rollout.sampler as sampler
 
     seen = []

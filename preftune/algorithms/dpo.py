@@ -1,0 +1,364 @@
+"""The DPO task: pairs from labeled traces (or a pairs file), cached reference log-probs, one step.
+
+Reference log-probs are computed once, before the first step, with the initial policy (which *is*
+the reference), and cached in OUTPUT_DIR/ref_logps.pt keyed by a fingerprint of the model and the
+tokenised pairs; no reference model is held during training (TRL's `precompute_ref_log_probs`).
+With `dpo.precompute_ref_logps: false` a frozen reference (the base under LoRA adapters) runs on
+each micro-batch instead.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from preftune.atomic import atomic_path
+from preftune.config import Config
+from preftune.data.pairs import build_pairs, pair_options, read_pairs
+from preftune.data.split import drop_held_out
+from preftune.data.stream import IndexStream
+from preftune.data.tensors import left_pad, read_once, right_pad
+from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response, fit_prompt
+from preftune.data.traces import TraceOptions, dropped_note, load_traces, read_rows, resolve_files
+from preftune.distributed import Parallel
+from preftune.errors import UserError
+from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
+from preftune.model.head import head_logps
+from preftune.model import llama  # llama.supported: called through the module, so a test can switch it off
+from preftune.model.llama import Lean, tree_mask
+from preftune.model.load import autocast, to_device
+from preftune.model.logps import Rows, completion_logps, length_buckets, microbatches, unit_costs
+
+log = logging.getLogger("preftune")
+
+
+@dataclass
+class EncodedPair:
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+
+
+def load_pairs(cfg: Config) -> tuple[list, dict]:
+    """A pairs file (prompt/chosen/rejected columns, TRL's format) or labeled traces paired on the fly."""
+    fs, files = resolve_files(cfg.data.train)
+    columns = next((c for c in (read_rows(fs, f)[1] for f in files) if c), None)  # first non-empty file
+    if columns and {"prompt", "chosen", "rejected"} <= set(columns):
+        pairs, held_out = drop_held_out(read_pairs(cfg.data.train), cfg.eval.split)
+        return pairs, {"pairs_file": len(pairs)} | ({"held_out_pairs": held_out} if cfg.eval.split else {})
+
+    traces, drops = load_traces(cfg.data.train, TraceOptions.from_config(cfg.data))
+    traces, held_out = drop_held_out(list(traces), cfg.eval.split)
+    pairs, report = build_pairs(traces, **pair_options(cfg.data))
+    return pairs, {"traces": drops.as_dict(), "pairs": report.as_dict()} | (
+        {"held_out_rows": held_out} if cfg.eval.split else {})
+
+
+def encode_pairs(pairs, tokenizer, cfg: Config) -> tuple[list[EncodedPair], dict]:
+    """Prompt and response form one sequence; over max_length, the response is cut (prompt kept)."""
+    trunc = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
+    out, cut = [], 0
+    for i, p in enumerate(pairs):
+        prompt = fit_prompt(trunc, encode_prompt(tokenizer, p.prompt), cfg.dpo.max_length, where=f"pair {i}")
+        if prompt is None:
+            continue
+        room = cfg.dpo.max_length - len(prompt)
+        chosen, rejected = encode_response(tokenizer, p.chosen), encode_response(tokenizer, p.rejected)
+        cut += (len(chosen) > room) + (len(rejected) > room)
+        out.append(EncodedPair(prompt, chosen[:room], rejected[:room]))
+    stats = {"pairs": len(out), "prompts_truncated": trunc.truncated, "prompts_dropped": trunc.dropped,
+             "responses_truncated": cut}
+    return out, stats
+
+
+def pair_tensors(batch: list[EncodedPair], pad_id: int):
+    """2b rows, pair by pair: chosen_i then rejected_i, next to each other so their one prompt is
+    computed once (the shared layout of `completion_logps`), and their `Rows` (from the host lists)."""
+    prompts, responses = [e.prompt for e in batch for _ in (0, 1)], [r for e in batch for r in (e.chosen, e.rejected)]
+    p_ids, p_mask = left_pad(prompts, pad_id)  # (2b, P)
+    c_ids, c_mask = right_pad(responses, pad_id)  # (2b, T)
+    return p_ids, p_mask, c_ids, c_mask, Rows.of(prompts, [len(r) for r in responses])
+
+
+def sequence_logps(model, batch: list[EncodedPair], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed completion log-probs (2b,) and completion lengths (2b,): the b chosen, then the b rejected.
+
+    Where the lean decoder replays the model, pairs are tree-packed (`packed_sequence_logps`: one
+    forward, each prompt once, no padding). Otherwise pairs of similar length run together
+    (`length_buckets`), so little padding is computed; the sums come back in the batch's order (one
+    graph, so one backward covers every bucket)."""
+    plan = tree_plan(model.config, batch) if llama.supported(model) else None
+    if plan is not None:  # the fused weights are built only when they will be used
+        with autocast(model):  # bf16 mixed precision: the forward runs as the module's would
+            return packed_sequence_logps(Lean(model), batch, pad_id, device, plan)
+    lengths = [len(e.prompt) + max(len(e.chosen), len(e.rejected)) for e in batch]
+    sums = counts = None
+    for rows in length_buckets(lengths):
+        *tensors, sized = pair_tensors([batch[i] for i in rows], pad_id)
+        p_ids, p_mask, c_ids, c_mask = (to_device(t, device) for t in tensors)
+        logps, _ = completion_logps(model, p_ids, p_mask, c_ids, c_mask, rows=sized)  # (2r, T)
+        idx = to_device(rows, device)
+        if sums is None:
+            sums = logps.new_zeros(len(batch), 2)  # (b, 2): chosen, rejected
+            counts = c_mask.new_zeros(len(batch), 2)
+        sums = sums.index_copy(0, idx, (logps * c_mask).sum(-1).view(-1, 2))
+        counts = counts.index_copy(0, idx, c_mask.sum(-1).view(-1, 2))
+    return sums.t().reshape(-1), counts.t().reshape(-1)
+
+
+def packed_sequence_logps(lean, batch: list[EncodedPair], pad_id: int, device,
+                          plan: tuple[list[list[int]], int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logps` in one forward: each pair is one sequence [prompt | chosen | rejected] whose
+    rejected tokens see the prompt and themselves only (positions restart after the prompt), and
+    pairs are packed first-fit into rows (`plan` from `tree_plan`; default: as wide as the longest
+    pair) with `preftune.model.llama.tree_mask`. The last prompt position predicts both responses'
+    first tokens."""
+    rows, width = plan or pack_rows([len(e.prompt) + len(e.chosen) + len(e.rejected) for e in batch])
+    cells = len(rows) * width
+    # built as Python lists and turned into tensors once: per-pair tensor writes cost more than the
+    # forward of a small model
+    ids, pos, segment, branch = [pad_id] * cells, [0] * cells, [-1] * cells, [0] * cells
+    src, dst, slot = [], [], []  # predicting position (flat), target position (flat), output slot
+    for r, members in enumerate(rows):
+        at = r * width
+        for i in members:
+            e = batch[i]
+            p = len(e.prompt)
+            if p < 1:  # as the bucketed layout: the first response token needs a position to predict it
+                raise ValueError("every prompt needs at least one token")
+            ids[at:at + p], pos[at:at + p], segment[at:at + p] = e.prompt, range(p), [i] * p
+            start = at + p
+            for k, resp in enumerate((e.chosen, e.rejected)):
+                n = len(resp)
+                ids[start:start + n], pos[start:start + n] = resp, range(p, p + n)
+                segment[start:start + n], branch[start:start + n] = [i] * n, [k + 1] * n
+                if n:
+                    src += [at + p - 1, *range(start, start + n - 1)]
+                dst += range(start, start + n)
+                slot += [k * len(batch) + i] * n
+                start += n
+            at = start
+    ids, pos, segment, branch = (to_device(x, device, torch.long).view(-1, width)
+                                 for x in (ids, pos, segment, branch))  # (R, W)
+    src, dst, slot = (to_device(x, device, torch.long) for x in (src, dst, slot))
+    hidden = lean.forward(ids, lean.rope(pos), tree_mask(segment, branch))  # (R, W, H)
+    picked = hidden.reshape(-1, hidden.size(-1))[src]  # (K, H) only the positions that predict response tokens
+    logps, _ = head_logps(lean.rms(picked, lean.norm), lean.head_module, ids.view(-1)[dst])  # (K,)
+    sums = logps.new_zeros(2 * len(batch)).index_add(0, slot, logps)  # (2b,)
+    counts = to_device([len(e.chosen) for e in batch] + [len(e.rejected) for e in batch], device)  # (2b,)
+    return sums, counts
+
+
+def tree_plan(config, batch: list[EncodedPair]) -> tuple[list[list[int]], int] | None:
+    """The packed rows (pair indices per row, row width) when tree-packing is cheaper than the
+    bucketed layout it replaces, else None. Multiply-adds from the model config: the decoder per
+    position and attention per query-key pair. The tree's arbitrary mask computes the whole W x W
+    square of a row (a causal kernel skips half); the bucketed layout (`bucketed_cost`) runs each
+    prompt once but pads. Long responses behind a short prompt lose, shared prompts win. Rows 1,
+    2, 4 or 8 times the longest pair wide are tried: wider rows hold more short pairs (less
+    padding) but square the attention."""
+    body, attn = _costs(config)
+    lengths = [len(e.prompt) + len(e.chosen) + len(e.rejected) for e in batch]
+    best = None
+    for k in (1, 2, 4, 8):
+        rows, width = pack_rows(lengths, k * max(lengths))
+        cost = len(rows) * (width * body + width * width * attn)
+        if best is None or cost < best[0]:
+            best = (cost, rows, width)
+    # the bucketed layout also pays two forwards and a cache copy (and its backward): a tenth, from
+    # the 300-token-prompt bench row (tree-packed 0.71 s/step, bucketed 0.75 s/step)
+    return (best[1], best[2]) if best[0] <= 1.1 * bucketed_cost(config, batch) else None
+
+
+def bucketed_cost(config, batch: list[EncodedPair]) -> int:
+    """Multiply-adds of `sequence_logps`'s bucketed layout: per length bucket, the cheaper of the
+    shared-prompt layout (each prompt once, padded to the bucket's longest; both responses padded
+    to its longest, attending to the prompt) and two padded causal sequences per pair."""
+    body, attn = _costs(config)
+    cost = 0
+    for rows in length_buckets([len(e.prompt) + max(len(e.chosen), len(e.rejected)) for e in batch]):
+        u = len(rows)
+        P = max(len(batch[i].prompt) for i in rows)
+        T = max(max(len(batch[i].chosen), len(batch[i].rejected)) for i in rows)
+        shared = u * (P * body + P * (P + 1) // 2 * attn) + 2 * u * (T * body + T * (P + (T + 1) // 2) * attn)
+        cost += min(shared, 2 * u * ((P + T) * body + (P + T) * (P + T + 1) // 2 * attn))
+    return cost
+
+
+def _costs(config) -> tuple[int, int]:
+    """Multiply-adds per position of the decoder and per query-key pair of attention."""
+    return unit_costs(config)[0], 2 * getattr(config, "num_hidden_layers", 0) * getattr(config, "hidden_size", 0)
+
+
+def pack_rows(lengths: list[int], width: int | None = None) -> tuple[list[list[int]], int]:
+    """First-fit decreasing: item indices per row, each row at most `width` wide (default: the longest item)."""
+    width = max(lengths) if width is None else width
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
+        r = next((k for k, free in enumerate(room) if free >= lengths[i]), None)
+        if r is None:
+            rows.append([])
+            room.append(width)
+            r = len(rows) - 1
+        rows[r].append(i)
+        room[r] -= lengths[i]
+    return rows, width
+
+
+def _weights_signature(path: str) -> str:
+    """Name, size and mtime of the model's weight files: a folder whose weights were replaced (same path)
+    must not reuse reference log-probs cached for the old weights."""
+    folder = Path(path)
+    files = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")) if folder.is_dir() else []
+    return ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+
+
+def _fingerprint(cfg: Config, encoded: list[EncodedPair]) -> str:
+    model = cfg.model.name_or_path
+    h = hashlib.sha256(f"{model}|{cfg.model.dtype}|{_weights_signature(model)}".encode())
+    for e in encoded:
+        h.update(repr((e.prompt, e.chosen, e.rejected)).encode())
+    return h.hexdigest()
+
+
+@torch.no_grad()
+def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int, device, *, dp=None) -> torch.Tensor:
+    """(n, 2) reference [chosen, rejected] log-probs, cached in the output folder.
+
+    Rank 0 reads the cache and hands it to every rank; without a valid one each rank computes its
+    contiguous share of the pairs (`dp`: train/distributed.py's Parallel; None: one process, all of
+    them), the shares are gathered in rank order and rank 0 writes the cache (atomically)."""
+    dp = dp or Parallel()
+    cache = Path(cfg.output_dir) / "ref_logps.pt"
+    key = _fingerprint(cfg, encoded) if dp.is_main else None  # only rank 0 reads and writes the cache
+    cached = dp.on_main(lambda: _read_cache(cache, key))
+    if cached is not None:
+        log.info("reference log-probs of %d pairs read from %s", len(cached), cache)
+        return cached
+    was_training = model.training
+    model.eval()
+    mine = encoded[dp.share(len(encoded))]
+    out = [torch.zeros(0, 2)]  # a rank can hold no pairs when there are fewer than ranks
+    for sl in microbatches(len(mine), cfg.dpo.micro_batch_size):
+        lp, _ = sequence_logps(model, mine[sl], pad_id, device)
+        b = len(mine[sl])
+        out.append(torch.stack([lp[:b], lp[b:]], dim=1).cpu())
+    model.train(was_training)
+    logps = torch.cat(dp.gather(torch.cat(out)))  # (n, 2)
+    log.info("reference log-probs of %d pairs computed (%d on this rank)", len(logps), len(mine))
+    if dp.is_main:
+        with atomic_path(cache) as tmp:
+            torch.save({"fingerprint": key, "logps": logps}, tmp)
+    return logps
+
+
+def _read_cache(cache: Path, key: str) -> torch.Tensor | None:
+    """The cached log-probs when they were computed for these pairs and weights. Any failure to
+    read them means computing them again (the file is written atomically, so only a foreign one can
+    be damaged), and never an exception: the other ranks wait for this answer."""
+    try:
+        if not cache.exists():
+            return None
+        saved = torch.load(cache, weights_only=True)
+        return saved["logps"] if isinstance(saved, dict) and saved.get("fingerprint") == key else None
+    except Exception as e:  # noqa: BLE001 - any damage means: compute them again
+        log.warning("%s unreadable (%s): computing the reference log-probs again", cache, type(e).__name__)
+        return None
+
+
+def _no_pairs_reason(report: dict) -> str:
+    """Why pairing made nothing, naming the keys that decide it (the report is not written on error)."""
+    p = report.get("pairs")
+    if p is None:
+        return f"{report.get('encoded', {}).get('prompts_dropped', 0)} dropped by data.prompt_truncation"
+    drops = report["traces"]
+    if not drops["kept"]:
+        return "no trace rows left" + dropped_note(drops)
+    return (f"{p['prompts_seen']} prompts, {p['prompts_without_chosen']} without a chosen (data.chosen_min), "
+            f"{p['prompts_without_rejected']} without a rejected (data.rejected_max), {p['skipped_by_margin']} "
+            f"below data.min_margin, {p['skipped_identical']} with chosen == rejected" + dropped_note(drops))
+
+
+class DPOTask:
+    """Builds everything; the loop writes `data_report` once setup has succeeded."""
+
+    def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp=None):
+        self.cfg, self.d, self.device, self.dp = cfg, cfg.dpo, device, dp or Parallel()
+        self.loss_types = [self.d.loss_type] if isinstance(self.d.loss_type, str) else list(self.d.loss_type)
+        check_dpo_options(self.loss_types, self.d.loss_weights, self.d.beta, self.d.label_smoothing)
+        pairs, report = load_pairs(cfg)
+        self.encoded, stats = encode_pairs(pairs, tokenizer, cfg)
+        self.data_report = report | {"encoded": stats}
+        if not self.encoded:
+            raise UserError(f"no DPO pairs to train on: {_no_pairs_reason(self.data_report)}", where=cfg.data.train)
+        self.pad_id = tokenizer.pad_token_id
+        self.ref, self.ref_model = None, None  # ref (n, 2): from the checkpoint on a resume, else prepare()
+        if not self.d.reference_free and not self.d.precompute_ref_logps:
+            # run on each batch: the base under LoRA, else a frozen copy, sharded like the policy
+            self.ref_model = model if cfg.model.lora.enabled else self.dp.load(
+                cfg.model, cfg.model.name_or_path, trainable=False)
+        self.stream = IndexStream(len(self.encoded), cfg.seed, cfg.data.shuffle)
+
+    def prepare(self, model) -> None:
+        """The reference log-probs, with `model` still holding the initial (reference) weights,
+        unless the restored checkpoint brought them."""
+        if self.ref is None and not self.d.reference_free and self.d.precompute_ref_logps:
+            # each rank computes its share of the pairs on gathered parameters (no collective per
+            # pass); the shares are gathered and rank 0 writes the cache
+            with self.dp.gathered(model):
+                self.ref = reference_logps(model, self.encoded, self.cfg, self.pad_id, self.device, dp=self.dp)
+
+    def step(self, model, step: int, stop) -> dict:
+        idx = self.stream.take(self.d.batch_size)
+        B, totals, tokens, parts = len(idx), {}, 0, []  # B: the global batch; this rank trains on its share
+        idx = idx[self.dp.split(B, "dpo.batch_size")]
+        for sl in microbatches(len(idx), self.d.micro_batch_size):
+            stop.check()
+            part = idx[sl]
+            batch = [self.encoded[i] for i in part]
+            lp, lengths = sequence_logps(model, batch, self.pad_id, self.device)  # (2b,), (2b,)
+            b = len(part)
+            ref_c = ref_r = None
+            if self.ref is not None:
+                ref = to_device(self.ref[part], lp.device)  # (b, 2)
+                ref_c, ref_r = ref[:, 0], ref[:, 1]
+            elif self.ref_model is not None:
+                ref = self._live_reference(model, batch)  # (2b,)
+                ref_c, ref_r = ref[:b], ref[b:]
+            loss, m = dpo_loss_multi(lp[:b], lp[b:], ref_c, ref_r, loss_types=self.loss_types,
+                                     loss_weights=self.d.loss_weights, beta=self.d.beta,
+                                     label_smoothing=self.d.label_smoothing, chosen_lengths=lengths[:b],
+                                     rejected_lengths=lengths[b:], sync_metrics=False)
+            (loss * (b / B)).backward()  # per-pair means: a micro-batch of b pairs weighs b/B
+            parts.append((b, m | {"loss": loss.detach()}))
+            tokens += sum(2 * len(e.prompt) + len(e.chosen) + len(e.rejected) for e in batch)
+        for (b, _), m in zip(parts, read_once([m for _, m in parts])):
+            for k, v in m.items():
+                totals[k] = totals.get(k, 0.0) + v * b / B
+        totals["num_tokens"] = tokens
+        return self.dp.reduce_metrics(totals)
+
+    @torch.no_grad()
+    def _live_reference(self, model, batch: list[EncodedPair]) -> torch.Tensor:
+        """Summed reference log-probs (2b,), in eval mode like the precomputed ones."""
+        ref = self.ref_model
+        with ref.disable_adapter() if ref is model else contextlib.nullcontext():
+            was_training = ref.training
+            ref.eval()
+            lp, _ = sequence_logps(ref, batch, self.pad_id, self.device)
+            ref.train(was_training)
+        return lp
+
+    def state_dict(self) -> dict:
+        # the reference log-probs too: a resume on a fresh node then needs no reference pass
+        return {"stream": self.stream.state_dict(), "ref": self.ref}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state["stream"])
+        if self.d.precompute_ref_logps and state.get("ref") is not None and len(state["ref"]) == len(self.encoded):
+            self.ref = state["ref"]

@@ -1,0 +1,350 @@
+"""GRPO: build a generation batch (online sampling or offline trace groups), then train on it.
+
+`GRPOTask` is what the loop runs: its data source, the reference model and batch reuse. A generation
+batch (`GRPOBatch`) holds the rollout, the advantages and the reference log-probs; it is reused for
+`num_iterations` optimiser steps and is part of the checkpoint while pending. `grpo_step` is one
+optimiser step's forward/backward over the batch's micro-batches.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from preftune.config import Config, GRPOConfig
+from preftune.data.groups import build_groups
+from preftune.data.prompts import load_prompts
+from preftune.data.split import drop_held_out, split_prompt_set
+from preftune.data.tensors import read_once
+from preftune.data.tokenize import PromptTruncation, encode_prompt
+from preftune.data.traces import TraceOptions, dropped_note, load_traces
+from preftune.distributed import Parallel
+from preftune.errors import UserError
+from preftune.losses import grpo_loss
+from preftune.losses.advantages import group_advantages, group_spread, nanmean
+from preftune.losses.grpo import CLIP_KEYS, microbatch_weight
+from preftune.model.logps import Rows, completion_logps, microbatches
+from preftune.rewards.registry import load_reward_funcs
+from preftune.rollout.offline import OfflineSource
+from preftune.rollout.online import OnlineSource
+from preftune.rollout.sampler import Rollout
+from preftune.rollout.scored import Scored
+
+log = logging.getLogger("preftune")
+
+
+@dataclass
+class GRPOBatch:
+    rollout: Rollout
+    advantages: torch.Tensor  # (N,)
+    ref_logps: torch.Tensor | None  # (N, T)
+    metrics: dict = field(default_factory=dict)
+    rows: Rows | None = None  # the rollout's sizes, read once for all of the batch's passes (`sizes`)
+
+    def sizes(self) -> Rows:
+        """The rollout's `Rows`: one host read, shared by the reference pass and every step on this batch."""
+        if self.rows is None:
+            ro = self.rollout
+            self.rows = Rows.read(ro.prompt_ids, ro.prompt_mask, ro.completion_mask)
+        return self.rows
+
+    def state_dict(self) -> dict:
+        ro = self.rollout
+        tensors = {k: getattr(ro, k) for k in Rollout.__slots__ if getattr(ro, k) is not None}
+        tensors["advantages"] = self.advantages
+        if self.ref_logps is not None:
+            tensors["ref_logps"] = self.ref_logps
+        # references, not copies: the per-step rollback snapshot stays free; torch.save handles devices
+        return {"tensors": tensors, "metrics": dict(self.metrics)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict, device: torch.device | str = "cpu") -> "GRPOBatch":
+        t = {k: v.to(device) for k, v in state["tensors"].items()}
+        ro = Rollout(**{k: t.get(k) for k in Rollout.__slots__})
+        return cls(rollout=ro, advantages=t["advantages"], ref_logps=t.get("ref_logps"), metrics=state["metrics"])
+
+
+def reward_metrics(s: Scored, lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
+    """Reward and completion metrics of a whole generation batch (`lengths`, `truncated`: (N,))."""
+    spread = group_spread(s.total, s.group_sizes)  # (n_groups,)
+    m = {"reward": nanmean(s.total), "reward_std": spread.mean().item() if spread.numel() else 0.0}
+    for j, name in enumerate(s.names):
+        m[f"reward/{name}"] = nanmean(s.per_func[:, j])
+    m["frac_reward_zero_std"] = (spread == 0).float().mean().item() if spread.numel() else 0.0
+    m["completion_length"] = lengths.float().mean().item()
+    m["completions/clipped_ratio"] = truncated.float().mean().item()
+    return m | s.extra
+
+
+def global_view(s: Scored, dp) -> tuple[Scored, torch.Tensor, torch.Tensor, int]:
+    """The rewards of the whole generation batch, every rank's rows in rank order (groups never span
+    ranks), plus completion lengths and truncation flags (N,), and where this rank's rows start."""
+    ro = s.rollout
+    mine = (s.total.cpu(), s.per_func.cpu(), list(s.group_sizes), ro.completion_mask.sum(-1).cpu(), ro.truncated.cpu(),
+            list(s.names))
+    parts = dp.gather(mine) if dp.active else [mine]
+    names = next((p[5] for p in parts if p[5]), s.names)  # a rank with no rows may not know them
+    offset = sum(p[0].numel() for p in parts[:dp.rank])
+    total, per_func = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    sizes = [g for p in parts for g in p[2]]
+    whole = Scored(None, per_func, total, names, sizes, s.extra)
+    return whole, torch.cat([p[3] for p in parts]), torch.cat([p[4] for p in parts]), offset
+
+
+def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig, dp=None) -> GRPOBatch:
+    """Advantages and reference log-probs, all on the policy's device (rewards are scored on the
+    CPU; offline rollouts are built there); old log-probs are left to the batch's first step.
+    `ref_model` is None without a KL term, or the policy itself for LoRA (adapters switched off).
+    Advantages and reward metrics see the whole generation batch (`dp` gathers every rank's rewards);
+    this rank keeps its own rows. The reference pass runs on gathered parameters."""
+    dp = dp or Parallel()
+    device = next(model.parameters()).device
+    ro = s.rollout.to(device)
+    whole, lengths, truncated, offset = global_view(s, dp)
+    adv = group_advantages(whole.total, whole.group_sizes, scale_rewards=cfg.scale_rewards)  # (N_global,)
+    adv = adv[offset:offset + ro.completion_ids.size(0)]  # (N_rank,)
+    # old log-probs (num_iterations > 1) are not a pass of their own: the batch's first step runs the
+    # same weights with grad and records them (`grpo_step`)
+    ro.old_logps = None
+    batch = GRPOBatch(rollout=ro, advantages=adv.to(device), ref_logps=None,
+                      metrics=reward_metrics(whole, lengths, truncated))
+    if cfg.beta > 0:
+        with dp.gathered(ref_model):
+            batch.ref_logps = reference_logps(ref_model, ro, cfg, without_adapter=ref_model is model,
+                                              rows=batch.sizes())
+    return batch
+
+
+@torch.no_grad()
+def reference_logps(model, rollout: Rollout, cfg: GRPOConfig, *, without_adapter: bool = False,
+                    rows: Rows | None = None) -> torch.Tensor:
+    """Log-probs of a rollout under a frozen model (the reference).
+    With LoRA the reference is the policy with its adapters disabled: no second model in memory."""
+    with model.disable_adapter() if without_adapter else contextlib.nullcontext():
+        out = []
+        if rows is None:  # one host read
+            rows = Rows.read(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_mask)
+        for sl in microbatches(rollout.completion_ids.size(0), cfg.micro_batch_size):
+            lp, _ = completion_logps(model, rollout.prompt_ids[sl], rollout.prompt_mask[sl],
+                                     rollout.completion_ids[sl], rollout.completion_mask[sl],
+                                     temperature=cfg.temperature, rows=rows[sl])
+            out.append(lp)
+    return torch.cat(out)  # (N, T)
+
+
+def trained_rows(advantages: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor | None:
+    """Rows whose forward/backward can move the policy (N',), or None for all of them.
+
+    A row without counted tokens adds nothing to any loss. With beta = 0 every row's term is its
+    advantage times a factor (each loss type, both ratio levels), so a row with advantage exactly
+    0 has zero loss and gradient too. Both are skipped; the normalisers stay the whole batch's
+    (`microbatch_weight` with the kept rows and the batch's N and token count), so the update is
+    the same. One host sync: the row list."""
+    live = mask.sum(1) > 0  # (N,)
+    if beta == 0:
+        live &= advantages != 0
+    keep = live.nonzero().squeeze(1)  # (N',)
+    return None if keep.numel() == live.numel() else keep
+
+
+def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=None) -> dict:
+    """Forward/backward over micro-batches of one generation batch; the caller steps the optimizer.
+
+    Each micro-batch loss is weighted so the summed gradient equals one pass over the whole batch
+    (`microbatch_weight`), and dapo's normaliser is the whole batch's token count (`batch_tokens`,
+    `batch_seqs`: the normalisers, whatever rows are skipped). Rows that cannot move the policy
+    are left out (`trained_rows`); `rows_skipped` counts them and `entropy` is over the rows run.
+    With data parallel, "the whole batch" is every rank's rows: the normalisers are global counts,
+    so the gradients summed over ranks equal one pass over the global batch (tested 2 ranks vs 1).
+    """
+    dp = dp or Parallel()
+    ro = batch.rollout
+    mask = ro.completion_mask.float()  # (N, T)
+    if cfg.mask_truncated_completions:
+        mask = mask * (~ro.truncated).float()[:, None]
+    all_tokens = mask.sum(1).tolist()  # one host sync: each row's tokens (normalisers, metric shares)
+    batch_seqs, batch_tokens = dp.sum(len(all_tokens), sum(all_tokens))  # global sequences and tokens
+    batch_seqs = int(batch_seqs)
+    keep = trained_rows(batch.advantages, mask, cfg.beta)
+    kept = None if keep is None else keep.tolist()
+    row_tokens = all_tokens if kept is None else [all_tokens[i] for i in kept]
+    rows = batch.sizes() if kept is None else batch.sizes()[kept]  # sizes every pass: no read per pass
+    pick = (lambda t: t) if keep is None else (lambda t: t.index_select(0, keep))  # noqa: E731
+    ro_ids, ro_pmask, ro_cids, ro_cmask = (pick(t) for t in (ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
+                                                               ro.completion_mask))
+    mask, adv = pick(mask), pick(batch.advantages)
+    old_all = None if ro.old_logps is None else pick(ro.old_logps)
+    record = cfg.num_iterations > 1 and ro.old_logps is None  # the first of the batch's steps
+    recorded = []
+    ref_all = None if batch.ref_logps is None else pick(batch.ref_logps)
+    run_tokens = dp.sum(sum(row_tokens))[0]
+    parts = []  # per micro-batch (slice, weight, metric tensors), read once after the loop
+    slices = list(microbatches(mask.size(0), cfg.micro_batch_size))
+    for _ in range(int(dp.max(len(slices))[0]) - len(slices)):  # FSDP: every rank runs as many passes
+        check()
+        idle_pass(model, ro)
+    for sl in slices:
+        check()  # preemption: may abandon the step between micro-batches
+        logps, entropy = completion_logps(model, ro_ids[sl], ro_pmask[sl], ro_cids[sl], ro_cmask[sl],
+                                          temperature=cfg.temperature, with_entropy=True, rows=rows[sl])
+        if record:  # the policy that sampled this batch, as its later steps' old log-probs
+            recorded.append(logps.detach())
+        old = None if record or old_all is None else old_all[sl]
+        loss, m = grpo_loss(logps, old, None if ref_all is None else ref_all[sl],
+                            adv[sl], mask[sl], loss_type=cfg.loss_type, beta=cfg.beta, epsilon=cfg.epsilon,
+                            epsilon_high=cfg.epsilon_high, delta=cfg.delta,
+                            importance_sampling_level=cfg.importance_sampling_level,
+                            max_completion_length=cfg.max_completion_length, num_items=batch_tokens,
+                            kl_ratio_correction=cfg.use_bias_correction_kl, sync_metrics=False)
+        w = microbatch_weight(cfg.loss_type, rows=sl.stop - sl.start, tokens=sum(row_tokens[sl]),
+                              batch_seqs=batch_seqs, batch_tokens=batch_tokens)
+        (loss * w).backward()
+        parts.append((sl, w, m | {"loss": loss.detach(), "entropy_sum": (entropy.detach() * mask[sl]).sum()}))
+    totals, ent_sum = _fold(parts, row_tokens, batch_tokens, batch_seqs,
+                            by_rows=cfg.importance_sampling_level == "sequence")
+    if record:  # only once the step is whole: an abandoned step leaves the batch as it was
+        ro.old_logps = _scatter_rows(recorded, keep, ro.completion_mask)
+    skipped = len(all_tokens) - len(row_tokens)
+    if skipped:
+        _zero_missing_grads(model)  # every row skipped: the optimiser still steps on zeros, as without skipping
+        for k in ("loss", "kl", *(f"clip_ratio/{c}" for c in CLIP_KEYS)):  # nothing ran: zero loss, no clipping
+            totals.setdefault(k, 0.0)
+        if cfg.beta == 0 and skipped > all_tokens.count(0.0):
+            # some skipped row has tokens, and is never clipped: its per-row fraction is 0
+            totals["clip_ratio/low_min"] = min(totals["clip_ratio/low_min"], 0.0)
+    totals["entropy"] = ent_sum / max(run_tokens, 1.0)
+    totals["rows_skipped"] = float(skipped)
+    return dp.reduce_metrics(totals)
+
+
+def _scatter_rows(parts: list[torch.Tensor], keep: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The trained rows' log-probs back at their rows of the batch (N, T). A skipped row stays 0: it
+    is skipped again on every later step of the batch (same advantage, same beta), so never read."""
+    rows = torch.cat(parts) if parts else like.new_zeros((0, like.size(1)), dtype=torch.float32)  # (N', T)
+    if keep is None:
+        return rows
+    out = rows.new_zeros(like.shape)  # (N, T)
+    return out.index_copy(0, keep, rows)
+
+
+def idle_pass(model, ro: Rollout) -> None:
+    """A zero-weight forward/backward on one padding token: a rank with fewer micro-batches than the
+    others joins their FSDP all-gathers and reduce-scatters without changing any gradient."""
+    one = torch.ones((1, 1), dtype=ro.prompt_ids.dtype, device=ro.prompt_ids.device)
+    logps, _ = completion_logps(model, one, one, one, one, rows=Rows([1], [1], [1]))
+    (logps.sum() * 0.0).backward()
+
+
+def _fold(parts: list, row_tokens: list[float], batch_tokens: float, batch_seqs: int, *,
+          by_rows: bool) -> tuple[dict, float]:
+    """The micro-batches' metrics (read in one host sync) folded into the batch's (`_accumulate`)
+    -> (totals, entropy summed over tokens)."""
+    totals, ent_sum = {}, 0.0
+    for (sl, w, _), m in zip(parts, read_once([stats for _, _, stats in parts])):
+        loss, ent = m.pop("loss"), m.pop("entropy_sum")
+        _accumulate(totals, m, loss * w, token_share=sum(row_tokens[sl]) / max(batch_tokens, 1.0),
+                    row_share=(sl.stop - sl.start) / batch_seqs, by_rows=by_rows)
+        ent_sum += ent
+    return totals, ent_sum
+
+
+def _accumulate(totals: dict, m: dict, loss: float, *, token_share: float, row_share: float, by_rows: bool) -> None:
+    """Fold one micro-batch's metrics into the batch's: token means by token share (GSPO's clip
+    ratios, means over sequences, by row share), extremes by min/max, the loss by its weight."""
+    totals["loss"] = totals.get("loss", 0.0) + loss
+    for k, v in m.items():
+        if isinstance(v, float) and math.isnan(v):
+            continue
+        if k.endswith("_min") or k.endswith("_max"):  # extremes combine by min/max, not by averaging
+            pick = min if k.endswith("_min") else max
+            totals[k] = pick(totals[k], v) if k in totals else v
+        else:
+            rows = by_rows and k.startswith("clip_ratio/")
+            totals[k] = totals.get(k, 0.0) + v * (row_share if rows else token_share)
+
+
+def _zero_missing_grads(model) -> None:
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def check_prompt_lengths(tokenizer, prompts: list, limit: int, where: str) -> None:
+    for i, p in enumerate(prompts):
+        n = len(encode_prompt(tokenizer, p))
+        if n > limit:
+            raise UserError(f"prompt {i} has {n} tokens > data.max_prompt_length={limit} "
+                            "(data.prompt_truncation=error)", where=where)
+
+
+class GRPOTask:
+    """Builds everything and writes nothing: the loop writes `data_report` once setup has succeeded."""
+
+    def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp=None):
+        self.cfg, self.g, self.device, self.dp = cfg, cfg.grpo, device, dp or Parallel()
+        self.truncation = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
+        common = dict(seed=cfg.seed, shuffle=cfg.data.shuffle, truncation=self.truncation)
+        if self.g.rollout == "online":
+            prompts = load_prompts(cfg.data.train, prompt_column=cfg.data.prompt_column)
+            held_out = {}
+            if cfg.eval.split:  # the held-out prompts are for evaluation only
+                n, prompts = len(prompts), split_prompt_set(prompts, cfg.eval.split, held_out=False)
+                held_out = {"held_out_prompts": n - len(prompts)}
+            funcs = load_reward_funcs(self.g.reward_funcs, self.g, cfg.config_dir)
+            self.source = OnlineSource(self.g, tokenizer, prompts, funcs, device=device, dp=self.dp, **common)
+            self.source.state.max_steps = cfg.max_steps  # what TRL's trainer_state.max_steps tells reward functions
+            self.data_report = {"prompts": len(prompts)} | held_out
+            texts = prompts.prompts
+        else:
+            traces, drops = load_traces(cfg.data.train, TraceOptions.from_config(cfg.data))
+            traces, held_out = drop_held_out(list(traces), cfg.eval.split)
+            groups, greport = build_groups(traces)
+            self.data_report = {"traces": drops.as_dict(), "groups": greport.as_dict()} | (
+                {"held_out_rows": held_out} if cfg.eval.split else {})
+            if not groups:
+                raise UserError("no usable GRPO group (each needs >= 2 responses with different rewards; "
+                                f"{greport.too_small} prompts too small, {greport.zero_spread} with equal rewards)"
+                                + dropped_note(drops), where=cfg.data.train)
+            self.source = OfflineSource(self.g, tokenizer, groups, reward_name=cfg.data.reward_column, dp=self.dp,
+                                        **common)
+            texts = [g.prompt for g in groups]
+        if cfg.data.prompt_truncation == "error":  # fail now, not when the long prompt is drawn hours later
+            check_prompt_lengths(tokenizer, texts, cfg.data.max_prompt_length, cfg.data.train)
+        self.ref_model = None
+        if self.g.beta > 0 and cfg.model.lora.enabled:  # the base under the adapters is the reference
+            self.ref_model = model
+        elif self.g.beta > 0:  # the reference is only needed for the KL term
+            self.ref_model = self.dp.load(cfg.model, cfg.model.name_or_path, trainable=False)
+        self.pending: GRPOBatch | None = None
+
+    def prepare(self, model) -> None:
+        """Nothing to compute from the initial weights (the reference model, if any, is loaded)."""
+
+    def step(self, model, step: int, stop) -> dict:
+        if self.pending is None or (step - 1) % self.g.num_iterations == 0:
+            with self.dp.gathered(model):  # sampling: whole parameters once per rollout, not per token
+                scored = self.source.make_batch(model, step)
+            stop.check()
+            self.pending = new_batch(scored, model, self.ref_model, self.g, self.dp)
+        m = grpo_step(model, self.pending, self.g, check=stop.check, dp=self.dp)
+        m.update(self.pending.metrics)
+        ro = self.pending.rollout
+        tokens, truncated, dropped = self.dp.sum(float(ro.completion_mask.sum() + ro.prompt_mask.sum()),
+                                                 self.truncation.truncated, self.truncation.dropped)
+        m["num_tokens"], m["prompts_truncated"], m["prompts_dropped"] = int(tokens), int(truncated), int(dropped)
+        return m
+
+    def state_dict(self) -> dict:
+        reuse = self.pending is not None and self.g.num_iterations > 1
+        return {"source": self.source.state_dict(), "pending": self.pending.state_dict() if reuse else None,
+                "truncation": [self.truncation.truncated, self.truncation.dropped, sorted(self.truncation.seen)]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.source.load_state_dict(state["source"])
+        pending = state["pending"]
+        self.pending = GRPOBatch.from_state_dict(pending, self.device) if pending is not None else None
+        t, d, seen = state["truncation"]
+        self.truncation.truncated, self.truncation.dropped, self.truncation.seen = t, d, set(seen)

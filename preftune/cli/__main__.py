@@ -1,0 +1,4 @@
+"""`python -m preftune.cli`: the same process as the `preftune` command."""
+from preftune.cli import script
+
+script()

@@ -1,0 +1,57 @@
+"""`preftune export CHECKPOINT -o DIR`: a consolidated Hugging Face model from any step checkpoint.
+
+Full-layout checkpoints (one process, ddp) and sharded ones (FSDP2, any world size) alike: the
+base model named in the checkpoint's preftune.yaml is loaded on the CPU, the checkpoint's weights
+(or LoRA adapter) are loaded into it, LoRA is merged, and the model is written in model.dtype with
+a manifest, atomically (built beside DIR, then renamed). Runs in one process, no GPU needed.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from preftune.errors import UserError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("export", help="write a Hugging Face model from a step checkpoint (sharded or not)")
+    p.add_argument("checkpoint", help="a checkpoints/step-N folder")
+    p.add_argument("-o", "--output", required=True, help="the model folder to write (must not exist or be empty)")
+    p.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    out = export(Path(args.checkpoint), Path(args.output))
+    print(f"exported {args.checkpoint} -> {out}")
+    return 0
+
+
+def export(folder: Path, out: Path) -> Path:
+    from preftune.config import load_config
+    from preftune.model.load import load_model, load_tokenizer, save_pretrained
+    from preftune.run import checkpoint as ckpt
+    from preftune import distributed as dist
+    from preftune.run.checkpointer import SHARDS, is_lora, load_weights
+    from preftune.run.resume import CONFIG_FILE
+
+    problem = ckpt.verify(folder)
+    if problem:
+        raise UserError(f"not a complete checkpoint: {problem}", where=str(folder))
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError("output folder exists and is not empty", where=str(out))
+    cfg = load_config(folder / CONFIG_FILE)
+    model = load_model(cfg.model, cfg.model.name_or_path)
+    if (folder / SHARDS).is_dir():
+        dist.load_sharded(model, None, folder / SHARDS, trainable_only=is_lora(model), weights_only=True)
+    else:
+        load_weights(model, folder)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_pretrained(model, load_tokenizer(str(folder), cfg.model.trust_remote_code), tmp, dtype=cfg.model.dtype)
+    ckpt.write_manifest(tmp, ckpt.read_manifest((folder / ckpt.MANIFEST).read_text()).get("step", 0))
+    ckpt.fsync_tree(tmp)
+    if out.exists():
+        out.rmdir()  # empty (checked above)
+    ckpt.publish(tmp, out)
+    return out

@@ -1,0 +1,386 @@
+"""Data-parallel training: the one module that calls torch.distributed.
+
+`Parallel` is handed to the loop, the checkpointer and the tasks; everything else sees only its
+rank, world size and a few reductions. One process (no torchrun) gets a `Parallel` whose
+collectives are identities, so the single-process path runs the same code.
+
+Strategies (`distributed.strategy`):
+  fsdp  FSDP2: `fully_shard` on each decoder block, then the root; parameters, gradients and
+        optimizer state sharded over the ranks; bf16 compute with fp32 reduction for model.dtype=bfloat16.
+  ddp   every rank holds the whole model; gradients are summed with one all-reduce per step
+        (after all micro-batches, as DDP's no_sync does), so uneven micro-batch counts cannot hang.
+  none  one process only.
+Gradients are *summed* over ranks: each rank's loss is already weighted by the global batch's
+normalisers (sequences, tokens), so the sum is the gradient of one pass over the global batch.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from preftune.errors import UserError
+from preftune.model import load as loader
+
+log = logging.getLogger("preftune")
+
+
+def torchrun_env(env=os.environ) -> bool:
+    """True when started by torchrun (or any launcher that sets its variables)."""
+    return all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
+class Parallel:
+    """Rank, world size and the collectives the training code needs (identities on one process)."""
+
+    def __init__(self, rank: int = 0, world: int = 1, local_rank: int = 0, strategy: str = "none",
+                 device: torch.device | None = None):
+        self.rank, self.world, self.local_rank, self.strategy = rank, world, local_rank, strategy
+        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.active = torch.distributed.is_available() and torch.distributed.is_initialized()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        return self.active and self.strategy == "fsdp"
+
+    # ---------------------------------------------------------------- collectives
+
+    def barrier(self) -> None:
+        if self.active:
+            torch.distributed.barrier()
+
+    def _reduce(self, values: list[float], op) -> list[float]:
+        if not self.active or not values:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
+        torch.distributed.all_reduce(t, op=op)
+        return t.tolist()
+
+    def sum(self, *values: float) -> list[float]:
+        return self._reduce(list(values), torch.distributed.ReduceOp.SUM if self.active else None)
+
+    def max(self, *values: float) -> list[float]:
+        return self._reduce(list(values), torch.distributed.ReduceOp.MAX if self.active else None)
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when it is true on any rank (the preemption flag)."""
+        return bool(self.max(float(flag))[0])
+
+    def gather(self, obj) -> list:
+        """`obj` of every rank, in rank order, on every rank (small Python objects)."""
+        if not self.active:
+            return [obj]
+        out = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj):
+        """Rank 0's `obj` on every rank."""
+        if not self.active:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def on_main(self, fn, *, share: bool = True):
+        """Run `fn` on rank 0 only and hand its result to every rank (`share` False: to rank 0 only,
+        None elsewhere); a UserError there is raised on every rank (so all exit 78 together instead
+        of the others waiting for it)."""
+        result, error = None, None
+        if self.is_main:
+            try:
+                result = fn()
+            except UserError as e:
+                error = str(e)
+        if share:
+            result, error = self.broadcast((result, error))
+        else:
+            error = self.broadcast(error)
+        if error is not None:
+            raise UserError(error)
+        return result
+
+    def together(self, fn):
+        """Run `fn` on every rank; a UserError on any rank is raised on every rank (the lowest such
+        rank's message), so all exit 78 together instead of the others waiting at their next
+        collective for a rank that has left (work split over ranks: each sees only its share)."""
+        if not self.active:
+            return fn()
+        result, error = None, None
+        try:
+            result = fn()
+        except UserError as e:
+            error = str(e)
+        errors = [e for e in self.gather(error) if e is not None]
+        if errors:
+            raise UserError(errors[0])
+        return result
+
+    def _comm_device(self) -> torch.device:
+        return self.device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+
+    # ---------------------------------------------------------------- batch split
+
+    def split(self, n: int, what: str) -> slice:
+        """This rank's contiguous share of n global items; n must divide evenly (checked at start-up)."""
+        if n % self.world:
+            raise UserError(f"{what}={n} is not divisible by the {self.world} ranks", where=what)
+        k = n // self.world
+        return slice(self.rank * k, (self.rank + 1) * k)
+
+    def share(self, n: int) -> slice:
+        """This rank's contiguous part of n items when n need not divide evenly (resampling rounds):
+        the first n % world ranks get one more."""
+        k, extra = divmod(n, self.world)
+        start = self.rank * k + min(self.rank, extra)
+        return slice(start, start + k + (self.rank < extra))
+
+    def offset(self, n_local: int) -> tuple[int, int]:
+        """(rows on lower ranks, rows on all ranks) for this rank's n_local rows."""
+        counts = self.gather(n_local)
+        return sum(counts[:self.rank]), sum(counts)
+
+    def require_divisible(self, values: dict[str, int]) -> None:
+        """Global batch sizes are split over the ranks: each must divide evenly (exit 78 otherwise)."""
+        bad = [f"{k}={v}" for k, v in values.items() if v % self.world]
+        if bad:
+            raise UserError(f"{', '.join(bad)} not divisible by the world size {self.world} (the global batch "
+                            "is split evenly over the ranks)", where=", ".join(k for k in values))
+
+    def reduce_metrics(self, m: dict) -> dict:
+        """Per-rank partial metrics -> global: keys ending _min/_max combine by min/max, the rest are
+        partial sums (each rank pre-weights by its share of the global batch). A key missing on a rank
+        (a NaN it skipped) is combined over the ranks that have it."""
+        if not self.active:
+            return m
+        out: dict = {}
+        for part in self.gather(m):
+            for k, v in part.items():
+                if k not in out:
+                    out[k] = v
+                elif k.endswith("_min"):
+                    out[k] = min(out[k], v)
+                elif k.endswith("_max"):
+                    out[k] = max(out[k], v)
+                else:
+                    out[k] = out[k] + v
+        return out
+
+    # ---------------------------------------------------------------- model wrapping
+
+    def load(self, cfg, path: str, *, trainable: bool = True, reshard_after_forward: bool = True):
+        """`models.load_model` for this strategy, on this rank's device (the policy, or with
+        `trainable` False the frozen reference). Under FSDP2 without LoRA only rank 0 reads the
+        weights, into host memory: every rank builds the module on the meta device and shards it,
+        then rank 0 sends each rank its shards and the buffers outside the state dict (rotary
+        tables). So no other rank ever holds a whole weight, and no device the whole model (the
+        32B sizing in the README: 131 GB of fp32 weights per rank otherwise)."""
+        def wrap(model):  # bf16 mixed precision where load_model chose float32 masters under bf16 autocast
+            return self.wrap(model, mixed_bf16=getattr(model, "preftune_autocast", None) is not None,
+                             reshard_after_forward=reshard_after_forward)
+
+        if not self.sharded or cfg.lora.enabled:  # LoRA: peft wraps the loaded module first
+            return wrap(loader.load_model(cfg, path, trainable=trainable))
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full = self.on_main(lambda: loader.load_model(cfg, path, trainable=trainable), share=False)  # rank 0, host
+        model = wrap(loader.load_model(cfg, path, trainable=trainable, weights=False))  # meta shards
+        model.to_empty(device=self.device)
+        set_model_state_dict(model, full.state_dict() if full is not None else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        sources = dict(full.named_buffers()) if full is not None else {}
+        for name, buf in model.named_buffers():
+            if full is not None:
+                buf.copy_(sources[name])
+            torch.distributed.broadcast(buf, src=0)
+        log.info("model built on the meta device and sharded; weights sent by rank 0")
+        return model
+
+    def wrap(self, model, *, mixed_bf16: bool = False, reshard_after_forward: bool = True):
+        """The policy (or the frozen reference) for this strategy, on this rank's device (a module on
+        the meta device stays there: `load` gives it storage once it is sharded)."""
+        if not next(model.parameters()).is_meta:
+            model = model.to(self.device)
+        if self.active:  # one forward per log-prob pass, see below; on every strategy for equal numerics
+            model.preftune_one_forward = True
+        if not self.active or self.strategy != "fsdp":
+            return model
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_bf16 \
+            else MixedPrecisionPolicy()
+        for block in decoder_blocks(model):
+            fully_shard(block, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        # one forward per log-prob pass (no shared-prompt layout, which runs two): the passes of all
+        # ranks, idle ones included, then issue the same all-gathers and reduce-scatters in order
+        if any(p.requires_grad for p in model.parameters()):
+            for mod in fsdp_modules(model):  # each block reduces its own gradients
+                mod.set_gradient_divide_factor(1.0)  # sum over ranks, see the module docstring
+                mod.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+        return model
+
+    def sync_grads(self, model) -> None:
+        """ddp: sum every gradient over the ranks (one flat all-reduce). fsdp reduce-scatters in backward."""
+        if not self.active or self.strategy != "ddp":
+            return
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # a parameter unused on this rank must still join the all-reduce
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        torch.distributed.all_reduce(flat)
+        offset = 0
+        for p in params:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n
+
+    def clip_grads(self, model, max_grad_norm: float) -> float:
+        """Clip the gradients to `max_grad_norm` (when > 0, torch's clip_grad_norm_ rule) and return
+        their global norm before clipping; under FSDP the sharded gradients' squares are summed over
+        the ranks by one all-reduce."""
+        if not self.sharded:
+            params = [p for p in model.parameters() if p.grad is not None]
+            if max_grad_norm > 0:
+                return float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+            return float(torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params]))) \
+                if params else 0.0
+        local = [p.grad.to_local() for p in model.parameters() if p.grad is not None]
+        sq = torch.stack([g.detach().float().pow(2).sum() for g in local]).sum() if local else torch.zeros(())
+        sq = sq.to(self._comm_device())
+        torch.distributed.all_reduce(sq)
+        norm = sq.sqrt()
+        if max_grad_norm > 0:  # torch's clip_grad_norm_ rule
+            coef = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+            for g in local:
+                g.mul_(coef.to(g.device, g.dtype))
+        return float(norm)
+
+    @contextlib.contextmanager
+    def gathered(self, model):
+        """Whole parameters on every rank for generation: one all-gather per rollout (not one per
+        token), sampling with no collective at all, then back to shards."""
+        mods = fsdp_modules(model) if self.sharded else []
+        for m in mods:
+            m.set_reshard_after_forward(False)
+            m.unshard()
+        try:
+            yield model
+        finally:
+            for m in mods:
+                m.reshard()
+                m.set_reshard_after_forward(True)
+
+    def close(self) -> None:
+        if self.active:
+            with contextlib.suppress(Exception):
+                torch.distributed.destroy_process_group()
+            self.active = False
+
+
+def decoder_blocks(model) -> list:
+    """The repeated transformer layers (a ModuleList of the same block class, the longest one)."""
+    best: list = []
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) > len(best) \
+                and len({type(m) for m in mod}) == 1:
+            best = list(mod)
+    return best
+
+
+def fsdp_modules(model) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def init(cfg, env=os.environ) -> Parallel:
+    """Join torchrun's process group when its environment is there; else one process."""
+    if not torchrun_env(env):
+        return Parallel()
+    rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
+    if cfg.strategy == "none" and world > 1:
+        raise UserError(f"strategy none runs one process, but torchrun started {world}",
+                        where="distributed.strategy")
+    cuda = torch.cuda.is_available()
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if cuda else "gloo")
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group(backend=backend, rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(seconds=cfg.timeout_seconds))
+    log.info("rank %d of %d (local %d): strategy %s, backend %s, device %s", rank, world, local, cfg.strategy,
+             backend, device)
+    return Parallel(rank, world, local, cfg.strategy, device)
+
+
+# ---------------------------------------------------------------- state dicts and sharded files
+
+
+def _options(*, full: bool = False, trainable_only: bool = False, strict: bool = True):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=full, cpu_offload=full, ignore_frozen_params=trainable_only,
+                            strict=strict and not trainable_only)
+
+
+def model_state(model, *, full: bool = False, trainable_only: bool = False) -> dict:
+    """The model's state dict: this rank's shards (DTensors) or, with `full`, whole tensors on the CPU
+    of rank 0 (an all-gather under FSDP: every rank must call it)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_options(full=full, trainable_only=trainable_only))
+
+
+def optimizer_state(model, optimizer, *, full: bool = False) -> dict:
+    """Optimizer state keyed by parameter name (so it loads into any world size and strategy)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_options(full=full))
+
+
+def load_full_state(model, optimizer, weights: dict, optim: dict | None):
+    """Whole-tensor weights (and name-keyed optimizer state) into a model of any strategy; returns
+    the (missing, unexpected) keys of the weights."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    keys = set_model_state_dict(model, weights, options=_options(full=True, strict=False))
+    if optim is not None:
+        set_optimizer_state_dict(model, optimizer, optim, options=_options(full=True))
+    return keys.missing_keys, keys.unexpected_keys
+
+
+def save_sharded(model, optimizer, folder: Path, *, trainable_only: bool = False) -> None:
+    """Each rank writes its shards of weights and optimizer state (torch.distributed.checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": model_state(model, trainable_only=trainable_only), "optim": optimizer_state(model, optimizer)}
+    dcp.save(state, checkpoint_id=str(folder))
+
+
+def load_sharded(model, optimizer, folder: Path, *, trainable_only: bool = False, weights_only: bool = False) -> None:
+    """Shards written at any world size, resharded to this one by torch.distributed.checkpoint
+    (also into one plain process: a 2 -> 1 resume, `preftune export`)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    state = {"model": model_state(model, trainable_only=trainable_only)}
+    if not weights_only:
+        state["optim"] = optimizer_state(model, optimizer)
+    with warnings.catch_warnings():  # one process reading shards is intended
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(state, checkpoint_id=str(folder))
+    set_model_state_dict(model, state["model"], options=_options(trainable_only=trainable_only))
+    if not weights_only:
+        set_optimizer_state_dict(model, optimizer, state["optim"])

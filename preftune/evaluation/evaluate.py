@@ -1,0 +1,133 @@
+"""Held-out evaluation: completions for an eval prompt set (greedy, or k samples per prompt), scored by
+the reward functions; the per-prompt results and their summary (used in training and by `preftune eval`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from preftune.data.prompts import load_prompts
+from preftune.data.split import held_out_prompts
+from preftune.data.tensors import left_pad
+from preftune.data.tokenize import PromptTruncation
+from preftune.data.traces import TraceOptions
+from preftune.evaluation.stats import is_binary, pass_and_mean_at_k
+from preftune.losses.advantages import nanmean
+from preftune.rewards.registry import RewardState, load_reward_funcs
+from preftune.rollout.online import encode_prompts, score
+from preftune.rollout.sampler import sample
+
+
+@dataclass
+class EvalResult:
+    names: list[str]  # reward function names
+    total: torch.Tensor  # (n, k) weighted summed reward; NaN = no function applied
+    per_func: torch.Tensor  # (n, k, F); NaN = not applicable
+    lengths: torch.Tensor  # (n, k) completion tokens (up to and including EOS)
+
+    @classmethod
+    def empty(cls, k: int) -> "EvalResult":
+        """No prompts (a rank whose share of a small prompt set is empty)."""
+        return cls([], torch.zeros(0, k), torch.zeros(0, k, 0), torch.zeros(0, k))
+
+    @classmethod
+    def merge(cls, parts: list["EvalResult"]) -> "EvalResult":
+        """The parts' prompts in order (each rank's share, gathered in rank order) as one result."""
+        full = [r for r in parts if r.total.size(0)] or parts[:1]
+        return cls(full[0].names, *(torch.cat([getattr(r, f) for r in full]) for f in ("total", "per_func", "lengths")))
+
+
+@torch.no_grad()
+def generate_scored(model, tokenizer, prompt_set, reward_funcs, *, weights, max_new_tokens: int, batch_size: int,
+                    truncation: PromptTruncation, state=None, num_samples: int = 1, sampling: dict | None = None,
+                    generator: torch.Generator | None = None, share: slice | None = None) -> EvalResult:
+    """Greedy (sampling None, one completion) or `num_samples` sampled completions per prompt with
+    `sampling` = {temperature, top_p, top_k} drawn from `generator` (same seed, same draws); of the
+    prompts in `share` (default: all)."""
+    k = num_samples if sampling is not None else 1
+    if share is None:
+        share = slice(0, len(prompt_set))
+    totals, per_func, lengths, names = [], [], [], []
+    for start in range(share.start, share.stop, batch_size):
+        idx = list(range(start, min(start + batch_size, share.stop)))
+        prompts, columns, ids = encode_prompts(tokenizer, prompt_set, idx, truncation)
+        if not ids:
+            continue
+        p_ids, p_mask = left_pad(ids, tokenizer.pad_token_id)
+        device = next(model.parameters()).device
+        ro = sample(model, p_ids.to(device), p_mask.to(device), num_generations=k, max_new_tokens=max_new_tokens,
+                    eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, greedy=sampling is None,
+                    generator=generator, **(sampling or {}))
+        s = score(tokenizer, reward_funcs, ro, prompts, columns, k, weights, state)
+        totals.append(s.total.view(-1, k))
+        per_func.append(s.per_func.view(len(ids), k, -1))
+        lengths.append(ro.completion_mask.sum(-1).view(-1, k).cpu().float())
+        names = s.names
+    if not totals:
+        return EvalResult.empty(k)
+    return EvalResult(list(names), torch.cat(totals), torch.cat(per_func), torch.cat(lengths))
+
+
+def summarize(r: EvalResult, prefix: str = "eval/") -> dict:
+    """Mean reward, per function, mean completion length; with k > 1 samples, pass@k and mean@k of
+    every 0/1 reward (the total and each function)."""
+    out = {f"{prefix}reward": nanmean(r.total), f"{prefix}num_prompts": r.total.size(0),
+           f"{prefix}completion_length": r.lengths.mean().item()}
+    for j, name in enumerate(r.names):
+        out[f"{prefix}reward/{name}"] = nanmean(r.per_func[..., j])
+    k = r.total.size(1)
+    if k > 1:
+        series = [("", r.total)] + [(f"/{n}", r.per_func[..., j]) for j, n in enumerate(r.names)]
+        for suffix, x in series:
+            if is_binary(x):
+                out[f"{prefix}pass@{k}{suffix}"], out[f"{prefix}mean@{k}{suffix}"] = pass_and_mean_at_k(x, k)
+    return out
+
+
+def evaluate(model, tokenizer, prompt_set, reward_funcs, *, weights, max_new_tokens: int, batch_size: int,
+             truncation: PromptTruncation, state=None, dp=None) -> dict:
+    """`eval/reward` = mean over held-out prompts of the (weighted) summed reward of the greedy completion.
+    With `dp` (train/distributed.py's Parallel), each rank generates and scores its contiguous share
+    of the prompts and every rank summarises all of them (a gather of the per-prompt scores)."""
+    def scored(share: slice | None = None) -> EvalResult:
+        return generate_scored(model, tokenizer, prompt_set, reward_funcs, weights=weights, share=share,
+                               max_new_tokens=max_new_tokens, batch_size=batch_size, truncation=truncation, state=state)
+
+    if dp is None:
+        return summarize(scored())
+    part = dp.together(lambda: scored(dp.share(len(prompt_set))))  # a reward's UserError stops every rank
+    return summarize(EvalResult.merge(dp.gather(part)))
+
+
+def eval_prompt_set(cfg):
+    """data.eval, else with eval.split the held-out prompts of data.train, else None."""
+    if cfg.data.eval:
+        return load_prompts(cfg.data.eval, prompt_column=cfg.data.prompt_column)
+    if cfg.eval.split:
+        return held_out_prompts(cfg.data.train, cfg.eval.split, TraceOptions.from_config(cfg.data))
+    return None
+
+
+def eval_reward_funcs(cfg) -> tuple[list, list | None]:
+    """(functions, weights): eval.reward_funcs unweighted, or grpo.reward_funcs with grpo.reward_weights."""
+    funcs = load_reward_funcs(cfg.eval.reward_funcs or cfg.grpo.reward_funcs, cfg.grpo, cfg.config_dir)
+    return funcs, cfg.grpo.reward_weights if cfg.eval.reward_funcs is None else None
+
+
+def build_evaluator(cfg, tokenizer, dp=None):
+    """A callable (model, step) -> eval metrics, or None when the config has no held-out prompts;
+    with `dp`, the prompts split over the ranks (`evaluate`)."""
+    prompt_set = eval_prompt_set(cfg)
+    if prompt_set is None:
+        return None
+
+    funcs, weights = eval_reward_funcs(cfg)
+    truncation = PromptTruncation(cfg.data.max_prompt_length, "left")
+    max_new = cfg.eval.max_new_tokens or cfg.grpo.max_completion_length
+
+    def run(model, step: int) -> dict:
+        return evaluate(model, tokenizer, prompt_set, funcs, weights=weights, max_new_tokens=max_new,
+                        batch_size=cfg.eval.batch_size, truncation=truncation, state=RewardState(global_step=step),
+                        dp=dp)
+
+    return run

@@ -1,0 +1,102 @@
+"""The vocabulary projection and the log-probabilities of target tokens, without (K, V) logits kept.
+
+log p(y) = (h·W_y)/tau - logsumexp_v((h·W_v)/tau) needs every logit of a position, but not all
+positions' logits at once: `head_logps` projects CHUNK_ELEMENTS logits at a time, keeps only the
+log-sum-exp per position for the backward and recomputes each chunk's logits there,
+
+    d/dlogit_v = g * (1[v = y] - softmax_v) / tau,   dh = dlogits · W,   dW = dlogits^T · h,
+
+so peak memory holds one chunk of logits instead of (K, V) logits, their log-sum-exp input and
+their gradient: with a 150k vocabulary and 8k completion tokens that is 5 GB of float32 logits and
+as much again for their gradient. Small projections run unchunked, exactly as before.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_ELEMENTS = 1 << 25  # logits per chunk (128 MB in float32: ~220 rows of a 150k vocabulary, 1k of 32k)
+
+
+def head_logps(hidden: torch.Tensor, head, targets: torch.Tensor, *, temperature: float = 1.0,
+               with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (...,) of `targets` (...,) and optionally the entropy (no gradient), from hidden
+    states (..., H) and the output layer `head` (an nn.Linear without bias is chunked)."""
+    weight = getattr(head, "weight", None)
+    V = weight.size(0) if weight is not None else 0
+    rows = hidden[..., 0].numel()
+    plain = type(head) is not torch.nn.Linear or head.bias is not None or rows * V <= CHUNK_ELEMENTS
+    if plain:
+        logits = upcast_logits(head(hidden))  # (..., V)
+        if temperature != 1.0:
+            logits = logits / temperature
+        return token_logps(logits, targets, with_entropy=with_entropy)
+    chunk = max(1, CHUNK_ELEMENTS // V)
+    flat = hidden.reshape(rows, hidden.size(-1))  # (K, H)
+    logps, entropy = _ChunkedHead.apply(flat, weight, targets.reshape(rows), temperature, chunk, with_entropy)
+    return logps.view(targets.shape), entropy.view(targets.shape) if with_entropy else None
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """(K, H) hidden, (V, H) weight, (K,) targets -> (K,) log-probs, (K,) entropy (not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy):
+        K = hidden.size(0)
+        logps = hidden.new_empty(K, dtype=torch.promote_types(hidden.dtype, torch.float32))  # (K,)
+        lse, entropy = torch.empty_like(logps), torch.zeros_like(logps)
+        for s in range(0, K, chunk):
+            logits = _logits(hidden[s:s + chunk], weight, temperature)  # (c, V)
+            lse[s:s + chunk] = logits.logsumexp(-1)  # (c,)
+            logps[s:s + chunk] = logits.gather(1, targets[s:s + chunk, None]).squeeze(1) - lse[s:s + chunk]
+            if with_entropy:
+                entropy[s:s + chunk] = lse[s:s + chunk] - (logits.softmax(-1) * logits).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.amp = (hidden.device.type, torch.is_autocast_enabled(hidden.device.type),
+                   torch.get_autocast_dtype(hidden.device.type))
+        ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        device, enabled, dtype = ctx.amp
+        d_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        d_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        with torch.autocast(device, dtype=dtype, enabled=enabled):  # the forward's precision
+            for s in range(0, hidden.size(0), ctx.chunk):
+                h, g = hidden[s:s + ctx.chunk], grad[s:s + ctx.chunk]
+                probs = (_logits(h, weight, ctx.temperature) - lse[s:s + ctx.chunk, None]).exp_()  # (c, V) softmax
+                d_logits = probs.mul_(-g[:, None])
+                d_logits[torch.arange(h.size(0), device=h.device), targets[s:s + ctx.chunk]] += g
+                d_logits = (d_logits if ctx.temperature == 1.0 else d_logits / ctx.temperature).to(h.dtype)  # (c, V)
+                if d_hidden is not None:
+                    d_hidden[s:s + ctx.chunk] = d_logits @ weight.to(d_logits.dtype)  # (c, H)
+                if d_weight is not None and not enabled and d_logits.dtype == weight.dtype:
+                    d_weight.addmm_(d_logits.t(), h)  # (V, H), accumulated in place
+                elif d_weight is not None:  # bf16 products under autocast, float32 master gradient
+                    d_weight += (d_logits.t() @ h.to(d_logits.dtype)).to(weight.dtype)
+        return d_hidden, d_weight, None, None, None, None
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(c, H) x (V, H) -> (c, V) logits, at least float32, divided by the temperature."""
+    logits = upcast_logits(F.linear(hidden, weight))  # (c, V)
+    return logits if temperature == 1.0 else logits / temperature
+
+def upcast_logits(logits: torch.Tensor) -> torch.Tensor:
+    """At least float32 for the log-softmax (bf16 logits are upcast; float64 stays float64)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def token_logps(logits: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool = False):
+    """log softmax(logits)[target] = logit - logsumexp, and optionally the entropy (no gradient).
+    logits (..., V), targets (...) -> (...), (...) or None."""
+    token_logits = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (...)
+    lse = logits.logsumexp(-1)  # (...)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = lse - (logits.softmax(-1) * logits).sum(-1)  # (...)
+    return token_logits - lse, entropy

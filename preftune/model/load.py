@@ -1,0 +1,165 @@
+"""Load the policy, the reference model and the tokenizer from a local Hugging Face folder."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from preftune.atomic import atomic_write
+from preftune.config import ModelConfig
+from preftune.errors import UserError, one_line
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the names of CHOICES["model.dtype"]
+log = logging.getLogger(__name__)
+
+
+# What a broken model folder raises inside transformers / tokenizers / safetensors: a user error.
+def _load_errors() -> tuple[type[BaseException], ...]:
+    from safetensors import SafetensorError
+
+    return (OSError, ValueError, KeyError, EnvironmentError, SafetensorError)
+
+
+def check_model_path(path: str) -> str:
+    """The model must be a local Hugging Face folder with a config.json and weights; `path` was made
+    relative to the config file by `config.resolve_local` (the one place paths are resolved)."""
+    where = "model.name_or_path"
+    if not os.path.exists(path):
+        raise UserError(f"model folder not found: {path} (no model hub here: give a local folder)", where=where)
+    if not os.path.isdir(path):
+        raise UserError(f"{path} is a file; give the model's folder (with config.json and *.safetensors)",
+                        where=where)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UserError(f"{path} has no config.json: not a Hugging Face model folder", where=where)
+    if not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path)):
+        raise UserError(f"{path} has no weights (*.safetensors or *.bin)", where=where)
+    return path
+
+
+def import_model_libraries(cfg: ModelConfig) -> None:
+    """Import transformers and the model's own modeling module now (seconds: most of a restart on
+    a small model), so start-up time shows as `startup/imports` and a signal then still finds the
+    process in its start-up phase. Best effort: load_model reports any problem with the folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if cfg.trust_remote_code:
+        return
+    try:
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(cfg.name_or_path))]
+    except Exception:  # noqa: BLE001 - an unknown or missing model: load_model says what is wrong
+        pass
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except _load_errors() as e:
+        raise UserError(f"cannot load tokenizer: {one_line(e)}", where=path) from None
+    if tok.pad_token_id is None:
+        if tok.eos_token_id is None:
+            raise UserError("tokenizer has neither a pad nor an eos token", where=path)
+        tok.pad_token = tok.eos_token  # padding is masked everywhere, so reusing eos is safe
+    return tok
+
+
+def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True, weights: bool = True):
+    """The policy (trainable, optionally LoRA-wrapped) or a frozen copy for the reference. Without
+    `weights`, the same module on the meta device, from config.json alone (shapes, no storage: the
+    FSDP2 ranks that receive their shards from rank 0, `Parallel.load`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # Full fine-tuning in bfloat16 keeps float32 master weights and computes under autocast: AdamW
+    # steps on bf16 weights round most updates away. Frozen models and LoRA bases load as bf16.
+    mixed = trainable and cfg.dtype == "bfloat16" and not cfg.lora.enabled
+    dtype, remote = torch.float32 if mixed else DTYPES[cfg.dtype], cfg.trust_remote_code
+    try:
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=remote)
+        else:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=remote)
+    except _load_errors() as e:  # corrupt or truncated weights, bad config.json
+        raise UserError(f"cannot load model: {one_line(e, with_type=True)}", where=path) from None
+    model.preftune_lean = cfg.lean_forward  # read by preftune.model.llama.supported
+    model.preftune_cuda_graphs = cfg.cuda_graphs  # read by the sampler
+    if not trainable:
+        model.eval().requires_grad_(False)
+        return model
+    if cfg.gradient_checkpointing:
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24 renamed it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.config.use_cache = False
+    if cfg.lora.enabled:
+        model = _wrap_lora(model, cfg)
+    if mixed:
+        model.preftune_autocast = torch.bfloat16
+    model.train()
+    return model
+
+
+def autocast(model):
+    """The compute-precision context for a forward pass of `model` (bf16 autocast for mixed precision)."""
+    dtype = getattr(model, "preftune_autocast", None)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=next(model.parameters()).device.type, dtype=dtype)
+
+
+def to_device(host, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host tensor (or list) on `device` without making the host wait for it: a copy from pageable
+    memory to a GPU first waits for everything queued on the GPU (a sync per micro-batch); from
+    pinned memory it is queued behind that work instead."""
+    t = host if isinstance(host, torch.Tensor) else torch.tensor(host, dtype=dtype)
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _wrap_lora(model, cfg: ModelConfig):
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise UserError("model.lora.enabled needs peft: pip install 'preftune[lora]'", where="model.lora") from None
+    lcfg = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                      target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM")
+    return get_peft_model(model, lcfg)
+
+
+def save_pretrained(model, tokenizer, out: str | Path, *, dtype: str | None = None) -> None:
+    """Hugging Face format (safetensors + config + tokenizer); LoRA adapters are merged first.
+    `dtype` casts the saved weights (the final model of a bf16 run); checkpoints keep the master
+    weights as they are so a resume is exact."""
+    to_save = model
+    if hasattr(model, "merge_and_unload") and hasattr(model, "peft_config"):
+        import copy
+
+        to_save = copy.deepcopy(model).merge_and_unload()
+    state = None
+    if dtype is not None and DTYPES[dtype] != next(to_save.parameters()).dtype:
+        state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in to_save.state_dict().items()}
+    to_save.save_pretrained(str(out), safe_serialization=True, state_dict=state)
+    if state is not None:  # transformers writes the in-memory dtype into config.json
+        cfg_file = Path(out) / "config.json"
+        cfg_json = json.loads(cfg_file.read_text())
+        cfg_json["dtype"] = dtype
+        atomic_write(cfg_file, json.dumps(cfg_json, indent=2) + "\n")
+    tokenizer.save_pretrained(str(out))
+
+
+def cache_kwarg(model) -> str:
+    """transformers renamed `past_key_values` to `cache` in 5.x; use whichever the model takes."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"

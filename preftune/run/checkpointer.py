@@ -1,0 +1,223 @@
+"""The one owner of a run's checkpoints: "save at step N", "restore from this folder", "write final/".
+
+The loop calls `Checkpointer.save(step)` / `.restore(folder)` / `.write_final(step)`; how the state
+is laid out is this module's business. Two layouts, one folder lifecycle (checkpoint.py: scratch
+folder, manifest last, fsync, atomic rename, retention, remote mirror):
+
+full     (one process, or ddp where every rank holds the same weights; rank 0 writes)
+         full fine-tuning: the model in Hugging Face format (loadable by from_pretrained);
+         LoRA: only `adapter/` (peft format) - no merged copy per save.
+sharded  (fsdp) `shards/`: torch.distributed.checkpoint files, each rank writing its own shards of
+         the weights (LoRA: the adapter only) and of the optimizer state.
+Both: `trainer_state.pt` (rank 0: step, optimizer state keyed by parameter name in the full layout,
+the task's state, RNGs), `rank-R.pt` for each other rank (its task state and RNGs), the tokenizer,
+the model's config.json, preftune.yaml, metrics.jsonl and MANIFEST.json - written last, by rank 0,
+from the file hashes every rank computed for its share of the files, after a barrier.
+`final/` is always one consolidated Hugging Face model (LoRA merged once, at the end).
+"""
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from preftune import distributed as dist
+from preftune.errors import UserError
+from preftune.model.load import load_model, save_pretrained
+from preftune.run import checkpoint as ckpt
+from preftune.run.resume import CONFIG_FILE, checkpoint_config
+
+log = logging.getLogger("preftune")
+METRICS = "metrics.jsonl"
+SHARDS = "shards"
+ADAPTER = "adapter"
+
+
+def rng_state() -> dict:
+    """Every global RNG as plain tensors/ints/floats (loadable with weights_only=True)."""
+    _, py_state, py_gauss = random.getstate()
+    _, mt, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": list(py_state), "python_gauss": py_gauss,
+             "numpy": torch.from_numpy(mt.astype(np.int64)), "numpy_pos": int(pos),
+             "numpy_gauss": [int(has_gauss), float(gauss)], "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate((3, tuple(state["python"]), state["python_gauss"]))
+    has_gauss, gauss = state["numpy_gauss"]
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def prepare_task(task, model) -> None:
+    """What a task computes from the initial weights (DPO's reference log-probs); SFT has nothing."""
+    prepare = getattr(task, "prepare", None)
+    if prepare is not None:
+        prepare(model)
+
+
+def is_lora(model) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank}.pt"
+
+
+class Checkpointer:
+    def __init__(self, cfg, dp: dist.Parallel, *, model, tokenizer, optimizer, task, mirror=None):
+        self.cfg, self.dp, self.mirror = cfg, dp, mirror
+        self.model, self.tokenizer, self.optimizer, self.task = model, tokenizer, optimizer, task
+        self.out = Path(cfg.output_dir)
+        self.root = self.out / "checkpoints"
+
+    # ---------------------------------------------------------------- save
+
+    def save(self, step: int, metrics_path: Path | None = None, extra: dict | None = None) -> Path:
+        """Every rank calls this at the same step; returns the published folder. `extra`: more plain
+        state for rank 0's trainer_state.pt (e.g. the trackers' run ids)."""
+        if not self.dp.active:
+            folder = ckpt.save(self.root, step, lambda tmp: self._write(tmp, step, metrics_path, extra),
+                               keep=self.cfg.save_total_limit)
+        else:
+            folder = self._save_together(step, metrics_path, extra)
+        if self.mirror is not None:
+            self.mirror.upload(folder)  # a snapshot; the upload runs in the background
+        return folder
+
+    def _save_together(self, step: int, metrics_path: Path | None, extra: dict | None) -> Path:
+        """All ranks write into one scratch folder; each hashes and fsyncs a share of the files; rank 0
+        writes the manifest from those hashes after a barrier, then renames."""
+        dp = self.dp
+        tmp = Path(dp.on_main(lambda: str(ckpt.begin(self.root, step))))
+        self._write(tmp, step, metrics_path, extra)
+        dp.barrier()  # every rank's files are complete before anyone hashes or publishes
+        names = ckpt.content_files(tmp)[dp.rank::dp.world]
+        entries = ckpt.file_entries(tmp, names)
+        ckpt.fsync_files(tmp / n for n in names)
+        shares = {k: v for part in dp.gather(entries) for k, v in part.items()}
+
+        def publish() -> str:
+            ckpt.write_manifest(tmp, step, files=shares)
+            ckpt.fsync_tree(tmp, files=False)
+            return str(ckpt.finish(self.root, tmp, step, keep=self.cfg.save_total_limit))
+
+        return Path(dp.on_main(publish))
+
+    def _write(self, tmp: Path, step: int, metrics_path: Path | None, extra: dict | None) -> None:
+        dp, model = self.dp, self.model
+        if dp.sharded:
+            dist.save_sharded(model, self.optimizer, tmp / SHARDS, trainable_only=is_lora(model))
+        own = {"task": self.task.state_dict(), "rng": rng_state()}
+        if not dp.is_main:
+            ckpt.save_state(tmp, own, rank_file(dp.rank))
+            return
+        if not dp.sharded:
+            if is_lora(model):
+                model.save_pretrained(str(tmp / ADAPTER))
+            else:
+                save_pretrained(model, self.tokenizer, tmp)
+            own["optimizer"] = dist.optimizer_state(model, self.optimizer)
+        self.tokenizer.save_pretrained(str(tmp))
+        model.config.save_pretrained(str(tmp))
+        ckpt.save_state(tmp, {"step": step, "world_size": dp.world, **own, **(extra or {})})
+        (tmp / CONFIG_FILE).write_text(checkpoint_config(self.cfg))
+        if metrics_path is not None and metrics_path.is_file():
+            shutil.copyfile(metrics_path, tmp / METRICS)
+
+    # ---------------------------------------------------------------- restore
+
+    def restore(self, folder: Path) -> dict:
+        """Weights, optimizer state, task state and RNGs from `folder` (any layout, any world size);
+        returns rank 0's trainer state (step, trackers, ...). Every rank calls this."""
+        state = ckpt.load_state(folder)
+        saved_world = int(state.get("world_size", 1))
+        if self.dp.world != saved_world:
+            log.warning("resuming a %d-rank checkpoint on %d ranks: training continues, but not bit for "
+                        "bit as it would have at %d", saved_world, self.dp.world, saved_world)
+        mine = self.dp.rank % saved_world
+        own = state if mine == 0 else ckpt.load_state(folder, rank_file(mine))
+        # the task state first: what it lacks, `prepare` computes from the base weights (DPO's
+        # reference log-probs of an older checkpoint), before the checkpoint's weights replace them
+        self.task.load_state_dict(own["task"])
+        prepare_task(self.task, self.model)
+        if (folder / SHARDS).is_dir():
+            dist.load_sharded(self.model, self.optimizer, folder / SHARDS, trainable_only=is_lora(self.model))
+        else:
+            load_weights(self.model, folder, self.optimizer, state.get("optimizer"))
+        set_rng_state(own["rng"])
+        return state
+
+    # ---------------------------------------------------------------- final
+
+    def write_final(self, step: int) -> Path:
+        """final/: one consolidated Hugging Face model in model.dtype (LoRA merged), by rank 0."""
+        final = self.out / "final"
+        full = dist.model_state(self.model, full=True) if self.dp.sharded else None  # collective
+
+        def write() -> str:
+            tmp = self.out / ".tmp-final"
+            shutil.rmtree(tmp, ignore_errors=True)
+            model = self.model if full is None else fresh_model(self.cfg, full)
+            save_pretrained(model, self.tokenizer, tmp, dtype=self.cfg.model.dtype)
+            (tmp / CONFIG_FILE).write_text(checkpoint_config(self.cfg))  # with the manifest's step: "complete"
+            ckpt.write_manifest(tmp, step)
+            ckpt.fsync_tree(tmp)
+            ckpt.publish(tmp, final)
+            if self.mirror is not None:  # the remote also gets the final model, as URL/final
+                self.root.mkdir(parents=True, exist_ok=True)
+                self.mirror.upload(final, scratch_root=self.root)
+            return str(final)
+
+        return Path(self.dp.on_main(write))
+
+
+def fresh_model(cfg, weights: dict):
+    """A plain (unsharded, CPU) policy of `cfg` holding `weights` (whole tensors keyed by name)."""
+    model = load_model(cfg.model, cfg.model.name_or_path)
+    check_fit(model, *model.load_state_dict(weights, strict=False), where="weights")
+    return model
+
+
+def check_fit(model, missing, unexpected, *, where: str) -> None:
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    if unexpected or [k for k in missing if k not in tied and "lm_head" not in k and "lora_" not in k]:
+        raise UserError(f"checkpoint weights do not fit the model (missing {list(missing)[:3]}, unexpected "
+                        f"{list(unexpected)[:3]})", where=where)
+
+
+def read_weights(model, folder: Path) -> dict:
+    """Whole-tensor weights of a full-layout checkpoint, keyed by the model's parameter names: the
+    LoRA adapter when there is one, else the full model."""
+    from safetensors.torch import load_file
+
+    if is_lora(model):
+        from peft.utils.save_and_load import _insert_adapter_name_into_state_dict
+
+        f = folder / ADAPTER / "adapter_model.safetensors"
+        if not f.is_file():
+            raise UserError("checkpoint has no LoRA adapter", where=str(folder))
+        return _insert_adapter_name_into_state_dict(load_file(str(f)), "default", "lora_")
+    files = sorted(folder.glob("model*.safetensors"))
+    if not files:
+        raise UserError("checkpoint has no model weights", where=str(folder))
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def load_weights(model, folder: Path, optimizer=None, optim_state: dict | None = None) -> None:
+    """Weights of a full-layout checkpoint (and optimizer state) into a model of any strategy."""
+    missing, unexpected = dist.load_full_state(model, optimizer, read_weights(model, folder), optim_state)
+    if not is_lora(model):
+        check_fit(model, missing, unexpected, where=str(folder))

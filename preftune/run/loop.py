@@ -1,0 +1,335 @@
+"""The run: set up, resume, step, log, evaluate, checkpoint, and stop cleanly on preemption.
+
+The loop owns the optimizer, the schedule, logging, checkpoints and the stop flag; a *task*
+(`GRPOTask`, `DPOTask`) owns its data order and does one step's forward/backward.
+
+Exact resume: a checkpoint at step N holds everything step N+1 reads (weights, optimizer moments,
+every RNG, the task's data position and pending batch, the metrics so far), and the LR is a pure
+function of the step, so a resumed run repeats the uninterrupted one bit for bit on the same device.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from preftune import distributed
+from preftune.atomic import atomic_write, copy_atomic
+from preftune.config import Config, to_dict, to_yaml
+from preftune.data.report import write_data_report
+from preftune.errors import Preempted
+from preftune.model.load import check_model_path, import_model_libraries, load_tokenizer
+from preftune.run import checkpoint as ckpt, optim
+from preftune.run.checkpointer import (  # noqa: F401 - load_weights, rng_state: used by tests and tools
+    METRICS, Checkpointer, load_weights, prepare_task, rng_state, set_rng_state,
+)
+from preftune.algorithms.dpo import DPOTask
+from preftune.algorithms.grpo import GRPOTask
+from preftune.algorithms.sft import SFTTask
+from preftune.distributed import Parallel
+from preftune.evaluation.evaluate import build_evaluator
+from preftune.run.completion import completed
+from preftune.run.host_memory import keep_freed_memory
+from preftune.run.loggers import build_trackers
+from preftune.run.metrics import MetricsLog
+from preftune.run.optim import build_optimizer, lr_at, set_lr
+from preftune.run.outdir import OutputGuard
+from preftune.run.preemption import Preemption, SharedStop, StepAbandoned, process_handler
+from preftune.run.resume import find_resume_point
+from preftune.run.startup import StartupClock, process_start
+
+log = logging.getLogger("preftune")
+UPLOAD_MARGIN_S = 5.0  # of the grace period, kept for exiting after the last upload wait
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_task(cfg: Config, model, tokenizer, device, dp: Parallel | None = None):
+    dp = dp or Parallel()
+    if cfg.algorithm == "grpo":
+        return GRPOTask(cfg, model, tokenizer, device, dp)
+    if cfg.algorithm == "sft":
+        return SFTTask(cfg, model, tokenizer, device, dp)
+
+    return DPOTask(cfg, model, tokenizer, device, dp)
+
+
+class Run:
+    """Setup validates and builds everything (model, data, reward functions, eval set) before it
+    writes to output_dir; `train()` also guards the folder until the first step (train/outdir.py)."""
+
+    on_first_step = None  # called once the first optimizer step has been taken
+    startup: dict = {}  # startup_seconds by phase, until the first training record carries them
+
+    def __init__(self, cfg: Config, dp: Parallel | None = None, *, callbacks=(), clock: StartupClock | None = None):
+        self.cfg = cfg
+        self.dp = dp = dp or Parallel()
+        self.clock = clock = clock or StartupClock()
+        # called as cb(step, record) after each logged record; returning True stops the run at this step
+        self.callbacks = list(callbacks)
+        self.stop_asked = False
+        self.tracker_state: dict | None = None  # tracker run ids from the checkpoint
+        self.evaluated: int | None = None  # the step of the latest evaluation
+        self.out = Path(cfg.output_dir)
+        self.ckpt_root = self.out / "checkpoints"
+        self.device = dp.device
+        if self.device.type == "cpu":  # activations live in host memory: reuse it from step to step
+            keep_freed_memory()
+        self.mirror = ckpt.RemoteMirror(cfg.checkpoint_uri, cfg.save_total_limit) \
+            if cfg.checkpoint_uri and dp.is_main else None
+        # rank 0 decides (it may set damaged checkpoints aside or download one) and tells the others
+        found = dp.on_main(lambda: find_resume_point(cfg, self.out, self.ckpt_root, self.mirror))
+        self.resumed_from = Path(found) if found else None
+        clock.mark("restore")
+        seed_everything(cfg.seed)
+        base_path = check_model_path(cfg.model.name_or_path)
+        self.tokenizer = load_tokenizer(base_path, cfg.model.trust_remote_code)
+        self.model = dp.load(cfg.model, base_path, reshard_after_forward=cfg.distributed.reshard_after_forward)
+        clock.mark("model")
+        self.task = build_task(cfg, self.model, self.tokenizer, self.device, dp)
+        self.evaluator = build_evaluator(cfg, self.tokenizer, dp)
+        self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optim)
+        self.checkpointer = Checkpointer(cfg, dp, model=self.model, tokenizer=self.tokenizer,
+                                         optimizer=self.optimizer, task=self.task, mirror=self.mirror)
+        if dp.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)  # everything above is validated: now write
+            ckpt.clean_stale(self.ckpt_root)
+            write_data_report(self.out, self.task.data_report)
+        dp.barrier()  # the folder exists before any rank writes into it
+        self.step = 0
+        if self.resumed_from is not None:
+            self._restore(self.resumed_from)
+        else:
+            prepare_task(self.task, self.model)
+        clock.mark("data")
+        self.saved_step = self.step  # the newest state that a resume would reproduce
+        self.metrics = None
+        if not dp.is_main:  # rank 0 writes metrics, reports and the progress bar
+            return
+        atomic_write(self.out / "config.yaml", to_yaml(cfg))
+        # a fresh start drops every old record; a resume keeps those up to its checkpoint
+        start = self.step if self.step else -1
+        trackers = build_trackers(cfg.log.report_to, self.out, config=to_dict(cfg), project=cfg.log.project,
+                                  run_name=cfg.log.run_name, start_step=start, state=self.tracker_state)
+        self.metrics = MetricsLog(self.out, total_steps=cfg.max_steps, start_step=start,
+                                  progress=cfg.log.progress_bar, trackers=trackers)
+
+    def _restore(self, folder: Path) -> None:
+        self.clock.mark("data")
+        state = self.checkpointer.restore(folder)
+        self.step = int(state["step"])
+        self.tracker_state = state.get("trackers")
+        if self.dp.is_main and (folder / METRICS).is_file():  # the records as they were at the save
+            copy_atomic(folder / METRICS, self.out / METRICS)
+        log.info("resumed from %s (step %d)", folder, self.step)
+        self.clock.mark("restore")
+
+    def _save(self) -> Path:
+        extra, path = {}, None
+        if self.metrics is not None:
+            self.metrics.file.flush()
+            extra, path = {"trackers": self.metrics.state_dict()}, self.metrics.path
+        folder = self.checkpointer.save(self.step, path, extra)
+        self.saved_step = self.step
+        return folder
+
+    def _eval(self) -> None:
+        if self.evaluator is not None and self.evaluated != self.step:  # an early stop may follow an eval
+            with self.dp.gathered(self.model):  # each rank evaluates its share of the prompts; rank 0 logs
+                m = self.evaluator(self.model, self.step)
+            self._log(m)
+            self.evaluated = self.step
+
+    def _log(self, m: dict, advance: bool = False) -> None:
+        if advance and self.startup:  # the first training record of this process carries startup_seconds
+            m, self.startup = m | self.startup, {}
+        if self.metrics is None:  # not rank 0: every rank holds the same reduced metrics
+            return
+        record = self.metrics.log(self.step, m, advance=advance)
+        for cb in self.callbacks:
+            if cb(self.step, {k: v for k, v in record.items() if k != "step"}) is True:
+                self.stop_asked = True
+
+    def _one_step(self, stop: Preemption) -> dict:
+        self.step += 1
+        lr = lr_at(self.step, self.cfg.max_steps, self.cfg.optim)
+        set_lr(self.optimizer, lr)
+        t0 = time.perf_counter()
+        m = self.task.step(self.model, self.step, stop)
+        self.dp.sync_grads(self.model)
+        m["grad_norm"] = self.dp.clip_grads(self.model, self.cfg.optim.max_grad_norm)
+        optim.step(self.optimizer)
+        m["learning_rate"] = lr
+        m["step_time"] = time.perf_counter() - t0
+        m["tokens_per_second"] = m.pop("num_tokens", 0) / max(m["step_time"], 1e-9)
+        return m
+
+    def _try_step(self, stop: Preemption) -> dict | None:
+        """One step, or None when preemption abandoned it; then everything it touched (data
+        position, pending batch, RNG, gradients) is rolled back to the last finished step."""
+        task_state, rng = self.task.state_dict(), rng_state()
+        try:
+            return self._one_step(stop)
+        except StepAbandoned:
+            self.step -= 1
+            self.optimizer.zero_grad(set_to_none=True)
+            self.task.load_state_dict(task_state)
+            set_rng_state(rng)
+            log.warning("step %d abandoned: the grace period is too short to finish it", self.step + 1)
+            return None
+
+    def run(self, stop: Preemption | None = None) -> Path:
+        if stop is None:
+            with Preemption(self.cfg.preemption_grace_seconds) as stop:
+                return self.run(stop)
+        if self.dp.active:
+            stop = SharedStop(stop, self.dp)
+        try:
+            return self._run(stop)
+        except BaseException:
+            self._close_metrics("failed")  # no-op after a preemption closed it
+            raise
+
+    def _close_metrics(self, status: str | None = None) -> None:
+        if self.metrics is not None:
+            self.metrics.close(status) if status else self.metrics.close()
+
+    def _callback_stop(self) -> bool:
+        """A callback (rank 0's) asked to stop: every rank stops at the same step."""
+        return self.dp.any(self.stop_asked) if self.dp.active else self.stop_asked
+
+    def _everywhere(self, ok: bool) -> bool:
+        """True on every rank when true on all of them (a decision that leads to a collective)."""
+        return not self.dp.any(not ok) if self.dp.active else ok
+
+    def _run(self, stop: Preemption) -> Path:
+        cfg = self.cfg
+        if self.resumed_from is None:
+            self._eval()  # step 0; a resumed run has this record already
+        self.clock.mark("eval")
+        self.startup = self.clock.report()
+        stop.training()
+        while self.step < cfg.max_steps and not stop.requested and not self._callback_stop():
+            m = self._try_step(stop)
+            if m is None:
+                break
+            if self.on_first_step is not None:
+                self.on_first_step()
+                self.on_first_step = None
+            if self.step % cfg.log.logging_steps == 0 or self.step == cfg.max_steps:
+                self._log(m, advance=True)
+            elif self.metrics is not None and self.metrics.bar is not None:
+                self.metrics.bar.update(1)
+            if cfg.eval.eval_steps and self.step % cfg.eval.eval_steps == 0 and self.step < cfg.max_steps:
+                self._eval()
+            if cfg.save_steps and self.step % cfg.save_steps == 0:
+                self._save()
+        if stop.requested and self.step < cfg.max_steps:
+            self._stop(stop)
+        return self._finish(stop)
+
+    def _finish(self, stop: Preemption) -> Path:
+        """The end checkpoint (the complete trainer state, even with save_steps 0: a larger max_steps,
+        or a resume after a callback's early stop, continues from it), the final evaluation, final/,
+        the uploads; then the run is complete and a signal changes nothing. A signal in between lets
+        this finish (bounded work; the end checkpoint makes a kill cost only the final evaluation)."""
+        stop.saving = True
+        if self.step != self.saved_step:
+            self._save()
+        self._eval()  # while the end checkpoint uploads; final/ must not supersede it in the mirror's queue
+        final = self._write_final() if self._everywhere(self._finish_uploads(self._upload_wait(stop))) else None
+        if final is None or not self._everywhere(self._finish_uploads(self._upload_wait(stop))):
+            self._close_metrics("preempted")
+            raise Preempted(f"preempted at step {self.step} while uploading to {self.cfg.checkpoint_uri}; "
+                            "run again to finish")
+        stop.complete()
+        self._close_metrics()
+        return final
+
+    def _stop(self, stop: Preemption) -> None:
+        """Save (unless the newest checkpoint already is this state), flush uploads, raise Preempted."""
+        stop.saving = True
+        if self.step != self.saved_step:
+            folder = self._save()
+            what = f"checkpoint {folder.name} saved"
+        else:
+            what = "nothing new since the last checkpoint" if self.step else "nothing trained yet"
+        self._finish_uploads(self._upload_wait(stop))
+        self._close_metrics("preempted")
+        raise Preempted(f"preempted at step {self.step}; {what}; resume to continue")
+
+    def _write_final(self) -> Path:
+        return self.checkpointer.write_final(self.step)
+
+    @staticmethod
+    def _upload_wait(stop: Preemption) -> float | None:
+        """How long the uploads may still take: unbounded, or after a notice what the grace leaves."""
+        return max(0.0, stop.remaining() - UPLOAD_MARGIN_S) if stop.requested else None
+
+    def _finish_uploads(self, timeout: float | None) -> bool:
+        """Wait for the uploads (at most `timeout` s); True when none is left."""
+        if self.mirror is not None and not self.mirror.wait(timeout):
+            log.warning("checkpoint upload to %s still running after %.0f s; stopping anyway (the remote "
+                        "keeps its previous complete checkpoint)", self.cfg.checkpoint_uri, timeout or 0)
+            return False
+        return True
+
+
+def train(cfg: Config, *, callbacks=()) -> Path:
+    """Set up and run under one signal handler: a signal during setup stops at once (exit 75,
+    nothing to save); during training it stops at the next step boundary with a checkpoint; once
+    the outputs are complete it changes nothing. In the `preftune` process the handler is the
+    process's own (installed at its first line, kept to its exit); otherwise it is installed for
+    this call and the handlers in place before are restored when it returns or raises. Until the
+    first optimizer step, output_dir is guarded: an error leaves it as it was found
+    (train/outdir.py). A run whose outputs are already complete returns its final/ untouched."""
+    stop = process_handler()
+    if stop is None:
+        with Preemption(cfg.preemption_grace_seconds) as stop:
+            return _train(cfg, stop, StartupClock(), callbacks)
+    return _train(cfg, stop, StartupClock(process_start()), callbacks)
+
+
+def _train(cfg: Config, stop: Preemption, clock: StartupClock, callbacks) -> Path:
+    done = completed(cfg)
+    if done is not None:
+        log.info("already complete: %s; nothing to do", done)
+        stop.complete()
+        return Path(cfg.output_dir) / "final"
+    import_model_libraries(cfg.model)  # start-up still: a signal here ends the process at once
+    clock.mark("imports")
+    stop.setup(cfg.preemption_grace_seconds)
+    dp = distributed.init(cfg.distributed)  # one plain process without torchrun's environment
+    try:
+        check_parallel(cfg, dp)
+        # rank 0 owns output_dir: only it guards (and may roll back) the folder
+        with OutputGuard(Path(cfg.output_dir)) if dp.is_main else contextlib.nullcontext() as guard:
+            run = Run(cfg, dp, callbacks=callbacks, clock=clock)
+            run.on_first_step = getattr(guard, "commit", None)
+            final = run.run(stop)
+        dp.barrier()  # no rank tears the process group down while another still uses it
+        return final
+    except Preempted:
+        if not stop.immediate:  # in training every rank stops at the same boundary, after one save;
+            dp.barrier()  # a signal during setup stops only its rank (the others fail at a collective)
+        raise
+    finally:
+        dp.close()
+
+
+def check_parallel(cfg: Config, dp: Parallel) -> None:
+    """The global batch splits evenly over the ranks (exit 78 naming the key otherwise)."""
+    if dp.world == 1:
+        return
+    batch = {"grpo": {"grpo.prompts_per_step": cfg.grpo.prompts_per_step},
+             "dpo": {"dpo.batch_size": cfg.dpo.batch_size}, "sft": {"sft.batch_size": cfg.sft.batch_size}}
+    dp.require_divisible(batch[cfg.algorithm])

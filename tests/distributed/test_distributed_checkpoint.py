@@ -1,0 +1,145 @@
+"""Sharded checkpoints (FSDP2, torch.distributed.checkpoint) with 2 CPU ranks: the folder layout and
+manifest; SIGTERM to one rank stops both at the same step with one checkpoint (exit 75) and the resumed
+run ends bitwise equal to the uninterrupted one; a SIGKILLed rank makes the other exit non-zero within
+the collective timeout, and the relaunch resumes exactly; a world-size change (2 -> 1, 1 -> 2) loads
+the saved weights and optimizer state and trains on as the original run; `preftune export`."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+
+import pytest
+import torch
+
+from preftune.cli import main
+from preftune.config import load_config
+from preftune.errors import EXIT_OK, EXIT_PREEMPTED
+from preftune.run import checkpoint as ckpt, loop
+from tests.distributed.ranks import Ranks, final_state, metric_rows
+from tests.run.test_resume import data_dir, one_thread, overrides, saved_steps, write_config  # noqa: F401
+
+STEPS = 4
+
+
+def args(out, data_dir, **extra) -> list[str]:
+    o = {"max_steps": STEPS, "save_steps": 2, "optim.lr": 1e-3, "grpo.prompts_per_step": 4,
+         "grpo.micro_batch_size": 3, "distributed.timeout_seconds": 20, **extra}
+    return overrides("offline", out, data_dir, **o)
+
+
+def launch(tmp, out, data_dir, name: str, **env) -> Ranks:
+    return Ranks(tmp, 2, [write_config(tmp / "run.yaml"), *args(out, data_dir)], name=name, **env)
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(data_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("two")
+    ranks = launch(tmp, tmp / "run", data_dir, "reference")
+    assert ranks.wait() == [EXIT_OK, EXIT_OK], ranks.text(0)[-3000:]
+    return tmp / "run"
+
+
+def train_one_process(ovr: list[str]) -> None:
+    """In this process, with the ranks' log-prob layout (one forward of the HF module per pass: no
+    shared-prompt pass, no lean decoder, which FSDP2 wrapping rules out), so comparisons measure the
+    world size, not the layouts' rounding."""
+    import preftune.model.llama as decoder
+    import preftune.model.logps as logps
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(logps, "_uses_cache", lambda model: False)
+        m.setattr(decoder, "supported", lambda model: False)
+        loop.train(load_config(None, ovr))
+
+
+@pytest.fixture(scope="module")
+def one_rank_run(data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one") / "run"
+    train_one_process(args(out, data_dir))
+    return out
+
+
+def assert_bitwise(a, b) -> None:
+    wa, wb = final_state(a), final_state(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def assert_continues_like(reference, resumed, first_step: int) -> None:
+    """Steps after the resume match the reference run's (1e-4) and the final weights (1e-5)."""
+    ra = {r["step"]: r for r in metric_rows(reference)}
+    for r in metric_rows(resumed):
+        if r["step"] >= first_step:
+            for key in ("loss", "grad_norm"):
+                assert r[key] == pytest.approx(ra[r["step"]][key], rel=1e-4), (r["step"], key)
+    wa, wb = final_state(reference), final_state(resumed)
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+
+
+def test_sharded_checkpoint_layout(two_rank_run):
+    folder = two_rank_run / "checkpoints" / "step-2"
+    assert saved_steps(two_rank_run) == [4, 2] and ckpt.verify(folder) is None
+    names = set(ckpt.read_manifest((folder / ckpt.MANIFEST).read_text())["files"])
+    assert {"shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp", "trainer_state.pt", "rank-1.pt",
+            "preftune.yaml", "metrics.jsonl", "config.json"} <= names
+    assert not any(n.startswith("model") for n in names)  # no consolidated copy per save
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(two_rank_run / "final"))  # final/ is one HF model
+
+
+def test_sigterm_to_one_rank_stops_both_and_resume_is_exact(two_rank_run, data_dir, tmp_path):
+    out = tmp_path / "run"
+    ranks = launch(tmp_path, out, data_dir, "first", PREFTUNE_TEST_STEP_PAUSE="1")
+    ranks.until(lambda: (out / "checkpoints" / "step-2").is_dir(), "the step-2 checkpoint")
+    os.kill(ranks.procs[1].pid, signal.SIGTERM)  # a spot notice reaches only one node
+    assert ranks.wait() == [EXIT_PREEMPTED, EXIT_PREEMPTED], ranks.text(0)[-2000:]
+    assert saved_steps(out) == [3, 2] and "checkpoint step-3 saved" in ranks.text(0)
+    again = launch(tmp_path, out, data_dir, "second")
+    assert again.wait() == [EXIT_OK, EXIT_OK], again.text(0)[-3000:]
+    assert "resumed from" in again.text(0) and "resumed from" in again.text(1)
+    assert_bitwise(two_rank_run, out)
+
+
+def test_a_killed_rank_fails_the_other_and_the_relaunch_resumes_exactly(two_rank_run, data_dir, tmp_path):
+    out = tmp_path / "run"
+    ranks = launch(tmp_path, out, data_dir, "first", PREFTUNE_TEST_STEP_PAUSE="1")
+    ranks.until(lambda: (out / "checkpoints" / "step-2").is_dir(), "the step-2 checkpoint")
+    ranks.procs[1].kill()
+    codes = ranks.wait(timeout=20 + 120)  # the collective timeout, plus start-up slack on a busy machine
+    assert codes[0] not in (EXIT_OK, EXIT_PREEMPTED) and codes[1] == -signal.SIGKILL
+    again = launch(tmp_path, out, data_dir, "second")
+    assert again.wait() == [EXIT_OK, EXIT_OK], again.text(0)[-3000:]
+    assert_bitwise(two_rank_run, out)
+
+
+def test_two_rank_checkpoint_resumes_on_one_process(two_rank_run, one_rank_run, data_dir, tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(two_rank_run / "checkpoints" / "step-2", out / "checkpoints" / "step-2")
+    train_one_process(args(out, data_dir))
+    assert_continues_like(two_rank_run, out, 3)
+    assert_continues_like(one_rank_run, out, 3)
+
+
+def test_one_process_checkpoint_resumes_on_two_ranks(one_rank_run, data_dir, tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(one_rank_run / "checkpoints" / "step-2", out / "checkpoints" / "step-2")
+    ranks = launch(tmp_path, out, data_dir, "resume")
+    assert ranks.wait() == [EXIT_OK, EXIT_OK], ranks.text(0)[-3000:]
+    assert "resuming a 1-rank checkpoint on 2 ranks" in ranks.text(0)
+    assert_continues_like(one_rank_run, out, 3)
+
+
+def test_export_writes_the_same_model_from_sharded_and_full_checkpoints(two_rank_run, one_rank_run, tmp_path):
+    from safetensors.torch import load_file
+
+    a, b = tmp_path / "from-sharded", tmp_path / "from-full"
+    assert main(["export", str(two_rank_run / "checkpoints" / "step-4"), "-o", str(a)]) == EXIT_OK
+    assert main(["export", str(one_rank_run / "checkpoints" / "step-4"), "-o", str(b)]) == EXIT_OK
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+    assert all(torch.equal(v, final_state(two_rank_run)[k]) for k, v in wa.items())
+    assert ckpt.verify(a) is None
+    assert main(["export", str(two_rank_run / "checkpoints" / "step-4"), "-o", str(a)]) == 78  # not empty

@@ -1,0 +1,35 @@
+"""`preftune.model.load`: `to_device` (host values to the training device; on CPU, a plain copy) and
+`load_model` without weights (the module FSDP2 ranks build on the meta device)."""
+import torch
+
+from preftune.model.load import to_device
+
+
+def test_to_device_takes_lists_and_tensors():
+    got = to_device([1, 2, 3], "cpu", torch.long)
+    assert got.dtype == torch.long and got.tolist() == [1, 2, 3] and got.device.type == "cpu"
+    t = torch.arange(4.0)
+    assert to_device(t, torch.device("cpu")) is t  # already there: no copy
+    assert to_device([[0.5]], "cpu").dtype == torch.float32
+
+
+def test_a_model_without_weights_is_the_same_module_on_the_meta_device():
+    """`load_model(weights=False)` reads config.json only: the same parameter and buffer names,
+    shapes, dtypes, tied weights and flags as the loaded model, with no storage."""
+    from preftune.config import ModelConfig
+    from preftune.model.load import load_model
+    from tests.conftest import MODEL_DIR
+
+    for cfg, trainable in ((ModelConfig(), True), (ModelConfig(dtype="bfloat16"), True),
+                           (ModelConfig(dtype="bfloat16"), False)):
+        real = load_model(cfg, str(MODEL_DIR), trainable=trainable)
+        meta = load_model(cfg, str(MODEL_DIR), trainable=trainable, weights=False)
+        for named in ("named_parameters", "named_buffers"):
+            want = {n: (t.shape, t.dtype, t.requires_grad) for n, t in getattr(real, named)()}
+            got = {n: (t.shape, t.dtype, t.requires_grad) for n, t in getattr(meta, named)()}
+            assert got == want, named
+        assert all(t.is_meta for t in meta.parameters()) and all(t.is_meta for t in meta.buffers())
+        assert meta.training == real.training and meta.preftune_lean == real.preftune_lean
+        assert getattr(meta, "preftune_autocast", None) == getattr(real, "preftune_autocast", None)
+        tied = real.config.tie_word_embeddings
+        assert (meta.lm_head.weight is meta.get_input_embeddings().weight) == tied

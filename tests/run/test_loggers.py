@@ -1,0 +1,142 @@
+"""log.report_to with the real libraries, offline: W&B in offline mode into the run folder, MLflow with a
+local file store, TensorBoard; what they got is read back. A resumed run continues the same runs."""
+from __future__ import annotations
+
+import json
+import signal
+import struct
+import sys
+
+import pytest
+
+from preftune.config import load_config
+from preftune.errors import UserError
+import preftune
+from tests.conftest import MODEL_DIR, TRAIN_PROMPTS
+
+
+def test_report_to_names_and_missing_extras(monkeypatch):
+    base = [f"data.train={TRAIN_PROMPTS}"]
+    assert load_config(None, base + ["log.report_to=[tensorboard, wandb, mlflow]"]).log.report_to == \
+        ["tensorboard", "wandb", "mlflow"]
+    with pytest.raises(UserError, match="log.report_to: 'neptune' is not one of tensorboard, wandb, mlflow"):
+        load_config(None, base + ["log.report_to=[neptune]"])
+    for name in ("wandb", "mlflow"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+        with pytest.raises(UserError, match=rf"log.report_to: {name} is not installed: pip install 'preftune\[{name}\]'"):
+            load_config(None, base + [f"log.report_to=[{name}]"])
+
+
+def wandb_records(path):
+    """The protobuf records of an offline W&B run file (its LevelDB-style log: 32 KiB blocks, each record
+    split into chunks with a 7-byte header: crc32, length, type FULL=1 / FIRST=2 / MIDDLE=3 / LAST=4)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, parts = 7, b""
+    while pos + 7 <= len(data):
+        room = 32768 - pos % 32768
+        if room < 7:
+            pos += room
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:  # block padding
+            pos += room
+            continue
+        parts = (b"" if kind in (1, 2) else parts) + data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(parts)
+            yield record
+
+
+def wandb_history(run_file) -> tuple[list[dict], dict]:
+    rows, config = [], {}
+    for rec in wandb_records(run_file):
+        kind = rec.WhichOneof("record_type")
+        if kind == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in rec.history.item})
+        elif kind == "run":
+            config.update({u.key: json.loads(u.value_json) for u in rec.run.config.update})
+        elif kind == "config":
+            config.update({u.key: json.loads(u.value_json) for u in rec.config.update})
+    return rows, config
+
+
+def test_wandb_mlflow_tensorboard_together_and_resumed(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    out = tmp_path / "run"
+    opts = {"output_dir": str(out), "model.name_or_path": str(MODEL_DIR), "max_steps": 3, "save_steps": 0,
+            "log.progress_bar": False, "grpo.prompts_per_step": 2, "grpo.num_generations": 4,
+            "grpo.max_completion_length": 3, "data.max_prompt_length": 16, "data.train": str(TRAIN_PROMPTS),
+            "data.eval": str(TRAIN_PROMPTS), "eval.batch_size": 8, "log.report_to": ["tensorboard", "wandb", "mlflow"],
+            "log.project": "preftune-test", "grpo.beta": 0.04}
+    before = (sys.excepthook, signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT), sys.stdout)
+    first = preftune.train({}, overrides=opts, callbacks=[lambda step, m: step == 1 and "loss" in m])
+    assert first.stopped_early and first.step == 1
+    preftune.train({}, overrides=opts)  # resumes from the step-1 checkpoint
+    assert (sys.excepthook, signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT), sys.stdout) == before
+    jsonl = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train_keys = {k for r in jsonl if "loss" in r for k in r if k != "step" and r[k] is not None}
+
+    # W&B: two offline run folders (first run, resumed run) with one id; the metric names of metrics.jsonl
+    run_files = sorted((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(run_files) == 2 and len({f.name for f in run_files}) == 1
+    history, config = [], {}
+    for f in run_files:
+        rows, cfg = wandb_history(f)
+        history += rows
+        config.update(cfg)
+    assert [r["_step"] for r in history if "loss" in r] == [1, 2, 3]
+    assert train_keys <= {k for r in history for k in r}
+    assert [r["eval/reward"] for r in history if "eval/reward" in r][-1] == jsonl[-1]["eval/reward"]
+    assert config["grpo"]["beta"] == 0.04 and config["output_dir"] == str(out)
+
+    # MLflow: one run, continued; metric history per step, config as parameters, finished
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name("preftune-test")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED" and runs[0].info.run_name == "run"
+    run_id = runs[0].info.run_id
+    loss = client.get_metric_history(run_id, "loss")
+    assert [(m.step, m.value) for m in loss] == [(r["step"], r["loss"]) for r in jsonl if "loss" in r]
+    evals = client.get_metric_history(run_id, "eval.reward.accuracy")  # the file store writes / as .
+    assert [(m.step, m.value) for m in evals][-1] == (3, jsonl[-1]["eval/reward/accuracy"])
+    assert {k.replace("/", ".") for k in train_keys} <= set(client.get_run(run_id).data.metrics)
+    assert client.get_run(run_id).data.params["grpo.beta"] == "0.04"
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_a_failing_tracker_does_not_stop_the_run(tmp_path, caplog):
+    from preftune.run.metrics import MetricsLog, read_records
+
+    class Down:
+        key = "mlflow"
+        closed = None
+
+        def log(self, step, metrics):
+            raise ConnectionError("server unreachable")
+
+        def state(self):
+            return {"run_id": "r1"}
+
+        def close(self, status):
+            Down.closed = status
+
+    m = MetricsLog(tmp_path, total_steps=2, start_step=-1, progress=False, trackers=[Down()])
+    m.log(1, {"loss": 1.0})
+    m.log(2, {"loss": float("nan")})
+    assert m.state_dict() == {"mlflow": {"run_id": "r1"}}
+    m.close("preempted")
+    m.close("finished")  # a second close changes nothing
+    assert read_records(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": None}]
+    assert Down.closed == "preempted"
+    assert sum("logging to mlflow failed" in r.message for r in caplog.records) == 1

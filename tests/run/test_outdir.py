@@ -1,0 +1,54 @@
+"""OutputGuard: a run that stops before its first step leaves output_dir as it found it."""
+from __future__ import annotations
+
+import pytest
+
+from preftune.run.outdir import OutputGuard
+
+
+def tree(folder):
+    return {p.relative_to(folder).as_posix(): (p.read_bytes() if p.is_file() else None)
+            for p in sorted(folder.rglob("*"))}
+
+
+def test_rollback_restores_an_existing_folder(tmp_path):
+    out = tmp_path / "out"
+    (out / "tb").mkdir(parents=True)
+    (out / "config.yaml").write_text("old\n")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "tb" / "events.1").write_text("e1")
+    before = tree(out)
+    with pytest.raises(ValueError), OutputGuard(out):
+        (out / "config.yaml").write_text("new\n")  # replaced
+        (out / "metrics.jsonl").unlink()  # removed
+        (out / "data_report.json").write_text("{}")  # created
+        (out / "tb" / "events.2").write_text("e2")  # created inside an old folder
+        (out / "extra" / "deep").mkdir(parents=True)
+        raise ValueError("reward function raised")
+    assert tree(out) == before
+
+
+def test_new_folder_is_removed_and_checkpoints_are_never_touched(tmp_path):
+    out = tmp_path / "a" / "out"
+    with pytest.raises(KeyError), OutputGuard(out):
+        (out / "x").mkdir(parents=True)
+        raise KeyError("x")
+    assert not out.exists()
+    out.mkdir()
+    with pytest.raises(KeyError), OutputGuard(out):
+        (out / "checkpoints" / "damaged-step-2").mkdir(parents=True)  # resume.py's set-aside: kept
+        raise KeyError("x")
+    assert (out / "checkpoints" / "damaged-step-2").is_dir()
+
+
+def test_commit_keeps_what_the_run_wrote(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError), OutputGuard(out) as guard:
+        out.mkdir()
+        (out / "metrics.jsonl").write_text("{}\n")
+        guard.commit()  # the first optimizer step is done
+        raise RuntimeError("crash at step 7")
+    assert (out / "metrics.jsonl").read_text() == "{}\n"
+    with OutputGuard(out):  # no error: nothing undone
+        (out / "final").mkdir()
+    assert (out / "final").is_dir()
