@@ -6,6 +6,8 @@ The public surface: `train`, `load_config`, `TrainResult`, the config dataclasse
 `losses.dpo_loss`, `UserError` and `Preempted`. Everything else is internal. Names are imported on first use, so
 `import preftune` stays light (no torch).
 """
+import importlib
+
 __version__ = "0.1.0"
 
 _CONFIG_CLASSES = ("Config", "ModelConfig", "LoraConfig", "DataConfig", "GRPOConfig", "DPOConfig", "SFTConfig",
@@ -17,8 +19,6 @@ __all__ = ["losses", *_HOMES]
 
 
 def __getattr__(name: str):
-    import importlib
-
     if name == "losses":
         return importlib.import_module("preftune.losses")
     if name in _HOMES:

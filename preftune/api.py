@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from preftune.config import Config, apply_override, build_config, read_source
+from preftune.data import memory
 from preftune.errors import UserError
+from preftune.run.metrics import read_records
 
 # A callback: cb(step, record) after each logged training step and each evaluation, with the record
 # as written to metrics.jsonl (without "step"). Returning True stops the run at this step boundary.
@@ -48,8 +50,7 @@ def train(config: str | Path | dict | Config, *, overrides: Sequence[str] | Mapp
     DataFrame or a list of dicts in place of `data.train` / `data.eval`. Raises `UserError` for what
     the command line reports with exit 78 and `Preempted` after a signal-triggered checkpoint.
     """
-    from preftune.data import memory
-    from preftune.rewards import registry
+    from preftune.rewards import registry  # torch: imported by the call, not by `import preftune.api`
 
     data, config_dir = read_source(config)
     _apply_overrides(data, overrides)
@@ -60,10 +61,8 @@ def train(config: str | Path | dict | Config, *, overrides: Sequence[str] | Mapp
 
 def run(cfg: Config, *, callbacks: Sequence[Callback] = ()) -> TrainResult:
     """Run a validated config; functions and tables it names must be registered (see `train`)."""
-    from preftune.data import memory
     from preftune.rewards.registry import check_callables
     from preftune.run.loop import train as train_loop
-    from preftune.run.metrics import read_records
 
     # before anything is loaded or written: a run's config.yaml names objects only Python can hand over
     memory.check_registered(cfg.data.train, "data.train")
@@ -99,7 +98,6 @@ def _apply_overrides(data: dict, overrides: Sequence[str] | Mapping[str, Any]) -
 def _with_objects(data: dict, config_dir: str, reward_funcs, train_data, eval_data) -> Config:
     """The config with Python objects (given as arguments or as config values) replaced by the names
     that stand for them: `callable:<module>.<qualname>` and `in-memory:<name>@<hash>`."""
-    from preftune.data import memory
     from preftune.rewards.registry import register_callables
 
     if reward_funcs is not None:

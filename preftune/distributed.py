@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -370,8 +371,6 @@ def save_sharded(model, optimizer, folder: Path, *, trainable_only: bool = False
 def load_sharded(model, optimizer, folder: Path, *, trainable_only: bool = False, weights_only: bool = False) -> None:
     """Shards written at any world size, resharded to this one by torch.distributed.checkpoint
     (also into one plain process: a 2 -> 1 resume, `preftune export`)."""
-    import warnings
-
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 

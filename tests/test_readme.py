@@ -1,9 +1,10 @@
-"""The README's config reference lists every key with the default the dataclasses really have."""
+"""The docs: the config reference is current, the README's commands and Python examples run."""
 import json
 import re
 from pathlib import Path
 
-from preftune.config import Config, to_dict
+from preftune.config import Config, reference, to_dict
+from preftune.config.fields import keys
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -16,11 +17,18 @@ def _flat(d, prefix=""):
             yield prefix + k, v
 
 
-def test_every_config_key_is_documented_with_its_default():
-    rows = dict(re.findall(r"^\| `([a-z_.0-9]+)` \| `([^`]*)` \|", README.read_text(), flags=re.M))
+def test_the_config_reference_is_current():
+    """docs/config.md is generated from the config declarations (`python -m preftune.config`)."""
+    docs = README.parent / "docs" / "config.md"
+    assert docs.read_text() == reference(Config), "run: python -m preftune.config"
+    rows = dict(re.findall(r"^\| `([a-z_.0-9]+)` \| `[^`]*` \| `([^`]*)` \|", docs.read_text(), flags=re.M))
     for key, default in _flat(to_dict(Config())):
-        assert key in rows, f"README config reference lacks {key}"
-        assert json.loads(rows[key]) == default, f"README default of {key} is {rows[key]}, config says {default!r}"
+        assert key in rows, f"docs/config.md lacks {key}"
+        assert json.loads(rows[key]) == default, f"docs/config.md default of {key} is {rows[key]}, config says {default!r}"
+
+
+def test_every_key_declares_its_help():
+    assert all(f.metadata.get("help") for _, f, _ in keys(Config))
 
 
 def test_readme_names_the_test_command_ci_runs():

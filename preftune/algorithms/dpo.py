@@ -27,8 +27,8 @@ from preftune.data.traces import TraceOptions, dropped_note, load_traces, read_r
 from preftune.distributed import Parallel
 from preftune.errors import UserError
 from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
-from preftune.model.head import head_logps
 from preftune.model import llama  # llama.supported: called through the module, so a test can switch it off
+from preftune.model.head import head_logps
 from preftune.model.llama import Lean, tree_mask
 from preftune.model.load import autocast, to_device
 from preftune.model.logps import Rows, completion_logps, length_buckets, microbatches, unit_costs

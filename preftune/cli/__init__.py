@@ -11,12 +11,19 @@ Exit codes: 0 finished · 75 preempted, checkpoint saved, resume me · 78 config
 from __future__ import annotations
 
 import argparse
+import atexit
+import dataclasses
 import json
 import logging
 import os
 import sys
+import typing
 
+from preftune.cli import export, launch
+from preftune.cli.evaluate import add_parser as add_eval_parsers
+from preftune.cli.report import add_parser as add_report_parser
 from preftune.errors import EXIT_CRASH, EXIT_OK, EXIT_PREEMPTED, EXIT_USER, Preempted, UserError
+from preftune.run.preemption import install_process_handler, process_handler
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -40,20 +47,20 @@ DATA_FLAGS = {"--prompt-column": "prompt_column", "--response-column": "response
 
 
 def _trace_args(p: argparse.ArgumentParser) -> None:
-    import typing
-
-    from preftune.config import CHOICES, DataConfig
+    from preftune.config import DataConfig
 
     p.add_argument("path", help="a trace file, folder or glob (parquet, jsonl, csv; local or s3://)")
     defaults, hints = DataConfig(), typing.get_type_hints(DataConfig)
+    fields = {f.name: f for f in dataclasses.fields(DataConfig)}
     for flag, name in DATA_FLAGS.items():
         tp = next(t for t in (str, int, float) if t == hints[name] or t in typing.get_args(hints[name]))
+        meta = fields[name].metadata
         kwargs = dict(dest=name, default=getattr(defaults, name),
-                      help=f"data.{name} in a config (default: %(default)s)")
+                      help=f"{meta['help']} (data.{name} in a config; default: %(default)s)")
         if name == "reward_range":
             kwargs.update(type=float, nargs=2, metavar=("LO", "HI"))
         else:
-            kwargs.update(type=tp, choices=CHOICES.get(f"data.{name}"))
+            kwargs.update(type=tp, choices=meta["choices"] or None)
         p.add_argument(flag, **kwargs)
 
 
@@ -71,10 +78,6 @@ def parser() -> argparse.ArgumentParser:
     pairs = dsub.add_parser("pairs", help="write DPO pairs (prompt, chosen, rejected, rewards) to parquet")
     _trace_args(pairs)
     pairs.add_argument("-o", "--output", required=True, help="output .parquet file")
-    from preftune.cli import launch
-    from preftune.cli.evaluate import add_parser as add_eval_parsers
-    from preftune.cli.report import add_parser as add_report_parser
-    from preftune.cli import export
 
     add_eval_parsers(sub)  # eval, registry list: each sets args.handler
     add_report_parser(sub)
@@ -89,7 +92,6 @@ def parser() -> argparse.ArgumentParser:
 def _data_section(args):
     """The `data` flags as a checked DataConfig (the same ranges as in a config file)."""
     from preftune.config import DataConfig, check_section
-    from preftune.errors import UserError
 
     d = DataConfig(**{name: getattr(args, name) for name in DATA_FLAGS.values()})
     d.reward_range = list(d.reward_range)
@@ -105,7 +107,6 @@ def _data_section(args):
 def _train(args) -> None:
     from preftune.config import load_config
     from preftune.run.completion import completed
-    from preftune.run.preemption import process_handler
 
     done = completed(load_config(args.config, args.overrides))  # before torch: a finished run exits at once
     if done is not None:
@@ -126,7 +127,6 @@ def _data(args) -> None:
     from preftune.data import inspect as commands
     from preftune.data.pairs import pair_options
     from preftune.data.traces import TraceOptions
-    from preftune.run.preemption import process_handler
 
     stop = process_handler()
     if stop is not None:  # files may be written from here: a signal unwinds (exit 75) instead of exiting at once
@@ -144,8 +144,6 @@ def _data(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Under `preftune launch` (PREFTUNE_STATUS_DIR set), a worker records its pid (the launcher
     forwards SIGTERM to it) and its exit code (torchrun itself reports 1 for any failed worker)."""
-    from preftune.cli import launch
-
     status = launch.worker_status_dir()
     if status is not None:
         launch.write_status(status, "pid", os.getpid())
@@ -188,8 +186,6 @@ def _main(argv: list[str] | None = None) -> int:
 
 def script(argv: list[str] | None = None) -> None:
     """The process entry: the signal handler first, then the command, then `finish`."""
-    from preftune.run.preemption import install_process_handler
-
     install_process_handler()
     finish(main(argv))
 
@@ -199,8 +195,6 @@ def finish(code: int) -> None:
     seconds (every restart after a spot notice pays them), and CPython restores the default SIGTERM
     action early in it, so a late notice would turn a finished run into 143. What matters of the
     teardown is done first: exit handlers (logging's flush among them) and the standard streams."""
-    import atexit
-
     try:
         atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):

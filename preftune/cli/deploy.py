@@ -7,8 +7,11 @@ from pathlib import Path
 import yaml
 
 from preftune.atomic import atomic_write
-from preftune.config import CHOICES
+from preftune.config import CHOICES, DeployConfig, apply_override, load_config, read_source
+from preftune.deploy import cost
 from preftune.deploy.cost import format_estimate
+from preftune.deploy.render import render_objects
+from preftune.deploy.validate import schema_problems
 from preftune.errors import EXIT_OK, UserError
 
 
@@ -59,8 +62,6 @@ def add_parser(sub) -> None:
 
 
 def render_command(args) -> int:
-    from preftune.deploy.render import render_objects
-
     if not args.output and not args.check:
         raise UserError("name an output folder with -o DIR (or pass --check to only validate)")
     cfg, data = _load(args.config, args.overrides)
@@ -68,8 +69,6 @@ def render_command(args) -> int:
     d = cfg.deploy
     report = _estimate(args, cfg, d.nodes, d.gpus_per_node, d.instance_types, d.capacity_type)
     if args.check:
-        from preftune.deploy.validate import schema_problems
-
         problems, unchecked = schema_problems(objects, args.crd_dir)
         if problems:
             raise UserError(f"{len(problems)} schema problem(s); first: {problems[0]}")
@@ -87,8 +86,6 @@ def render_command(args) -> int:
 
 def _hourly(args, d) -> str:
     """Without hours: what the job costs per hour, and how to get a total."""
-    from preftune.deploy import cost
-
     gpus = d.nodes * d.gpus_per_node
     try:
         price = cost.gpu_hour_price(cost.load_prices(args.prices), d.instance_types, d.capacity_type)
@@ -101,8 +98,6 @@ def _hourly(args, d) -> str:
 
 def _load(path, overrides):
     """The checked config, and the config as written (what the pods get)."""
-    from preftune.config import apply_override, load_config, read_source
-
     data = read_source(path)[0]
     for assignment in overrides:
         apply_override(data, assignment)
@@ -142,8 +137,6 @@ def write_objects(objects: dict[str, dict], out_dir: Path) -> None:
 
 
 def cost_command(args) -> int:
-    from preftune.deploy.settings import DeployConfig
-
     cfg = _load(args.config, args.overrides)[0] if args.config else None
     if args.overrides and not args.config:
         raise UserError("KEY=VALUE overrides need a CONFIG")
@@ -160,8 +153,6 @@ def cost_command(args) -> int:
 
 def _estimate(args, cfg, nodes: int, gpus_per_node: int, instance_types: list[str], capacity: str) -> dict | None:
     """The cost report for a job of this shape, or None when nothing gives its hours."""
-    from preftune.deploy import cost
-
     for flag, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node),
                         ("--iterations-per-year", args.iterations_per_year), ("--metrics-gpus", args.metrics_gpus)):
         if value < 1:
@@ -182,8 +173,6 @@ def _estimate(args, cfg, nodes: int, gpus_per_node: int, instance_types: list[st
 
 
 def _hours(args, cfg, gpus: int):
-    from preftune.deploy import cost
-
     if args.hours:
         return cost.parse_range(args.hours, "--hours"), {}
     if args.tokens_per_second_per_gpu:

@@ -15,7 +15,11 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
+from preftune.atomic import atomic_write
+from preftune.data.tokenize import PromptTruncation
 from preftune.errors import EXIT_OK, UserError
+from preftune.evaluation.registry import append, format_table, read
+import preftune
 
 EXIT_FAILED = 1  # the checkpoint did not pass the gate
 EVAL_FILE = "eval.json"
@@ -54,7 +58,6 @@ def evaluate_model(cfg, path: str, prompt_set, funcs, weights) -> tuple[dict, "o
     """Summary figures and the greedy per-prompt result of one model folder (same prompts, same seeds)."""
     import torch
 
-    from preftune.data.tokenize import PromptTruncation
     from preftune.evaluation.evaluate import generate_scored, summarize
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -102,15 +105,12 @@ def run_eval(args) -> int:
     print(format_eval(report))
     print(f"eval.json: {out}")
     if verdict.passed and cfg.gate.registry:
-        from preftune.evaluation.registry import append
-
         where = append(cfg.gate.registry, registry_record(cfg, args.checkpoint, report))
         print(f"registry: appended to {where}")
     return EXIT_OK if verdict.passed else EXIT_FAILED
 
 
 def registry_record(cfg, checkpoint: str, report: dict) -> dict:
-    import preftune
     from preftune.evaluation.gate import data_fingerprint
 
     metrics = dict(report["metrics"]["checkpoint"])
@@ -146,8 +146,6 @@ def json_safe(x):
 
 
 def _write_json(path: Path, data: dict) -> Path:
-    from preftune.atomic import atomic_write
-
     atomic_write(path, json.dumps(json_safe(data), indent=1, allow_nan=False) + "\n")
     return path
 
@@ -173,8 +171,6 @@ def _fmt(x) -> str:
 
 
 def run_registry_list(args) -> int:
-    from preftune.evaluation.registry import format_table, read
-
     url = args.registry
     if url is None and args.config:
         from preftune.config import load_config

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from preftune.errors import UserError
+from preftune.run import checkpoint as ckpt
 
 
 def add_parser(sub) -> None:
@@ -29,7 +30,6 @@ def run(args) -> int:
 def export(folder: Path, out: Path) -> Path:
     from preftune.config import load_config
     from preftune.model.load import load_model, load_tokenizer, save_pretrained
-    from preftune.run import checkpoint as ckpt
     from preftune import distributed as dist
     from preftune.run.checkpointer import SHARDS, is_lora, load_weights
     from preftune.run.resume import CONFIG_FILE

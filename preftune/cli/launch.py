@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from preftune.errors import EXIT_CRASH, EXIT_OK, EXIT_PREEMPTED, EXIT_USER
+from preftune.errors import EXIT_CRASH, EXIT_OK, EXIT_PREEMPTED, EXIT_USER, UserError
 
 log = logging.getLogger("preftune")
 STATUS_ENV = "PREFTUNE_STATUS_DIR"
@@ -37,8 +37,6 @@ class Rendezvous:
 
 
 def _int(env, key: str) -> int | None:
-    from preftune.errors import UserError
-
     if key not in env:
         return None
     try:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from preftune.atomic import atomic_write
 from preftune.errors import EXIT_OK, UserError
+from preftune.report.charts import draw, read_metrics, series
+from preftune.report.page import render, status_line
 
 
 def add_parser(sub) -> None:
@@ -22,8 +24,6 @@ def add_parser(sub) -> None:
 def make_report(run_dir: Path, out: Path) -> Path:
     import yaml
 
-    from preftune.report.charts import draw, read_metrics, series
-    from preftune.report.page import render, status_line
 
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():

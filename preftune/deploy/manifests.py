@@ -10,7 +10,8 @@ from pathlib import PurePosixPath
 
 import yaml
 
-from preftune.deploy.settings import DeployConfig, termination_grace
+from preftune.config import DeployConfig
+from preftune.deploy.settings import termination_grace
 from preftune.errors import EXIT_PREEMPTED, EXIT_USER
 
 ENTRYPOINT = ["preftune"]  # the image's ENTRYPOINT (Dockerfile)

@@ -6,8 +6,9 @@ never take a node from a running job (budgets of zero for those reasons); only e
 """
 from __future__ import annotations
 
+from preftune.config import DeployConfig
 from preftune.deploy.manifests import CAPACITY_TYPE, GPU, INSTANCE_TYPE, ZONE, metadata, taints
-from preftune.deploy.settings import DeployConfig, max_gpus, node_role
+from preftune.deploy.settings import max_gpus, node_role
 
 DISCOVERY_TAG = "karpenter.sh/discovery"
 

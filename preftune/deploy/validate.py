@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from preftune.deploy.settings import DNS_LABEL, EC2_ALIAS_FAMILIES
+from preftune.config.deploy import DNS_LABEL, EC2_ALIAS_FAMILIES
 from preftune.errors import UserError
 
 KUBE_VERSION = "1.33"

@@ -9,6 +9,7 @@ itself when it exists, e.g. a compacted copy), sorted by time.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import uuid
@@ -37,8 +38,6 @@ def append(url: str, record: dict) -> str:
     line = json.dumps(record, sort_keys=True) + "\n"
     fs, path = _fs(url)
     if _is_local(fs):
-        import fcntl
-
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

@@ -1,13 +1,12 @@
-"""Training losses. `dpo_loss` is imported on first use so this package stays light."""
-from preftune.losses.grpo import grpo_loss
-from preftune.losses.sft import sft_loss
+"""Training losses: pure functions of tensors. Loaded on first use, so `preftune.losses.names`
+(what the config reads) imports no torch."""
+import importlib
 
-__all__ = ["grpo_loss", "dpo_loss", "sft_loss"]
+_HOMES = {"grpo_loss": "preftune.losses.grpo", "dpo_loss": "preftune.losses.dpo", "sft_loss": "preftune.losses.sft"}
+__all__ = list(_HOMES)
 
 
 def __getattr__(name: str):
-    if name == "dpo_loss":
-        from preftune.losses.dpo import dpo_loss
-
-        return dpo_loss
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,9 +16,8 @@ from typing import NamedTuple
 
 import torch
 
-from preftune.config import CHOICES
+from preftune.losses.names import SCALE_REWARDS
 
-SCALE_REWARDS = CHOICES["grpo.scale_rewards"]
 GroupSizes = int | Sequence[int]  # G for equal groups, or the size of each group in order
 
 

@@ -45,10 +45,10 @@ import torch
 import torch.nn.functional as F
 
 from preftune.errors import UserError
+from preftune.losses.names import DPO_LOSS_TYPES
 
 DISCOPOP_TAU = 0.05  # TRL 1.16's default discopop_tau, the paper's recommended value
-LOSS_TYPES = ("sigmoid", "hinge", "ipo", "sigmoid_norm", "robust", "exo_pair", "nca_pair", "bco_pair",
-              "sppo_hard", "apo_zero", "apo_down", "discopop", "aot", "aot_unpaired", "sft")
+LOSS_TYPES = DPO_LOSS_TYPES
 BATCH_LEVEL = frozenset({"aot", "aot_unpaired", "sft"})
 NEEDS_LENGTHS = {"ipo": ("chosen", "rejected"), "sigmoid_norm": ("chosen", "rejected"), "sft": ("chosen",)}
 USES_LABEL_SMOOTHING = frozenset({"robust", "exo_pair", "aot", "aot_unpaired"})

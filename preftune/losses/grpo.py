@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from preftune.config import CHOICES
+from preftune.losses.names import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 
-LOSS_TYPES = CHOICES["grpo.loss_type"]
-IMPORTANCE_SAMPLING_LEVELS = CHOICES["grpo.importance_sampling_level"]
 # Losses with PPO-style hard clipping of the ratio (the others gate it differently).
 _CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo")
 

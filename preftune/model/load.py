@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import json
 import logging
@@ -144,8 +145,6 @@ def save_pretrained(model, tokenizer, out: str | Path, *, dtype: str | None = No
     weights as they are so a resume is exact."""
     to_save = model
     if hasattr(model, "merge_and_unload") and hasattr(model, "peft_config"):
-        import copy
-
         to_save = copy.deepcopy(model).merge_and_unload()
     state = None
     if dtype is not None and DTYPES[dtype] != next(to_save.parameters()).dtype:

@@ -8,7 +8,6 @@ No package is imported until a tracker is built.
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
 import os
@@ -22,19 +21,7 @@ from preftune.errors import UserError, one_line
 
 log = logging.getLogger("preftune")
 
-# name in log.report_to -> (module that must be importable, pip extra that installs it)
-TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 DEFAULT_PROJECT = "preftune"
-
-
-def check_report_to(names: list[str]) -> None:
-    """Every name is a known tracker whose package is installed."""
-    for name in names:
-        if name not in TRACKERS:
-            raise UserError(f"'{name}' is not one of {', '.join(TRACKERS)}", where="log.report_to")
-        module, extra = TRACKERS[name]
-        if importlib.util.find_spec(module) is None:
-            raise UserError(f"{name} is not installed: pip install 'preftune[{extra}]'", where="log.report_to")
 
 
 def scalars(metrics: dict) -> dict[str, float]:

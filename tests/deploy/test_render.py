@@ -230,7 +230,7 @@ def test_deploy_modules_do_not_import_torch(job_config, tmp_path):
 def test_the_option_sets_cover_every_deploy_key():
     from dataclasses import fields
 
-    from preftune.deploy.settings import DeployConfig
+    from preftune.config import DeployConfig
 
     set_keys = {o.split("=")[0].split(".")[1] for opts in OPTION_SETS for o in opts if o.startswith("deploy.")}
     assert {f.name for f in fields(DeployConfig)} - set_keys == set()

@@ -1,0 +1,7 @@
+"""The names each loss accepts: the config declares its choices from these (no torch here)."""
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")  # GRPO family: surrogate + aggregation
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # sequence: GSPO
+SCALE_REWARDS = ("group", "batch", "none")  # the std an advantage is divided by
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "sigmoid_norm", "robust", "exo_pair", "nca_pair", "bco_pair",
+                  "sppo_hard", "apo_zero", "apo_down", "discopop", "aot", "aot_unpaired", "sft")

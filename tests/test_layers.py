@@ -1,0 +1,150 @@
+"""The package is a plain stack of layers: no import circle, no import pointing up, and imports at
+the top of modules except where something heavy is deferred on purpose."""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "preftune"
+# bottom to top: a module imports only from its own layer or a lower one
+LAYERS = [
+    {"errors", "atomic"},
+    {"losses"},  # pure tensor functions (and, torch-free, the names they accept)
+    {"config"},  # every key declared once; no torch
+    {"data"},  # traces, pairs, groups, prompts, examples, tensor helpers
+    {"model"},  # the model file, loading, log-prob passes
+    {"rewards"},
+    {"distributed"},  # the one module that calls torch.distributed
+    {"rollout"},
+    {"algorithms"},  # GRPO, DPO, SFT: each its batch, step and task
+    {"evaluation"},
+    {"run"},  # loop, checkpoints, resume, preemption, output folder, trackers
+    {"api", "deploy", "report"},
+    {"cli", "__main__"},
+]
+LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
+# third-party imports a function may defer: heavy or optional (FSDP's import alone takes ~0.7 s)
+DEFERRED = ("transformers", "peft", "safetensors", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+            "torch.utils.tensorboard", "wandb", "mlflow", "matplotlib", "fsspec", "jsonschema", "kubernetes_validate",
+            "tqdm", "pyarrow", "yaml", "torch")
+LIGHT_ONLY = ("torch", "yaml", "pyarrow")  # deferred only by a module that does not already import them
+# what the `preftune` process must not import before its signal handler is installed
+HEAVY = ("torch", "transformers", "pyarrow", "numpy", "yaml")
+
+
+def modules() -> dict[str, ast.Module]:
+    out = {}
+    for p in PACKAGE.rglob("*.py"):
+        name = ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        out[name] = ast.parse(p.read_text())
+    return out
+
+
+MODULES = modules()
+
+
+def _targets(node) -> list[str]:
+    """What an import statement loads: its modules (a name imported from a package that is one of
+    its modules counts as that module)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module:
+        names = [f"{node.module}.{a.name}" for a in node.names]
+        return [n for n in names if n in MODULES] or [node.module]
+    return []
+
+
+def _resolve(name: str) -> str | None:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def edges(only_top: bool = False) -> dict[str, set[str]]:
+    out = {}
+    for name, tree in MODULES.items():
+        nodes = tree.body if only_top else ast.walk(tree)
+        out[name] = {m for n in nodes for t in _targets(n) if t.startswith("preftune")
+                     for m in [_resolve(t)] if m and m != name and m != "preftune"}
+    return out
+
+
+def layer(module: str) -> int:
+    part = module.split(".")[1] if module.count(".") else "__init__"
+    return LAYER.get(part, len(LAYERS))
+
+
+def test_every_package_has_a_layer():
+    parts = {m.split(".")[1] for m in MODULES if m.count(".")}
+    assert parts <= set(LAYER), f"give these a layer: {sorted(parts - set(LAYER))}"
+
+
+def test_no_import_points_up():
+    up = [f"{a} -> {b}" for a, deps in edges().items() for b in deps if layer(b) > layer(a)]
+    assert not up, up
+
+
+def test_no_import_circle():
+    graph, state, stack = edges(), {}, []
+
+    def visit(v):
+        state[v] = 1
+        stack.append(v)
+        for w in graph[v]:
+            if state.get(w) == 1:
+                raise AssertionError(" -> ".join(stack[stack.index(w):] + [w]))
+            if w not in state:
+                visit(w)
+        stack.pop()
+        state[v] = 2
+
+    for v in graph:
+        if v not in state:
+            visit(v)
+
+
+def _top_third_party(tree) -> set[str]:
+    return {t for n in tree.body for t in _targets(n) if not t.startswith("preftune")}
+
+
+def _heavy(name: str, seen: set | None = None) -> set[str]:
+    """Which of HEAVY the module imports at its top, itself or through preftune modules."""
+    seen = seen if seen is not None else set()
+    seen.add(name)
+    found = {t.split(".")[0] for t in _top_third_party(MODULES[name])} & set(HEAVY)
+    parents = [".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)]
+    for d in edges(only_top=True)[name] | set(parents):
+        if d not in seen and d in MODULES:
+            found |= _heavy(d, seen)
+    return found
+
+
+def test_imports_inside_functions_defer_something_heavy():
+    """A preftune module imported inside a function brings something heavy the importer does not
+    import at its top (the CLI starts before torch, even before yaml); a third-party one is heavy or
+    optional (DEFERRED)."""
+    bad = []
+    for name, tree in MODULES.items():
+        top = _top_third_party(tree)
+        for fn in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            for node in (n for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))):
+                for t in _targets(node):
+                    if t.startswith("preftune"):
+                        ok = bool(_heavy(_resolve(t)) - _heavy(name))
+                    else:
+                        root = next((d for d in DEFERRED if t == d or t.startswith(d + ".")), None)
+                        ok = root is not None and not (root in LIGHT_ONLY and root in {x.split(".")[0] for x in top})
+                    if not ok:
+                        bad.append(f"{name}:{node.lineno} {t}")
+    assert not bad, bad
+
+
+def test_import_preftune_and_its_cli_are_light():
+    import subprocess
+
+    code = ("import sys, preftune, preftune.cli, preftune.config, preftune.losses.names; "
+            "print([m for m in ('torch', 'transformers', 'numpy', 'pyarrow') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent).stdout
+    assert out.strip() == "[]"
