@@ -18,12 +18,10 @@ import torch
 
 from preftune.atomic import atomic_path
 from preftune.config import Config
-from preftune.data.pairs import build_pairs, pair_options, read_pairs
-from preftune.data.split import drop_held_out
+from preftune.data.pipeline import load_pairs
 from preftune.data.stream import IndexStream
 from preftune.data.tensors import left_pad, read_once, right_pad
 from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response, fit_prompt
-from preftune.data.traces import TraceOptions, dropped_note, load_traces, read_rows, resolve_files
 from preftune.distributed import Parallel
 from preftune.errors import UserError
 from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
@@ -42,20 +40,6 @@ class EncodedPair:
     chosen: list[int]
     rejected: list[int]
 
-
-def load_pairs(cfg: Config) -> tuple[list, dict]:
-    """A pairs file (prompt/chosen/rejected columns, TRL's format) or labeled traces paired on the fly."""
-    fs, files = resolve_files(cfg.data.train)
-    columns = next((c for c in (read_rows(fs, f)[1] for f in files) if c), None)  # first non-empty file
-    if columns and {"prompt", "chosen", "rejected"} <= set(columns):
-        pairs, held_out = drop_held_out(read_pairs(cfg.data.train), cfg.eval.split)
-        return pairs, {"pairs_file": len(pairs)} | ({"held_out_pairs": held_out} if cfg.eval.split else {})
-
-    traces, drops = load_traces(cfg.data.train, TraceOptions.from_config(cfg.data))
-    traces, held_out = drop_held_out(list(traces), cfg.eval.split)
-    pairs, report = build_pairs(traces, **pair_options(cfg.data))
-    return pairs, {"traces": drops.as_dict(), "pairs": report.as_dict()} | (
-        {"held_out_rows": held_out} if cfg.eval.split else {})
 
 
 def encode_pairs(pairs, tokenizer, cfg: Config) -> tuple[list[EncodedPair], dict]:
@@ -271,18 +255,6 @@ def _read_cache(cache: Path, key: str) -> torch.Tensor | None:
         return None
 
 
-def _no_pairs_reason(report: dict) -> str:
-    """Why pairing made nothing, naming the keys that decide it (the report is not written on error)."""
-    p = report.get("pairs")
-    if p is None:
-        return f"{report.get('encoded', {}).get('prompts_dropped', 0)} dropped by data.prompt_truncation"
-    drops = report["traces"]
-    if not drops["kept"]:
-        return "no trace rows left" + dropped_note(drops)
-    return (f"{p['prompts_seen']} prompts, {p['prompts_without_chosen']} without a chosen (data.chosen_min), "
-            f"{p['prompts_without_rejected']} without a rejected (data.rejected_max), {p['skipped_by_margin']} "
-            f"below data.min_margin, {p['skipped_identical']} with chosen == rejected" + dropped_note(drops))
-
 
 class DPOTask:
     """Builds everything; the loop writes `data_report` once setup has succeeded."""
@@ -295,7 +267,8 @@ class DPOTask:
         self.encoded, stats = encode_pairs(pairs, tokenizer, cfg)
         self.data_report = report | {"encoded": stats}
         if not self.encoded:
-            raise UserError(f"no DPO pairs to train on: {_no_pairs_reason(self.data_report)}", where=cfg.data.train)
+            raise UserError(f"no DPO pairs to train on: {stats['prompts_dropped']} dropped by data.prompt_truncation",
+                            where=cfg.data.train)
         self.pad_id = tokenizer.pad_token_id
         self.ref, self.ref_model = None, None  # ref (n, 2): from the checkpoint on a resume, else prepare()
         if not self.d.reference_free and not self.d.precompute_ref_logps:

@@ -15,17 +15,17 @@ from dataclasses import dataclass, field
 import torch
 
 from preftune.config import Config, GRPOConfig
-from preftune.data.groups import build_groups
+from preftune.data.pipeline import group_builder, trace_items
 from preftune.data.prompts import load_prompts
-from preftune.data.split import drop_held_out, split_prompt_set
+from preftune.data.split import split_prompt_set
 from preftune.data.tensors import read_once
 from preftune.data.tokenize import PromptTruncation, encode_prompt
-from preftune.data.traces import TraceOptions, dropped_note, load_traces
+from preftune.data.traces import TraceOptions
 from preftune.distributed import Parallel
 from preftune.errors import UserError
 from preftune.losses import grpo_loss
 from preftune.losses.advantages import group_advantages, group_spread, nanmean
-from preftune.losses.grpo import CLIP_KEYS, microbatch_weight
+from preftune.losses.grpo import CLIP_KEYS, batch_normaliser
 from preftune.model.logps import Rows, completion_logps, microbatches
 from preftune.rewards.registry import load_reward_funcs
 from preftune.rollout.offline import OfflineSource
@@ -140,9 +140,9 @@ def trained_rows(advantages: torch.Tensor, mask: torch.Tensor, beta: float) -> t
 
     A row without counted tokens adds nothing to any loss. With beta = 0 every row's term is its
     advantage times a factor (each loss type, both ratio levels), so a row with advantage exactly
-    0 has zero loss and gradient too. Both are skipped; the normalisers stay the whole batch's
-    (`microbatch_weight` with the kept rows and the batch's N and token count), so the update is
-    the same. One host sync: the row list."""
+    0 has zero loss and gradient too. Both are skipped; the normaliser stays the whole batch's
+    (`batch_normaliser`: its sequences and tokens), so the update is the same. One host sync: the
+    row list."""
     live = mask.sum(1) > 0  # (N,)
     if beta == 0:
         live &= advantages != 0
@@ -153,9 +153,9 @@ def trained_rows(advantages: torch.Tensor, mask: torch.Tensor, beta: float) -> t
 def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=None) -> dict:
     """Forward/backward over micro-batches of one generation batch; the caller steps the optimizer.
 
-    Each micro-batch loss is weighted so the summed gradient equals one pass over the whole batch
-    (`microbatch_weight`), and dapo's normaliser is the whole batch's token count (`batch_tokens`,
-    `batch_seqs`: the normalisers, whatever rows are skipped). Rows that cannot move the policy
+    Every micro-batch's loss is divided by the whole batch's normaliser (`batch_normaliser` of its
+    sequences and tokens, whatever rows are skipped), so the summed gradient equals one pass over
+    the whole batch. Rows that cannot move the policy
     are left out (`trained_rows`); `rows_skipped` counts them and `entropy` is over the rows run.
     With data parallel, "the whole batch" is every rank's rows: the normalisers are global counts,
     so the gradients summed over ranks equal one pass over the global batch (tested 2 ranks vs 1).
@@ -181,7 +181,9 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
     recorded = []
     ref_all = None if batch.ref_logps is None else pick(batch.ref_logps)
     run_tokens = dp.sum(sum(row_tokens))[0]
-    parts = []  # per micro-batch (slice, weight, metric tensors), read once after the loop
+    norm = batch_normaliser(cfg.loss_type, batch_seqs=batch_seqs, batch_tokens=batch_tokens,
+                            max_completion_length=cfg.max_completion_length)
+    parts = []  # per micro-batch (slice, metric tensors), read once after the loop
     slices = list(microbatches(mask.size(0), cfg.micro_batch_size))
     for _ in range(int(dp.max(len(slices))[0]) - len(slices)):  # FSDP: every rank runs as many passes
         check()
@@ -197,12 +199,9 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
                             adv[sl], mask[sl], loss_type=cfg.loss_type, beta=cfg.beta, epsilon=cfg.epsilon,
                             epsilon_high=cfg.epsilon_high, delta=cfg.delta,
                             importance_sampling_level=cfg.importance_sampling_level,
-                            max_completion_length=cfg.max_completion_length, num_items=batch_tokens,
-                            kl_ratio_correction=cfg.use_bias_correction_kl, sync_metrics=False)
-        w = microbatch_weight(cfg.loss_type, rows=sl.stop - sl.start, tokens=sum(row_tokens[sl]),
-                              batch_seqs=batch_seqs, batch_tokens=batch_tokens)
-        (loss * w).backward()
-        parts.append((sl, w, m | {"loss": loss.detach(), "entropy_sum": (entropy.detach() * mask[sl]).sum()}))
+                            normaliser=norm, kl_ratio_correction=cfg.use_bias_correction_kl, sync_metrics=False)
+        loss.backward()
+        parts.append((sl, m | {"loss": loss.detach(), "entropy_sum": (entropy.detach() * mask[sl]).sum()}))
     totals, ent_sum = _fold(parts, row_tokens, batch_tokens, batch_seqs,
                             by_rows=cfg.importance_sampling_level == "sequence")
     if record:  # only once the step is whole: an abandoned step leaves the batch as it was
@@ -243,9 +242,9 @@ def _fold(parts: list, row_tokens: list[float], batch_tokens: float, batch_seqs:
     """The micro-batches' metrics (read in one host sync) folded into the batch's (`_accumulate`)
     -> (totals, entropy summed over tokens)."""
     totals, ent_sum = {}, 0.0
-    for (sl, w, _), m in zip(parts, read_once([stats for _, _, stats in parts])):
+    for (sl, _), m in zip(parts, read_once([stats for _, stats in parts])):
         loss, ent = m.pop("loss"), m.pop("entropy_sum")
-        _accumulate(totals, m, loss * w, token_share=sum(row_tokens[sl]) / max(batch_tokens, 1.0),
+        _accumulate(totals, m, loss, token_share=sum(row_tokens[sl]) / max(batch_tokens, 1.0),
                     row_share=(sl.stop - sl.start) / batch_seqs, by_rows=by_rows)
         ent_sum += ent
     return totals, ent_sum
@@ -253,7 +252,8 @@ def _fold(parts: list, row_tokens: list[float], batch_tokens: float, batch_seqs:
 
 def _accumulate(totals: dict, m: dict, loss: float, *, token_share: float, row_share: float, by_rows: bool) -> None:
     """Fold one micro-batch's metrics into the batch's: token means by token share (GSPO's clip
-    ratios, means over sequences, by row share), extremes by min/max, the loss by its weight."""
+    ratios, means over sequences, by row share), extremes by min/max, the loss (already the
+    micro-batch's share of the batch's) by its sum."""
     totals["loss"] = totals.get("loss", 0.0) + loss
     for k, v in m.items():
         if isinstance(v, float) and math.isnan(v):
@@ -299,15 +299,8 @@ class GRPOTask:
             self.data_report = {"prompts": len(prompts)} | held_out
             texts = prompts.prompts
         else:
-            traces, drops = load_traces(cfg.data.train, TraceOptions.from_config(cfg.data))
-            traces, held_out = drop_held_out(list(traces), cfg.eval.split)
-            groups, greport = build_groups(traces)
-            self.data_report = {"traces": drops.as_dict(), "groups": greport.as_dict()} | (
-                {"held_out_rows": held_out} if cfg.eval.split else {})
-            if not groups:
-                raise UserError("no usable GRPO group (each needs >= 2 responses with different rewards; "
-                                f"{greport.too_small} prompts too small, {greport.zero_spread} with equal rewards)"
-                                + dropped_note(drops), where=cfg.data.train)
+            groups, self.data_report = trace_items(cfg.data.train, TraceOptions.from_config(cfg.data), "groups",
+                                                   group_builder, split=cfg.eval.split)
             self.source = OfflineSource(self.g, tokenizer, groups, reward_name=cfg.data.reward_column, dp=self.dp,
                                         **common)
             texts = [g.prompt for g in groups]

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from preftune.config import Config
-from preftune.data.sft import load_examples
-from preftune.data.split import drop_held_out
+from preftune.data.pipeline import load_examples
 from preftune.data.stream import IndexStream
 from preftune.data.tensors import left_pad, right_pad
 from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response, fit_prompt
@@ -136,9 +135,8 @@ class SFTTask:
     def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp=None):
         self.cfg, self.s, self.device, self.dp = cfg, cfg.sft, device, dp or Parallel()
         self.packing = "auto" if self.s.packing else "never"
-        examples, report = load_examples(cfg.data.train, TraceOptions.from_config(cfg.data), self.s.min_reward)
-        examples, held_out = drop_held_out(examples, cfg.eval.split)
-        report |= {"held_out_examples": held_out} if cfg.eval.split else {}
+        examples, report = load_examples(cfg.data.train, TraceOptions.from_config(cfg.data), self.s.min_reward,
+                                         split=cfg.eval.split)
         self.encoded, stats = encode_examples(examples, tokenizer, cfg)
         self.data_report = report | {"encoded": stats}
         if not self.encoded:

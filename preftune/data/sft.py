@@ -7,16 +7,15 @@
   completion, the turns before it the prompt.
 
 Rows are validated as traces are (`data.invalid`, `data.duplicates`), and every row left out is
-counted by reason: nothing is dropped silently.
+counted by reason: nothing is dropped silently. `data/pipeline.load_examples` reads all three.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from preftune.data.traces import (DropReport, TraceOptions, display_path, is_messages, load_traces,
-                                  dropped_note, normalize_messages, prompt_key, read_rows, require_columns,
-                                  resolve_files, text_problem)
+from preftune.data.traces import (DropReport, TraceOptions, display_path, is_messages, normalize_messages,
+                                  prompt_key, read_rows, require_columns, resolve_files, text_problem)
 from preftune.errors import UserError
 
 MESSAGES, PROMPT_COMPLETION, TRACES = "messages", "prompt_completion", "traces"
@@ -38,22 +37,6 @@ def detect_format(path: str) -> str:
         return PROMPT_COMPLETION
     return TRACES
 
-
-def load_examples(path: str, opts: TraceOptions, min_reward: float) -> tuple[list[Example], dict]:
-    """(examples, report) from any of the three layouts; the report counts every row read and left out."""
-    fmt = detect_format(path)
-    if fmt == TRACES:
-        traces, drops = load_traces(path, opts)
-        kept = [Example(t.prompt, t.response) for t in traces if t.reward >= min_reward]
-        if not kept:
-            raise UserError(f"no response has reward >= sft.min_reward={min_reward} ({len(traces)} valid rows)"
-                            + dropped_note(drops), where=path)
-        return kept, {"format": fmt, "traces": drops.as_dict(),
-                      "sft": {"examples": len(kept), "below_min_reward": len(traces) - len(kept)}}
-    examples, drops = _read_trl(path, fmt, opts)
-    if not examples:
-        raise UserError("no usable SFT example" + (dropped_note(drops) or " (the files have no rows)"), where=path)
-    return examples, {"format": fmt, "rows": drops.as_dict(), "sft": {"examples": len(examples)}}
 
 
 def _split_messages(value: Any) -> tuple[tuple[str, str] | None, Example | None]:
@@ -81,7 +64,7 @@ def _row_example(row: dict, fmt: str) -> tuple[tuple[str, str, str] | None, Exam
                          normalize_messages(c) if isinstance(c, list) else c)
 
 
-def _read_trl(path: str, fmt: str, opts: TraceOptions) -> tuple[list[Example], DropReport]:
+def read_trl(path: str, fmt: str, opts: TraceOptions) -> tuple[list[Example], DropReport]:
     fs, files = resolve_files(path)
     report = DropReport(files=len(files))
     out: list[Example] = []

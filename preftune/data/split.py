@@ -10,10 +10,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from preftune.data.prompts import PromptSet, load_prompts
-from preftune.data.sft import TRACES, detect_format, load_examples
-from preftune.data.traces import load_traces, normalize_messages, prompt_key, read_rows, resolve_files
-from preftune.errors import UserError
+from preftune.data.prompts import PromptSet
+from preftune.data.traces import normalize_messages, prompt_key
 
 
 def prompt_fraction(prompt: Any) -> float:
@@ -39,36 +37,3 @@ def split_prompt_set(prompt_set, fraction: float, *, held_out: bool):
     prompts, columns = prompt_set.select(rows)
     return PromptSet(prompts, columns, prompt_set.files)
 
-
-def held_out_prompts(path: str, fraction: float, opts):
-    """The held-out prompts of a training set: a prompt file's rows, or the distinct prompts of traces,
-    prompt/completion or messages files (with the other columns of each prompt's first row)."""
-    fmt = detect_format(path)
-    cols = _columns(path)
-    if fmt == TRACES and opts.response_column in cols and opts.reward_column in cols:
-        traces, _ = load_traces(path, opts)
-        rows = [(t.prompt, t.extra) for t in traces]
-    elif fmt == TRACES:
-        ps = split_prompt_set(load_prompts(path, prompt_column=opts.prompt_column), fraction, held_out=True)
-        if not len(ps):
-            raise UserError(f"eval.split={fraction} holds out no prompt of {len(ps)}", where=path)
-        return ps
-    else:
-        examples, _ = load_examples(path, opts, min_reward=float("-inf"))
-        rows = [(e.prompt, {}) for e in examples]
-    seen, prompts, extras = set(), [], []
-    for prompt, extra in rows:
-        key = prompt_key(prompt)
-        if key not in seen and is_held_out(prompt, fraction):
-            seen.add(key)
-            prompts.append(prompt)
-            extras.append(extra)
-    if not prompts:
-        raise UserError(f"eval.split={fraction} holds out no prompt", where=path)
-    names = list(dict.fromkeys(k for e in extras for k in e))
-    return PromptSet(prompts, {k: [e.get(k) for e in extras] for k in names}, [path])
-
-
-def _columns(path: str) -> list[str]:
-    fs, files = resolve_files(path)
-    return next((c for c in (read_rows(fs, f)[1] for f in files) if c), None) or []

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from preftune.data.prompts import load_prompts
-from preftune.data.split import held_out_prompts
+from preftune.data.pipeline import held_out_prompts
 from preftune.data.tensors import left_pad
 from preftune.data.tokenize import PromptTruncation
 from preftune.data.traces import TraceOptions

@@ -1,14 +1,18 @@
 """GRPO-family policy-gradient losses: GRPO, DAPO, Dr. GRPO, BNPO, GSPO, CISPO, SAPO.
 
-One function, `grpo_loss`, built from three independent pieces so each choice can be read
-(and tested) on its own:
+`grpo_loss(..., loss_type=...)` keeps TRL's names and signature; inside it, each choice is a
+separate piece that can be read and tested on its own:
 
-1. the importance ratio and the surrogate (`importance_log_ratio`, `policy_surrogate`),
-2. the KL penalty (`k3_kl`),
-3. the aggregation of per-token terms into one scalar (`aggregate`).
+1. the importance level: the ratio per token, or GSPO's per sequence (`importance_log_ratio`),
+2. the surrogate: PPO clip, CISPO or SAPO (`SURROGATE[loss_type]`, `policy_surrogate`),
+3. the KL penalty (`k3_kl`),
+4. the aggregation: a mean over each sequence's tokens, or a sum over all tokens
+   (`AGGREGATION[loss_type]`, `aggregate`), divided by one normaliser (`local_normaliser`, or the whole batch's).
 
-`microbatch_weight` tells a training loop how to weight the loss of each micro-batch so that
-summed gradients equal one pass over the whole generation batch.
+A training loop that splits a generation batch into micro-batches (and ranks) passes the whole
+batch's normaliser (`batch_normaliser`): every micro-batch's loss is then its exact share, and the
+summed gradients equal one pass over the batch. With that normaliser bnpo is dapo: a token sum
+over the batch's token count (two names for one update, both TRL's).
 """
 from __future__ import annotations
 
@@ -16,8 +20,9 @@ import torch
 
 from preftune.losses.names import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 
-# Losses with PPO-style hard clipping of the ratio (the others gate it differently).
-_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo")
+SURROGATE = {"grpo": "clip", "bnpo": "clip", "dr_grpo": "clip", "dapo": "clip", "cispo": "cispo", "sapo": "sapo"}
+AGGREGATION = {"grpo": "sequence", "sapo": "sequence", "bnpo": "token", "dapo": "token", "cispo": "token",
+               "dr_grpo": "token"}
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -46,7 +51,7 @@ def policy_surrogate(
     log_w: torch.Tensor,
     logps: torch.Tensor,
     advantages: torch.Tensor,
-    loss_type: str,
+    surrogate: str,
     *,
     epsilon_low: float,
     epsilon_high: float,
@@ -56,7 +61,7 @@ def policy_surrogate(
 ) -> torch.Tensor:
     """Per-token policy loss (to be minimised), before KL and aggregation. r = exp(log_w).
 
-    clip family (grpo, bnpo, dr_grpo, dapo), PPO clip with DAPO's decoupled "clip-higher" bounds
+    clip (grpo, bnpo, dr_grpo, dapo), PPO clip with DAPO's decoupled "clip-higher" bounds
     (arXiv:2503.14476) and INTELLECT-2's two-sided clip delta (arXiv:2505.07291):
         l = -min(min(r, delta) * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
     cispo (MiniMax-M1, arXiv:2506.13585), a truncated, stop-gradient IS weight on REINFORCE:
@@ -66,10 +71,10 @@ def policy_surrogate(
     Shapes: log_w (B, T) or (B, 1); advantages (B, 1); result broadcasts to log_w's shape.
     """
     ratio = torch.exp(log_w)  # (B, T) or (B, 1)
-    if loss_type == "cispo":
+    if surrogate == "cispo":
         weight = torch.clamp(ratio, max=epsilon_high).detach()
         return -weight * advantages * logps  # (B, T)
-    if loss_type == "sapo":
+    if surrogate == "sapo":
         pos, neg = (advantages.new_tensor(t) for t in (sapo_temperature_pos, sapo_temperature_neg))
         tau = torch.where(advantages > 0, pos, neg)  # (B, 1)
         return -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * advantages
@@ -87,33 +92,47 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-def aggregate(
-    per_token_loss: torch.Tensor,
-    mask: torch.Tensor,
-    loss_type: str,
-    *,
-    max_completion_length: int | None,
-    num_items: float | torch.Tensor | None,
-) -> torch.Tensor:
-    """Reduce masked per-token terms l_{i,t} (m = mask, B rows) to a scalar.
+def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, how: str, normaliser) -> torch.Tensor:
+    """Reduce masked per-token terms l_{i,t} (m = mask) to a scalar, divided by `normaliser` N:
 
-    grpo, sapo   (DeepSeekMath GRPO, arXiv:2402.03300): (1/B) sum_i sum_t m l / max(|o_i|, 1)
-    bnpo:        sum m l / max(sum m, 1)  (token mean over this batch)
-    dr_grpo      (arXiv:2503.20783): sum m l / (B * L_max), L_max = max_completion_length
-                 (default T: pass the configured maximum so micro-batches agree)
-    dapo, cispo  (arXiv:2503.14476): sum m l / max(num_items, 1), num_items = completion tokens
-                 of the whole generation batch (default: sum m)
+    sequence (GRPO, arXiv:2402.03300; SAPO):  sum_i [sum_t m l / max(|o_i|, 1)] / N
+    token    (DAPO, arXiv:2503.14476; BNPO; Dr. GRPO; CISPO):  sum_i sum_t m l / N
     """
     masked = per_token_loss * mask  # (B, T)
+    if how == "sequence":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / normaliser
+    return masked.sum() / normaliser
+
+
+def local_normaliser(loss_type: str, mask: torch.Tensor, *, num_items=None, max_completion_length: int | None = None):
+    """The aggregation's divisor for this (micro-)batch alone, TRL's rule per loss type (B rows):
+
+        grpo, sapo:   B  (a mean over sequences)
+        bnpo:         max(sum m, 1)  (a token mean over this batch)
+        dapo, cispo:  max(num_items, 1), num_items = the whole generation batch's tokens (default sum m)
+        dr_grpo:      B * L_max, L_max = max_completion_length (default T; pass the configured
+                      maximum so micro-batches agree; arXiv:2503.20783)"""
+    rows = mask.shape[0]
     if loss_type in ("grpo", "sapo"):
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    if loss_type == "bnpo":
-        return masked.sum() / mask.sum().clamp(min=1.0)
+        return rows
     if loss_type == "dr_grpo":
-        length = mask.shape[-1] if max_completion_length is None else max_completion_length
-        return masked.sum() / (mask.shape[0] * length)
-    total = mask.sum() if num_items is None else torch.as_tensor(num_items, dtype=mask.dtype, device=mask.device)
-    return masked.sum() / total.clamp(min=1.0)
+        return rows * (mask.shape[-1] if max_completion_length is None else max_completion_length)
+    tokens = mask.sum() if loss_type == "bnpo" or num_items is None else \
+        torch.as_tensor(num_items, dtype=mask.dtype, device=mask.device)
+    return tokens.clamp(min=1.0)
+
+
+def batch_normaliser(loss_type: str, *, batch_seqs: int, batch_tokens: float, max_completion_length: int) -> float:
+    """The normaliser of a whole generation batch (sequences and unmasked completion tokens of every
+    micro-batch and rank): with it each micro-batch's `grpo_loss` is its share of the batch's loss,
+    so losses and gradients summed over micro-batches and ranks equal one pass over the batch
+    (ranks then SUM gradients). bnpo's token mean over the batch is dapo's normaliser."""
+    _check_choice("loss_type", loss_type, LOSS_TYPES)
+    if AGGREGATION[loss_type] == "sequence":
+        return float(batch_seqs)
+    if loss_type == "dr_grpo":
+        return float(batch_seqs * max_completion_length)
+    return max(float(batch_tokens), 1.0)
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -155,10 +174,10 @@ def _clip_metrics(
     delta < 1 + eps_high, against the recommended setting).
     """
     ratio = torch.exp(log_w)  # (B, T) or (B, 1)
-    if loss_type in _CLIPPED:
+    if SURROGATE[loss_type] == "clip":
         low = (ratio < 1 - epsilon_low) & (advantages < 0)
         high = (ratio > 1 + epsilon_high) & (advantages > 0)
-    elif loss_type == "cispo":
+    elif SURROGATE[loss_type] == "cispo":
         high = (ratio > epsilon_high) & (advantages > 0)
         low = torch.zeros_like(high)
     else:
@@ -207,6 +226,7 @@ def grpo_loss(
     importance_sampling_level: str = "token",
     max_completion_length: int | None = None,
     num_items: float | torch.Tensor | None = None,
+    normaliser: float | torch.Tensor | None = None,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
     kl_ratio_correction: bool = False,
@@ -219,10 +239,12 @@ def grpo_loss(
     grad r = grad log pi) and the reference model (needed only when beta > 0).
     advantages: (B,); mask: (B, T), 1 for completion tokens that count.
 
-    loss = aggregate(policy_surrogate(r, A) + beta * k3), see `policy_surrogate` (clip, DAPO
-    clip-higher with epsilon_high (default epsilon), two-sided `delta`, CISPO, SAPO),
-    `importance_log_ratio` (token ratio, or GSPO's sequence ratio, arXiv:2507.18071, broadcast
-    over tokens), `k3_kl` and `aggregate` (grpo / bnpo / dr_grpo / dapo / cispo / sapo).
+    loss = aggregate(policy_surrogate(r, A) + beta * k3) / N: `loss_type` picks the surrogate
+    (`SURROGATE`: clip, with DAPO clip-higher `epsilon_high` (default epsilon) and the two-sided
+    `delta`; CISPO; SAPO) and the aggregation (`AGGREGATION`, `aggregate`) with its normaliser N
+    (`local_normaliser`: from num_items and max_completion_length; or `normaliser`,
+    a training loop's whole-batch N, `batch_normaliser`); `importance_log_ratio` is the level (token
+    ratio, or GSPO's sequence ratio, arXiv:2507.18071, broadcast over tokens); `k3_kl` the KL term.
     kl_ratio_correction: multiply k3 by r (DeepSeek-V3.2, arXiv:2512.02556; TRL 1.16's
     use_bias_correction_kl, on by default there) so its gradient is the unbiased reverse-KL one.
 
@@ -242,7 +264,7 @@ def grpo_loss(
 
     log_w = importance_log_ratio(logps, old_logps, mask, importance_sampling_level)  # (B, T) or (B, 1)
     per_token = policy_surrogate(
-        log_w, logps, adv, loss_type, epsilon_low=epsilon, epsilon_high=eps_high, delta=delta,
+        log_w, logps, adv, SURROGATE[loss_type], epsilon_low=epsilon, epsilon_high=eps_high, delta=delta,
         sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
     )
     kl_metric = mask.new_zeros(())
@@ -252,33 +274,12 @@ def grpo_loss(
             kl = kl * torch.exp(log_w)
         per_token = per_token + beta * kl  # (B, T)
         kl_metric = _masked_mean(kl.detach(), mask)
-    loss = aggregate(
-        per_token, mask, loss_type,
-        max_completion_length=max_completion_length, num_items=num_items,
-    )
+    n = normaliser if normaliser is not None else local_normaliser(
+        loss_type, mask, num_items=num_items, max_completion_length=max_completion_length)
+    loss = aggregate(per_token, mask, AGGREGATION[loss_type], n)
     metrics = {"kl": kl_metric, **_clip_metrics(log_w.detach(), adv, mask, loss_type, epsilon, eps_high)}
     if not sync_metrics:
         return loss, metrics
     values = torch.stack(list(metrics.values())).tolist()  # one device sync for all metrics
     return loss, dict(zip(metrics, values))
 
-
-def microbatch_weight(loss_type: str, *, rows: int, tokens: float, batch_seqs: int, batch_tokens: float) -> float:
-    """Factor for `grpo_loss` of one micro-batch so that summing over micro-batches (and ranks)
-    gives the loss and gradient of one pass over the whole generation batch.
-
-    batch_seqs / batch_tokens: sequences / unmasked completion tokens of the whole generation
-    batch (across ranks; ranks must then SUM gradients, not average them). With b = `rows` and
-    n = `tokens` (unmasked) of the micro-batch, counts the caller holds on the host (no device read):
-        grpo, sapo, dr_grpo: b / batch_seqs   (per-batch mean over sequences; dr_grpo also
-                                               needs a fixed max_completion_length)
-        bnpo:                max(n, 1) / max(batch_tokens, 1)  (undoes the local token mean)
-        dapo, cispo:         1, provided grpo_loss got num_items=batch_tokens
-    GSPO changes only the ratio, not the aggregation, so the same weights hold for both levels.
-    """
-    _check_choice("loss_type", loss_type, LOSS_TYPES)
-    if loss_type in ("dapo", "cispo"):
-        return 1.0
-    if loss_type == "bnpo":
-        return max(float(tokens), 1.0) / max(float(batch_tokens), 1.0)
-    return rows / batch_seqs

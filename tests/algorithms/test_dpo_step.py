@@ -236,7 +236,7 @@ def test_pairs_never_exceed_max_length(make_config, tokenizer, tmp_path):
 
 
 def test_pairs_from_a_folder_whose_first_file_is_empty(make_config, tmp_path):
-    from preftune.algorithms.dpo import load_pairs
+    from preftune.data.pipeline import load_pairs
     from tests.conftest import arith_traces, write_jsonl
 
     folder = tmp_path / "traces"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from preftune.data.sft import MESSAGES, PROMPT_COMPLETION, TRACES, detect_format, load_examples
+from preftune.data.pipeline import load_examples
+from preftune.data.sft import MESSAGES, PROMPT_COMPLETION, TRACES, detect_format
 from preftune.data.traces import TraceOptions
 from preftune.errors import UserError
 from tests.conftest import arith_traces, write_jsonl, write_parquet

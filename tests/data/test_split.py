@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 
 from preftune.data.prompts import load_prompts
-from preftune.data.split import drop_held_out, held_out_prompts, is_held_out, split_prompt_set
+from preftune.data.pipeline import held_out_prompts
+from preftune.data.split import drop_held_out, is_held_out, split_prompt_set
 from preftune.data.traces import TraceOptions, load_traces
 from preftune.evaluation.evaluate import eval_prompt_set
 from tests.conftest import TRAIN_PROMPTS, arith_traces, write_parquet

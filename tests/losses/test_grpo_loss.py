@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from preftune.losses import grpo_loss
-from preftune.losses.grpo import LOSS_TYPES, microbatch_weight
+from preftune.losses.grpo import LOSS_TYPES, batch_normaliser
 
 trl = pytest.importorskip("trl")
 from trl import GRPOTrainer  # noqa: E402
@@ -283,22 +283,35 @@ def test_microbatch_split_equals_one_pass(loss_type, level):
 
     parts = logps.clone().requires_grad_()
     split_sum = 0.0
+    norm = batch_normaliser(loss_type, batch_seqs=mask.shape[0], batch_tokens=total_tokens, max_completion_length=6)
     for lo, hi in [(0, 3), (3, 4), (4, 10)]:  # uneven micro-batches
         # Trim each micro-batch to its own longest completion, as a padding-aware loop would.
         t = max(int(mask[lo:hi].sum(-1).max().item()), 1)
         mb = slice(lo, hi)
-        loss, _ = grpo_loss(parts[mb, :t], old[mb, :t], ref[mb, :t], adv[mb], mask[mb, :t],
-                            num_items=total_tokens, **opts)
-        w = microbatch_weight(loss_type, rows=mask[mb].shape[0], tokens=mask[mb, :t].sum().item(),
-                              batch_seqs=mask.shape[0], batch_tokens=total_tokens)
-        (w * loss).backward()
-        split_sum += w * loss.item()
+        loss, _ = grpo_loss(parts[mb, :t], old[mb, :t], ref[mb, :t], adv[mb], mask[mb, :t], normaliser=norm, **opts)
+        loss.backward()
+        split_sum += loss.item()
 
     assert split_sum == pytest.approx(full.item(), abs=1e-10)
     torch.testing.assert_close(parts.grad, whole.grad, rtol=0, atol=1e-10)
     assert whole.grad.abs().sum() > 0
 
 
-def test_microbatch_weight_rejects_unknown_loss():
+def test_batch_normaliser_rejects_unknown_loss():
     with pytest.raises(ValueError, match="dapo"):
-        microbatch_weight("ppo", rows=2, tokens=3.0, batch_seqs=2, batch_tokens=3)
+        batch_normaliser("ppo", batch_seqs=2, batch_tokens=3, max_completion_length=4)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_bnpo_over_a_whole_batch_is_dapo(level):
+    """With the whole batch's normaliser, bnpo and dapo are one update (the same surrogate and token sum)."""
+    logps, old, ref, adv, mask = _random_batch(seed=3, batch=5, length=5)
+    grads = []
+    for loss_type in ("bnpo", "dapo"):
+        x = logps.clone().requires_grad_()
+        norm = batch_normaliser(loss_type, batch_seqs=5, batch_tokens=mask.sum().item(), max_completion_length=5)
+        loss, _ = grpo_loss(x, old, ref, adv, mask, loss_type=loss_type, beta=0.05, importance_sampling_level=level,
+                            normaliser=norm)
+        loss.backward()
+        grads.append((loss.detach(), x.grad))
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
