@@ -20,7 +20,7 @@ from preftune.errors import UserError
 _NO_DEFAULT = dataclasses.MISSING
 
 
-def knob(default: Any = _NO_DEFAULT, *, help: str, choices: tuple = (), range: str | None = None,
+def knob(default: Any = _NO_DEFAULT, help: str = "", *, choices: tuple = (), range: str | None = None,
          peer: str | None = None, factory=None) -> Any:
     """A config key. `choices`: the allowed values (of each item, for a list); `range`: an interval
     such as "[0, 1)" ("inf" unbounded) for numbers, each item of a list; `peer`: the key's name in

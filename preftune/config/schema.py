@@ -17,11 +17,11 @@ TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "w
 class LoraConfig:
     """LoRA adapters (peft) on the policy."""
 
-    enabled: bool = knob(False, help="train LoRA adapters (peft); saved models are merged", peer="TRL peft_config")
-    r: int = knob(16, help="LoRA rank", range="[1, inf)", peer="peft r")
-    alpha: int = knob(32, help="LoRA alpha", range="[1, inf)", peer="peft lora_alpha")
-    dropout: float = knob(0.0, help="LoRA dropout", range="[0, 1)", peer="peft lora_dropout")
-    target_modules: str | list[str] = knob("all-linear", help="modules to adapt", peer="peft target_modules")
+    enabled: bool = knob(False, "train LoRA adapters (peft); saved models are merged", peer="TRL peft_config")
+    r: int = knob(16, "LoRA rank", range="[1, inf)", peer="peft r")
+    alpha: int = knob(32, "LoRA alpha", range="[1, inf)", peer="peft lora_alpha")
+    dropout: float = knob(0.0, "LoRA dropout", range="[0, 1)", peer="peft lora_dropout")
+    target_modules: str | list[str] = knob("all-linear", "modules to adapt", peer="peft target_modules")
 
 
 @dataclass
@@ -29,21 +29,18 @@ class ModelConfig:
     """The model to train: a local Hugging Face folder."""
 
     name_or_path: str = knob(
-        "examples/model", help="local Hugging Face causal-LM folder", peer="TRL model; NeMo-RL policy.model_name")
+        "examples/model", "local Hugging Face causal-LM folder", peer="TRL model; NeMo-RL policy.model_name")
     dtype: str = knob(
-        "float32",
-        help="float32, or bfloat16 (full fine-tuning: float32 masters under bf16 autocast)",
+        "float32", "float32, or bfloat16 (full fine-tuning: float32 masters under bf16 autocast)",
         choices=("float32", "bfloat16"), peer="TRL model_init_kwargs.dtype; NeMo-RL policy.precision")
-    gradient_checkpointing: bool = knob(
-        False, help="recompute activations in backward", peer="TRL gradient_checkpointing")
+    gradient_checkpointing: bool = knob(False, "recompute activations in backward", peer="TRL gradient_checkpointing")
     trust_remote_code: bool = knob(
-        False, help="allow model code from the model folder", peer="TRL model_init_kwargs.trust_remote_code")
+        False, "allow model code from the model folder", peer="TRL model_init_kwargs.trust_remote_code")
     lean_forward: bool = knob(
-        True,
-        help="preftune's own forward for Llama-family weights (false: the Hugging Face module's)",
+        True, "preftune's own forward for Llama-family weights (false: the Hugging Face module's)",
         peer="TRL use_liger_kernel (a different kernel set)")
     cuda_graphs: bool = knob(
-        False, help="on a GPU, replay the decode step as a CUDA graph (untested on a GPU so far)",
+        False, "on a GPU, replay the decode step as a CUDA graph (untested on a GPU so far)",
         peer="vLLM and verl enforce_eager: false")
     lora: LoraConfig = section(LoraConfig)
 
@@ -53,32 +50,30 @@ class DataConfig:
     """Training and evaluation data; trace columns and validation; DPO pairing."""
 
     train: str = knob(
-        "", help="prompts (online GRPO), labeled traces (DPO, offline GRPO) or a pairs file (DPO)",
+        "", "prompts (online GRPO), labeled traces (DPO, offline GRPO) or a pairs file (DPO)",
         peer="TRL train_dataset; NeMo-RL data.train_data_path")
-    eval: str | None = knob(None, help="held-out prompt set for eval/reward (greedy)", peer="TRL eval_dataset")
+    eval: str | None = knob(None, "held-out prompt set for eval/reward (greedy)", peer="TRL eval_dataset")
     prompt_column: str = knob(
-        "input", help="prompt column (prompt is accepted when input is missing)", peer="NeMo-RL data.prompt_key")
-    response_column: str = knob("output", help="response column of traces")
-    reward_column: str = knob("final_reward", help="reward column of traces")
+        "input", "prompt column (prompt is accepted when input is missing)", peer="NeMo-RL data.prompt_key")
+    response_column: str = knob("output", "response column of traces")
+    reward_column: str = knob("final_reward", "reward column of traces")
     reward_range: list[float] = knob(
         help="valid reward range of traces", range="[-inf, inf]", factory=lambda: [0.0, 1.0])
-    invalid: str = knob(
-        "error", help="invalid trace rows: error (exit 78) or drop (counted)", choices=("error", "drop"))
+    invalid: str = knob("error", "invalid trace rows: error (exit 78) or drop (counted)", choices=("error", "drop"))
     duplicates: str = knob(
-        "drop", help="exact duplicate trace rows: drop (counted), keep or error", choices=("error", "drop", "keep"))
+        "drop", "exact duplicate trace rows: drop (counted), keep or error", choices=("error", "drop", "keep"))
     min_reward_threshold: float | None = knob(
-        None, help="leave out trace rows with a lower reward (counted)", range="(-inf, inf)",
+        None, "leave out trace rows with a lower reward (counted)", range="(-inf, inf)",
         peer="NeMo-RL preference data min_reward_threshold")
-    max_prompt_length: int = knob(512, help="prompt tokens", range="[1, inf)", peer="TRL max_prompt_length")
+    max_prompt_length: int = knob(512, "prompt tokens", range="[1, inf)", peer="TRL max_prompt_length")
     prompt_truncation: str = knob(
-        "left", help="longer prompts: left (keep the end), drop, error; counted", choices=("left", "drop", "error"))
-    shuffle: bool = knob(True, help="shuffle each epoch (seeded)")
-    chosen_min: float = knob(0.7, help="DPO chosen: reward >= this", range="(-inf, inf)")
-    rejected_max: float = knob(0.5, help="DPO rejected: reward < this", range="(-inf, inf)")
-    pair_strategy: str = knob(
-        "best_vs_worst", help="best_vs_worst or all_pairs", choices=("best_vs_worst", "all_pairs"))
-    max_pairs_per_prompt: int | None = knob(None, help="cap for all_pairs", range="[1, inf)")
-    min_margin: float = knob(0.0, help="skip pairs with a smaller reward margin", range="[0, inf)")
+        "left", "longer prompts: left (keep the end), drop, error; counted", choices=("left", "drop", "error"))
+    shuffle: bool = knob(True, "shuffle each epoch (seeded)")
+    chosen_min: float = knob(0.7, "DPO chosen: reward >= this", range="(-inf, inf)")
+    rejected_max: float = knob(0.5, "DPO rejected: reward < this", range="(-inf, inf)")
+    pair_strategy: str = knob("best_vs_worst", "best_vs_worst or all_pairs", choices=("best_vs_worst", "all_pairs"))
+    max_pairs_per_prompt: int | None = knob(None, "cap for all_pairs", range="[1, inf)")
+    min_margin: float = knob(0.0, "skip pairs with a smaller reward margin", range="[0, inf)")
 
 
 @dataclass
@@ -86,62 +81,59 @@ class GRPOConfig:
     """GRPO and its family: sampling, rewards, advantages and the loss."""
 
     rollout: str = knob(
-        "online", help="online (sample from the policy) or offline (the traces' responses form the groups)",
+        "online", "online (sample from the policy) or offline (the traces' responses form the groups)",
         choices=("online", "offline"))
     prompts_per_step: int = knob(
-        16, help="prompts per generation batch (one optimiser step)", range="[1, inf)",
+        16, "prompts per generation batch (one optimiser step)", range="[1, inf)",
         peer="TRL generation_batch_size / num_generations; NeMo-RL grpo.num_prompts_per_step")
     num_generations: int = knob(
-        8, help="G: completions per prompt", range="[1, inf)",
+        8, "G: completions per prompt", range="[1, inf)",
         peer="TRL num_generations; NeMo-RL grpo.num_generations_per_prompt")
     micro_batch_size: int = knob(
-        64, help="completions per forward/backward; gradients accumulate exactly", range="[1, inf)",
+        64, "completions per forward/backward; gradients accumulate exactly", range="[1, inf)",
         peer="TRL per_device_train_batch_size; NeMo-RL policy.train_micro_batch_size")
     max_completion_length: int = knob(
-        256, help="new tokens per completion", range="[1, inf)",
+        256, "new tokens per completion", range="[1, inf)",
         peer="TRL max_completion_length; NeMo-RL policy.generation.max_new_tokens")
     temperature: float = knob(
-        1.0, help="sampling temperature (log-probs use the same)", range="(0, inf)", peer="TRL temperature")
-    top_p: float = knob(1.0, help="nucleus sampling", range="(0, 1]", peer="TRL top_p")
-    top_k: int = knob(0, help="top-k sampling (0 = off)", range="[0, inf)", peer="TRL top_k")
+        1.0, "sampling temperature (log-probs use the same)", range="(0, inf)", peer="TRL temperature")
+    top_p: float = knob(1.0, "nucleus sampling", range="(0, 1]", peer="TRL top_p")
+    top_k: int = knob(0, "top-k sampling (0 = off)", range="[0, inf)", peer="TRL top_k")
     reward_funcs: list[str] = knob(
         help="built-in names, module:fn or file.py:fn", peer="TRL reward_funcs", factory=lambda: ["accuracy"])
     reward_weights: list[float] | None = knob(
-        None, help="one weight per function (null = all 1)", range="(-inf, inf)", peer="TRL reward_weights")
+        None, "one weight per function (null = all 1)", range="(-inf, inf)", peer="TRL reward_weights")
     overlong_buffer_len: int = knob(
-        0, help="L_cache of soft_overlong", range="[0, inf)", peer="TRL soft_punish_cache; verl overlong_buffer.len")
+        0, "L_cache of soft_overlong", range="[0, inf)", peer="TRL soft_punish_cache; verl overlong_buffer.len")
     scale_rewards: str = knob(
-        "group", help="std used in the advantage: group, batch, none", choices=SCALE_REWARDS,
+        "group", "std used in the advantage: group, batch, none", choices=SCALE_REWARDS,
         peer="TRL scale_rewards; NeMo-RL use_leave_one_out_baseline/normalize_rewards")
     loss_type: str = knob(
-        "dapo", help="the loss: surrogate and aggregation (docs/algorithms.md)", choices=LOSS_TYPES,
-        peer="TRL loss_type")
+        "dapo", "the loss: surrogate and aggregation (docs/algorithms.md)", choices=LOSS_TYPES, peer="TRL loss_type")
     beta: float = knob(
-        0.0, help="KL coefficient (k3); > 0 loads a reference model", range="[0, inf)",
+        0.0, "KL coefficient (k3); > 0 loads a reference model", range="[0, inf)",
         peer="TRL beta; kl_coeff; NeMo-RL loss_fn.reference_policy_kl_penalty")
     epsilon: float = knob(
-        0.2, help="lower clip (and upper unless epsilon_high)", range="[0, 1)",
+        0.2, "lower clip (and upper unless epsilon_high)", range="[0, 1)",
         peer="TRL epsilon; cliprange; NeMo-RL loss_fn.ratio_clip_min")
     epsilon_high: float | None = knob(
-        None, help="upper clip (DAPO clip-higher, e.g. 0.28)", range="[0, inf)",
+        None, "upper clip (DAPO clip-higher, e.g. 0.28)", range="[0, inf)",
         peer="TRL epsilon_high; NeMo-RL loss_fn.ratio_clip_max")
-    delta: float | None = knob(
-        None, help="two-sided clip: cap on the unclipped ratio", range="(1, inf)", peer="TRL delta")
+    delta: float | None = knob(None, "two-sided clip: cap on the unclipped ratio", range="(1, inf)", peer="TRL delta")
     use_bias_correction_kl: bool = knob(
-        False, help="multiply k3 by the importance ratio (false: plain k3; TRL 1.16 defaults to true)",
+        False, "multiply k3 by the importance ratio (false: plain k3; TRL 1.16 defaults to true)",
         peer="TRL use_bias_correction_kl")
     importance_sampling_level: str = knob(
-        "token", help="token or sequence (GSPO)", choices=IMPORTANCE_SAMPLING_LEVELS,
-        peer="TRL importance_sampling_level")
+        "token", "token or sequence (GSPO)", choices=IMPORTANCE_SAMPLING_LEVELS, peer="TRL importance_sampling_level")
     num_iterations: int = knob(
-        1, help="optimiser steps per generation batch (\u03bc)", range="[1, inf)",
+        1, "optimiser steps per generation batch (\u03bc)", range="[1, inf)",
         peer="TRL num_iterations; verl ppo_epochs")
     mask_truncated_completions: bool = knob(
-        False, help="exclude completions without EOS from the loss", peer="TRL mask_truncated_completions")
+        False, "exclude completions without EOS from the loss", peer="TRL mask_truncated_completions")
     dynamic_sampling: bool = knob(
-        False, help="DAPO: drop zero-spread groups and resample", peer="verl algorithm.filter_groups.enable")
+        False, "DAPO: drop zero-spread groups and resample", peer="verl algorithm.filter_groups.enable")
     max_resample_rounds: int = knob(
-        4, help="extra sampling rounds per step for dynamic sampling", range="[0, inf)",
+        4, "extra sampling rounds per step for dynamic sampling", range="[0, inf)",
         peer="verl filter_groups.max_num_gen_batches")
 
 
@@ -150,40 +142,39 @@ class DPOConfig:
     """DPO on pairs."""
 
     loss_type: str | list[str] = knob(
-        "sigmoid", help="a type or a list of types", choices=DPO_LOSS_TYPES, peer="TRL loss_type")
+        "sigmoid", "a type or a list of types", choices=DPO_LOSS_TYPES, peer="TRL loss_type")
     loss_weights: list[float] | None = knob(
-        None, help="weights of a list of types", range="[0, inf)",
+        None, "weights of a list of types", range="[0, inf)",
         peer="TRL loss_weights; NeMo-RL preference_loss_weight/sft_loss_weight")
     beta: float = knob(
-        0.1, help="DPO temperature \u03b2", range="(0, inf)", peer="TRL beta; NeMo-RL dpo.reference_policy_kl_penalty")
+        0.1, "DPO temperature \u03b2", range="(0, inf)", peer="TRL beta; NeMo-RL dpo.reference_policy_kl_penalty")
     label_smoothing: float = knob(
-        0.0, help="\u03b5 of robust / exo_pair / aot", range="[0, 0.5]", peer="TRL label_smoothing")
-    reference_free: bool = knob(False, help="no reference (log-probs 0)", peer="TRL reference_free")
+        0.0, "\u03b5 of robust / exo_pair / aot", range="[0, 0.5]", peer="TRL label_smoothing")
+    reference_free: bool = knob(False, "no reference (log-probs 0)", peer="TRL reference_free")
     precompute_ref_logps: bool = knob(
-        True, help="compute reference log-probs once and cache them (false: run a frozen reference on each batch)",
+        True, "compute reference log-probs once and cache them (false: run a frozen reference on each batch)",
         peer="TRL precompute_ref_log_probs")
-    max_length: int = knob(512, help="prompt + response tokens", range="[2, inf)", peer="TRL max_length")
+    max_length: int = knob(512, "prompt + response tokens", range="[2, inf)", peer="TRL max_length")
     batch_size: int = knob(
-        16, help="pairs per optimiser step", range="[1, inf)",
+        16, "pairs per optimiser step", range="[1, inf)",
         peer="TRL per_device_train_batch_size \u00d7 gradient_accumulation_steps")
     micro_batch_size: int = knob(
-        16, help="pairs per forward/backward", range="[1, inf)", peer="TRL per_device_train_batch_size")
+        16, "pairs per forward/backward", range="[1, inf)", peer="TRL per_device_train_batch_size")
 
 
 @dataclass
 class SFTConfig:
     """Supervised fine-tuning."""
 
-    min_reward: float = knob(0.7, help="labeled traces: train on responses with reward >= this", range="(-inf, inf)")
-    max_length: int = knob(512, help="prompt + completion tokens", range="[2, inf)", peer="TRL max_length")
+    min_reward: float = knob(0.7, "labeled traces: train on responses with reward >= this", range="(-inf, inf)")
+    max_length: int = knob(512, "prompt + completion tokens", range="[2, inf)", peer="TRL max_length")
     batch_size: int = knob(
-        16, help="examples per optimiser step", range="[1, inf)",
+        16, "examples per optimiser step", range="[1, inf)",
         peer="TRL per_device_train_batch_size \u00d7 gradient_accumulation_steps")
     micro_batch_size: int = knob(
-        16, help="examples per forward/backward", range="[1, inf)", peer="TRL per_device_train_batch_size")
+        16, "examples per forward/backward", range="[1, inf)", peer="TRL per_device_train_batch_size")
     packing: bool = knob(
-        True, help="pack several examples per row (attention within each) when it pays",
-        peer="TRL packing + padding_free")
+        True, "pack several examples per row (attention within each) when it pays", peer="TRL packing + padding_free")
 
 
 @dataclass
@@ -191,20 +182,20 @@ class OptimConfig:
     """AdamW and the learning-rate schedule."""
 
     lr: float = knob(
-        1e-6, help="peak learning rate (AdamW)", range="[0, inf)",
+        1e-6, "peak learning rate (AdamW)", range="[0, inf)",
         peer="TRL learning_rate; NeMo-RL policy.optimizer.kwargs.lr")
-    weight_decay: float = knob(0.0, help="AdamW weight decay", range="[0, inf)", peer="TRL weight_decay")
-    adam_beta1: float = knob(0.9, help="AdamW beta1", range="[0, 1)", peer="TRL adam_beta1")
-    adam_beta2: float = knob(0.999, help="AdamW beta2", range="[0, 1)", peer="TRL adam_beta2")
-    adam_epsilon: float = knob(1e-8, help="AdamW epsilon", range="(0, inf)", peer="TRL adam_epsilon")
+    weight_decay: float = knob(0.0, "AdamW weight decay", range="[0, inf)", peer="TRL weight_decay")
+    adam_beta1: float = knob(0.9, "AdamW beta1", range="[0, 1)", peer="TRL adam_beta1")
+    adam_beta2: float = knob(0.999, "AdamW beta2", range="[0, 1)", peer="TRL adam_beta2")
+    adam_epsilon: float = knob(1e-8, "AdamW epsilon", range="(0, inf)", peer="TRL adam_epsilon")
     lr_scheduler: str = knob(
-        "linear", help="constant, linear or cosine (to 0), after warmup", choices=("constant", "linear", "cosine"),
+        "linear", "constant, linear or cosine (to 0), after warmup", choices=("constant", "linear", "cosine"),
         peer="TRL lr_scheduler_type")
-    warmup_steps: int = knob(0, help="linear warmup from 0", range="[0, inf)", peer="TRL warmup_steps")
+    warmup_steps: int = knob(0, "linear warmup from 0", range="[0, inf)", peer="TRL warmup_steps")
     warmup_ratio: float = knob(
-        0.0, help="warmup as a share of max_steps (if warmup_steps is 0)", range="[0, 1]", peer="TRL warmup_ratio")
+        0.0, "warmup as a share of max_steps (if warmup_steps is 0)", range="[0, 1]", peer="TRL warmup_ratio")
     max_grad_norm: float = knob(
-        1.0, help="global gradient clipping (0 = off)", range="[0, inf)",
+        1.0, "global gradient clipping (0 = off)", range="[0, inf)",
         peer="TRL max_grad_norm; NeMo-RL policy.max_grad_norm")
 
 
@@ -213,16 +204,15 @@ class EvalConfig:
     """Held-out evaluation during training and in `preftune eval`."""
 
     eval_steps: int = knob(
-        0, help="evaluate every N steps (always before the first and after the last)", range="[0, inf)",
+        0, "evaluate every N steps (always before the first and after the last)", range="[0, inf)",
         peer="TRL eval_steps; NeMo-RL grpo.val_period")
-    max_new_tokens: int | None = knob(None, help="greedy tokens (null = grpo.max_completion_length)", range="[1, inf)")
-    batch_size: int = knob(128, help="prompts per eval batch", range="[1, inf)", peer="TRL per_device_eval_batch_size")
-    reward_funcs: list[str] | None = knob(None, help="null = grpo.reward_funcs with grpo.reward_weights")
+    max_new_tokens: int | None = knob(None, "greedy tokens (null = grpo.max_completion_length)", range="[1, inf)")
+    batch_size: int = knob(128, "prompts per eval batch", range="[1, inf)", peer="TRL per_device_eval_batch_size")
+    reward_funcs: list[str] | None = knob(None, "null = grpo.reward_funcs with grpo.reward_weights")
     num_samples: int = knob(
-        1, help="k > 1: also k sampled completions per prompt at grpo.temperature (pass@k, mean@k)", range="[1, inf)")
+        1, "k > 1: also k sampled completions per prompt at grpo.temperature (pass@k, mean@k)", range="[1, inf)")
     split: float = knob(
-        0.0,
-        help="without data.eval: hold out this fraction of the training prompts (chosen by prompt hash) for evaluation",
+        0.0, "without data.eval: hold out this fraction of the training prompts (chosen by prompt hash) for evaluation",
         range="[0, 1)")
 
 
@@ -230,31 +220,31 @@ class EvalConfig:
 class GateConfig:
     """The evaluation gate of `preftune eval`."""
 
-    min_reward: float | None = knob(None, help="the checkpoint's greedy reward must be >= this", range="(-inf, inf)")
+    min_reward: float | None = knob(None, "the checkpoint's greedy reward must be >= this", range="(-inf, inf)")
     min_improvement: float | None = knob(
-        None, help="the improvement's lower confidence bound must be > this (needs --baseline)", range="(-inf, inf)")
+        None, "the improvement's lower confidence bound must be > this (needs --baseline)", range="(-inf, inf)")
     max_length_growth: float | None = knob(
-        None, help="mean completion length, checkpoint / baseline, must be <= this (reward hacking by length)",
+        None, "mean completion length, checkpoint / baseline, must be <= this (reward hacking by length)",
         range="(0, inf)")
     confidence: float = knob(
-        0.95, help="confidence level of the improvement's one-sided bootstrap lower bound", range="(0, 1)")
-    bootstrap_samples: int = knob(2000, help="bootstrap resamples of the prompts (seeded by seed)", range="[1, inf)")
-    registry: str | None = knob(None, help="JSONL model registry (local path or fsspec URL); a pass appends a record")
+        0.95, "confidence level of the improvement's one-sided bootstrap lower bound", range="(0, 1)")
+    bootstrap_samples: int = knob(2000, "bootstrap resamples of the prompts (seeded by seed)", range="[1, inf)")
+    registry: str | None = knob(None, "JSONL model registry (local path or fsspec URL); a pass appends a record")
 
 
 @dataclass
 class LogConfig:
     """Metrics, the progress bar and trackers."""
 
-    logging_steps: int = knob(1, help="write metrics every N steps", range="[1, inf)", peer="TRL logging_steps")
+    logging_steps: int = knob(1, "write metrics every N steps", range="[1, inf)", peer="TRL logging_steps")
     report_to: list[str] = knob(
         help="trackers: any of tensorboard, wandb, mlflow (TRACKERS)", peer="TRL report_to", factory=list)
-    progress_bar: bool = knob(True, help="show the progress bar", peer="TRL disable_tqdm (inverted)")
+    progress_bar: bool = knob(True, "show the progress bar", peer="TRL disable_tqdm (inverted)")
     project: str | None = knob(
-        None, help="W&B project / MLflow experiment (null = WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else preftune)",
+        None, "W&B project / MLflow experiment (null = WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else preftune)",
         peer="W&B project")
     run_name: str | None = knob(
-        None, help="W&B / MLflow run name (null = the output_dir folder's name)", peer="TRL run_name")
+        None, "W&B / MLflow run name (null = the output_dir folder's name)", peer="TRL run_name")
 
 
 @dataclass
@@ -262,16 +252,16 @@ class DistributedConfig:
     """Data parallel under torchrun; ignored in one plain process."""
 
     strategy: str = knob(
-        "fsdp", help="fsdp (FSDP2, sharded), ddp (whole model per rank) or none (one process)",
+        "fsdp", "fsdp (FSDP2, sharded), ddp (whole model per rank) or none (one process)",
         choices=("fsdp", "ddp", "none"), peer="accelerate distributed_type; NeMo-RL dtensor; verl strategy")
     backend: str = knob(
-        "auto", help="auto = nccl on CUDA, else gloo", choices=("auto", "nccl", "gloo"),
+        "auto", "auto = nccl on CUDA, else gloo", choices=("auto", "nccl", "gloo"),
         peer="accelerate / torchrun backend")
     timeout_seconds: float = knob(
-        600.0, help="a collective waiting longer (a dead rank) fails the run with exit 1", range="(0, inf)",
+        600.0, "a collective waiting longer (a dead rank) fails the run with exit 1", range="(0, inf)",
         peer="ddp_timeout (TRL/HF)")
     reshard_after_forward: bool = knob(
-        True, help="FSDP2: free gathered parameters after each block's forward (false: faster, more memory)",
+        True, "FSDP2: free gathered parameters after each block's forward (false: faster, more memory)",
         peer="FSDP reshard_after_forward")
 
 
@@ -280,60 +270,53 @@ class DeployConfig:
     """Where `preftune render` and `preftune cost` place the job (Kubernetes). Defaults: the seed's job,
     3 x p5en.48xlarge (8 H200 each) on spot capacity, gang-scheduled by Volcano."""
 
-    name: str = knob("preftune", help="the Job's name (at most 40 characters); its ConfigMap is NAME-config")
-    namespace: str = knob("training-pipeline", help="namespace of the Job, ConfigMap, Service and PVC")
+    name: str = knob("preftune", "the Job's name (at most 40 characters); its ConfigMap is NAME-config")
+    namespace: str = knob("training-pipeline", "namespace of the Job, ConfigMap, Service and PVC")
     scheduler: str = knob(
-        "volcano", help="volcano (gang-scheduled Volcano Job) or kubernetes (Indexed Job + headless Service)",
+        "volcano", "volcano (gang-scheduled Volcano Job) or kubernetes (Indexed Job + headless Service)",
         choices=("volcano", "kubernetes"))
-    queue: str = knob("training-queue", help="the Volcano queue (rendered too)")
-    nodes: int = knob(3, help="pods, one per node", range="[1, inf)", peer="NeMo-RL cluster.num_nodes")
-    gpus_per_node: int = knob(8, help="GPUs each pod requests", range="[1, inf)", peer="NeMo-RL cluster.gpus_per_node")
+    queue: str = knob("training-queue", "the Volcano queue (rendered too)")
+    nodes: int = knob(3, "pods, one per node", range="[1, inf)", peer="NeMo-RL cluster.num_nodes")
+    gpus_per_node: int = knob(8, "GPUs each pod requests", range="[1, inf)", peer="NeMo-RL cluster.gpus_per_node")
     instance_types: list[str] = knob(
         help="EC2 types the nodes may be (8 x H200 each)", factory=lambda: ["p5en.48xlarge"])
-    capacity_type: str = knob("spot", help="spot or on-demand", choices=("spot", "on-demand"))
+    capacity_type: str = knob("spot", "spot or on-demand", choices=("spot", "on-demand"))
     zones: list[str] = knob(help="availability zones ([] = any zone of the subnets)", factory=list)
-    image: str = knob(
-        "preftune:latest", help="the container image (build it from the Dockerfile, push it, name it here)")
+    image: str = knob("preftune:latest", "the container image (build it from the Dockerfile, push it, name it here)")
     image_pull_policy: str = knob(
-        "IfNotPresent", help="Always, IfNotPresent or Never", choices=("Always", "IfNotPresent", "Never"))
-    cpu: str | int = knob("160", help="CPU requested per pod")
-    memory: str = knob("1600Gi", help="memory requested and limited per pod")
-    shm_size: str = knob("256Gi", help="size of the memory-backed /dev/shm")
-    efa: bool = knob(True, help="request EFA devices and give the nodes EFA interfaces")
-    efa_interfaces: int = knob(16, help="EFA devices per node (p5en.48xlarge: 16)", range="[1, inf)")
+        "IfNotPresent", "Always, IfNotPresent or Never", choices=("Always", "IfNotPresent", "Never"))
+    cpu: str | int = knob("160", "CPU requested per pod")
+    memory: str = knob("1600Gi", "memory requested and limited per pod")
+    shm_size: str = knob("256Gi", "size of the memory-backed /dev/shm")
+    efa: bool = knob(True, "request EFA devices and give the nodes EFA interfaces")
+    efa_interfaces: int = knob(16, "EFA devices per node (p5en.48xlarge: 16)", range="[1, inf)")
     checkpoint_claim: str | None = knob(
-        "preftune-checkpoints", help="ReadWriteMany PVC for output_dir (null = checkpoint_uri only)")
-    checkpoint_mount: str = knob(
-        "/checkpoints", help="where the claim is mounted; a relative output_dir is placed under it")
+        "preftune-checkpoints", "ReadWriteMany PVC for output_dir (null = checkpoint_uri only)")
+    checkpoint_mount: str = knob("/checkpoints", "where the claim is mounted; a relative output_dir is placed under it")
     storage_class: str | None = knob(
-        None, help="an RWX-capable StorageClass (FSx for Lustre, EFS); null = the cluster default")
-    storage_size: str = knob("1200Gi", help="PVC size (FSx for Lustre's smallest)")
+        None, "an RWX-capable StorageClass (FSx for Lustre, EFS); null = the cluster default")
+    storage_size: str = knob("1200Gi", "PVC size (FSx for Lustre's smallest)")
     env: dict[str, str | int | float] = knob(help="extra environment, e.g. {NCCL_DEBUG: INFO}", factory=dict)
-    service_account: str | None = knob(
-        None, help="service account of the pods (S3 access through IRSA or Pod Identity)")
+    service_account: str | None = knob(None, "service account of the pods (S3 access through IRSA or Pod Identity)")
     labels: dict[str, str] = knob(help="labels added to every object and pod", factory=dict)
     max_retry: int = knob(
-        100,
-        help="whole-job restarts before Volcano gives up (each spot loss is one); backoffLimit of the Indexed Job",
+        100, "whole-job restarts before Volcano gives up (each spot loss is one); backoffLimit of the Indexed Job",
         range="[0, inf)")
     termination_grace_seconds: int | None = knob(
-        None,
-        help="pods' terminationGracePeriodSeconds, above preemption_grace_seconds (null: that + 30)",
-        range="[1, inf)")
-    node_pool: str = knob("training-spot-pool", help="Karpenter NodePool name")
-    node_class: str = knob("training-gpu-class", help="Karpenter EC2NodeClass name")
+        None, "pods' terminationGracePeriodSeconds, above preemption_grace_seconds (null: that + 30)", range="[1, inf)")
+    node_pool: str = knob("training-spot-pool", "Karpenter NodePool name")
+    node_class: str = knob("training-gpu-class", "Karpenter EC2NodeClass name")
     cluster: str = knob(
         "training-cluster",
-        help="EKS cluster: subnets and security groups are found by the tag karpenter.sh/discovery: CLUSTER")
-    node_role: str | None = knob(None, help="IAM role of the nodes; null = KarpenterNodeRole-CLUSTER")
+        "EKS cluster: subnets and security groups are found by the tag karpenter.sh/discovery: CLUSTER")
+    node_role: str | None = knob(None, "IAM role of the nodes; null = KarpenterNodeRole-CLUSTER")
     ami_alias: str = knob(
-        "al2023@v20260807",
-        help="pinned EKS AMI, family@version (Karpenter picks the NVIDIA variant for GPU types)")
-    root_volume_size: str = knob("200Gi", help="root EBS volume (gp3, encrypted)")
-    expire_after: str = knob("720h", help="nodes are replaced after this (the run saves and restarts)")
-    consolidate_after: str = knob("5m", help="an empty node is removed after this")
+        "al2023@v20260807", "pinned EKS AMI, family@version (Karpenter picks the NVIDIA variant for GPU types)")
+    root_volume_size: str = knob("200Gi", "root EBS volume (gp3, encrypted)")
+    expire_after: str = knob("720h", "nodes are replaced after this (the run saves and restarts)")
+    consolidate_after: str = knob("5m", "an empty node is removed after this")
     max_gpus: int | None = knob(
-        None, help="NodePool GPU limit; null = (nodes + 1) x gpus_per_node, one spare node for a spot replacement",
+        None, "NodePool GPU limit; null = (nodes + 1) x gpus_per_node, one spare node for a spot replacement",
         range="[1, inf)")
 
 
@@ -341,28 +324,26 @@ class DeployConfig:
 class Config:
     """A preftune run."""
 
-    algorithm: str = knob("grpo", help="grpo, dpo or sft", choices=("grpo", "dpo", "sft"))
+    algorithm: str = knob("grpo", "grpo, dpo or sft", choices=("grpo", "dpo", "sft"))
     output_dir: str = knob(
-        "runs/preftune", help="run folder (config.yaml, metrics.jsonl, checkpoints/, final/)", peer="TRL output_dir")
-    max_steps: int = knob(
-        100, help="optimiser steps", range="[1, inf)", peer="TRL max_steps; NeMo-RL grpo.max_num_steps")
+        "runs/preftune", "run folder (config.yaml, metrics.jsonl, checkpoints/, final/)", peer="TRL output_dir")
+    max_steps: int = knob(100, "optimiser steps", range="[1, inf)", peer="TRL max_steps; NeMo-RL grpo.max_num_steps")
     save_steps: int = knob(
-        50, help="checkpoint every N steps (0 = only on preemption)", range="[0, inf)",
+        50, "checkpoint every N steps (0 = only on preemption)", range="[0, inf)",
         peer="TRL save_steps; NeMo-RL checkpointing.save_period")
-    seed: int = knob(0, help="seeds data order, sampling and init", range="[0, 4294967295]", peer="TRL seed")
+    seed: int = knob(0, "seeds data order, sampling and init", range="[0, 4294967295]", peer="TRL seed")
     save_total_limit: int | None = knob(
-        None, help="keep the newest K checkpoints (null = all)", range="[1, inf)",
+        None, "keep the newest K checkpoints (null = all)", range="[1, inf)",
         peer="TRL save_total_limit; NeMo-RL checkpointing.keep_top_k")
     resume: str = knob(
-        "auto", help="auto (newest complete checkpoint, local then checkpoint_uri), never, or a checkpoint path",
+        "auto", "auto (newest complete checkpoint, local then checkpoint_uri), never, or a checkpoint path",
         peer="TRL resume_from_checkpoint")
     overwrite_output_dir: bool = knob(
-        False, help="with resume: never, allow starting over in a non-empty output_dir",
-        peer="TRL overwrite_output_dir")
+        False, "with resume: never, allow starting over in a non-empty output_dir", peer="TRL overwrite_output_dir")
     preemption_grace_seconds: float = knob(
-        60.0, help="time from SIGTERM to the kill: finish the step if it fits, else abandon it, save, exit 75",
+        60.0, "time from SIGTERM to the kill: finish the step if it fits, else abandon it, save, exit 75",
         range="[0, inf)")
-    checkpoint_uri: str | None = knob(None, help="fsspec URL (s3://bucket/prefix) mirroring every completed checkpoint")
+    checkpoint_uri: str | None = knob(None, "fsspec URL (s3://bucket/prefix) mirroring every completed checkpoint")
     model: ModelConfig = section(ModelConfig)
     data: DataConfig = section(DataConfig)
     grpo: GRPOConfig = section(GRPOConfig)

@@ -87,8 +87,8 @@ def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id, t
     P = prompt_ids.size(1)
     copies = torch.arange(prompt_ids.size(0), device=device).repeat_interleave(G)  # (N,) prompt of each row
     decoder = _decoder(model, P + max_new_tokens - 1)
-    # inference mode skips autograd's per-op bookkeeping (version counters, view tracking): about 7% of
-    # a small model's decode step on a CPU. Not for the module (hooks such as FSDP2's may keep tensors
+    # inference mode skips autograd's per-op bookkeeping (version counters, view tracking; measured in
+    # bench/bench_passes.py). Not for the module (hooks such as FSDP2's may keep tensors
     # made here for the training pass) nor for a CUDA graph (its replay has no per-op work to save);
     # those stay in `sample`'s no_grad (`inference_mode(False)` would turn grad back on)
     with torch.inference_mode() if decoder.inference else contextlib.nullcontext():
@@ -272,7 +272,7 @@ def draw(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gre
     if greedy:
         return logits.argmax(-1)
     scores = filter_logits(logits / temperature, top_k, top_p)  # (n, V)
-    # uniform then two logs: 3-5x faster on CPU than exponential_ at a 152k vocabulary (bench_draw.py);
+    # uniform then two logs: faster on CPU than exponential_ at a large vocabulary (bench/bench_draw.py);
     # U >= tiny keeps the noise finite (float32 rand returns 0 about once in 2^24 draws)
     u = torch.rand(scores.shape, generator=generator, device=scores.device, dtype=scores.dtype)  # (n, V)
     noise = u.clamp_min_(torch.finfo(scores.dtype).tiny).log_().neg_().log_()  # (n, V): log E = -Gumbel

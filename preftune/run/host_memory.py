@@ -5,9 +5,9 @@ threshold (128 KiB, raised as such blocks are freed, never above 32 MiB) are mma
 munmap-ed one by one, and the heap's free top is trimmed once it exceeds twice that threshold. A
 training step frees all its activations at the end and allocates them again in the next step,
 so every step starts on fresh pages, which the kernel faults in and zeroes 4 KiB at a time. Keeping
-freed memory in the heap (blocks up to 32 MiB from the heap, no trimming below 1 GiB) halved the
-page faults of GRPO on the 3M model and made its step 6% faster at the same peak RSS
-(bench/README.md). Peak memory does not grow: what is kept is what the step had already used.
+freed memory in the heap (blocks up to 32 MiB from the heap, no trimming below 1 GiB) saves those
+faults (measured in bench/bench_passes.py). Peak memory does not grow: what is kept is what the
+step had already used.
 
 Applied once per process, only with glibc, and not where the user chose: any `MALLOC_*` or
 `GLIBC_TUNABLES` variable, or another allocator in `LD_PRELOAD` (jemalloc, tcmalloc, mimalloc).
