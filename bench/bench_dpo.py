@@ -100,6 +100,7 @@ def run_preftune_dpo(args) -> dict:
 
     import preftune.algorithms.dpo as dpo
     from preftune.config import load_config
+    from preftune.model.load import compute_dtype
     from preftune.run.loop import Run
 
     timer = workload.PhaseTimer()
@@ -119,7 +120,7 @@ def run_preftune_dpo(args) -> dict:
     result = summarize([r["step_time"] for r in records], args.warmup) | {"wall_s": wall}
     result["extra"] = {"pairs": str(n_pairs), "loss first->last": first_last([r.get("loss") for r in records]),
                        "reward acc first->last": first_last([r.get("rewards/accuracies") for r in records])}
-    result["precision"] = precision(run.model, getattr(run.model, "preftune_autocast", None) is not None)
+    result["precision"] = precision(run.model, compute_dtype(run.model) is not None)
     return finish(result, timer, flops, tokens, len(records))
 
 

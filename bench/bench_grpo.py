@@ -310,6 +310,7 @@ def run_preftune_grpo(args) -> dict:
     import preftune.rollout.online as online
     import preftune.algorithms.grpo as grpo
     from preftune.config import load_config
+    from preftune.model.load import compute_dtype
     from preftune.run.loop import Run
 
     evals = read_jsonl(EXAMPLES / "data" / "eval_prompts.jsonl")
@@ -332,7 +333,7 @@ def run_preftune_grpo(args) -> dict:
     result = summarize([r["step_time"] for r in records], args.warmup) | {"wall_s": wall}
     result["extra"] = {"train reward first->last": first_last([r.get("reward") for r in records])}
     result["rows_skipped_per_step"] = statistics.fmean(r.get("rows_skipped", 0.0) for r in records)
-    result["precision"] = precision(run.model, getattr(run.model, "preftune_autocast", None) is not None)
+    result["precision"] = precision(run.model, compute_dtype(run.model) is not None)
     if args.eval:
         after = greedy_accuracy(run.model, run.tokenizer, evals, args.max_new_tokens)
         result["extra"]["eval acc before->after"] = f"{before:.2f} -> {after:.2f}"

@@ -1,12 +1,13 @@
-"""Three measurements behind bench/README.md's "Memory, not only matmuls", on one model (default
-rand3m) and this machine's CPU, each alternating its two variants:
+"""Measurements behind the passes' choices, on one model (default rand3m) and this machine's CPU,
+each alternating its variants:
 
-- a no-grad pass (a reference pass) with q/k/v and gate/up fused per call (what preftune did before)
-  against the separate matrices it uses now, the fusing copy included;
-- a rollout (`rollout.sampler.sample`) with the lean decoder's steps in inference mode (now)
+- attention under a mask against the causal kernel, same rows (the packer's `logps.MASKED`);
+- a log-prob pass with grad over groups of rows that share a prompt (`--group` rows each): plain
+  rows against packed rows with each prompt once (`model/logps.py`);
+- a rollout (`rollout.sampler.sample`) with the own module's steps in inference mode (now)
   against plain no-grad;
 - forward+backward passes in a fresh process with glibc's defaults against `keep_freed_memory()`
-  (`train/host_memory.py`): ms and minor page faults per pass, after warm-up passes.
+  (`run/host_memory.py`): ms and minor page faults per pass, after warm-up passes.
 
     python bench/bench_passes.py                    # 32 rows x (20 prompt + 64 completion) tokens
     python bench/bench_passes.py --rows 8 --completion 8
@@ -60,24 +61,44 @@ def batch(args):
 
 
 def load(args):
-    from transformers import AutoModelForCausalLM
+    from preftune.config import ModelConfig
+    from preftune.model.load import load_model
 
-    return AutoModelForCausalLM.from_pretrained(workload.model_dir(args.model, args.model_cache),
-                                                dtype=torch.float32)
+    return load_model(ModelConfig(), workload.model_dir(args.model, args.model_cache))
 
 
-def no_grad_pass(model, args) -> dict:
-    from preftune.model.llama import Lean
-
+def masked_attention(model, args) -> dict:
+    """One no-grad pass over the same rows: causal (no mask) against an explicit causal mask."""
     ids = torch.cat(batch(args)[0::2], 1)  # (B, P+T)
-    rope = Lean(model).rope(torch.arange(ids.size(1))[None])
+    pos = torch.arange(ids.size(1)).expand_as(ids)
+    mask = torch.ones(ids.size(1), ids.size(1), dtype=torch.bool).tril()[None, None].expand(ids.size(0), 1, -1, -1)
 
-    def run(fused: bool):
+    def run(masked: bool):
         with torch.no_grad():
-            Lean(model, decoding=fused).forward(ids, rope, None)
+            model(ids, pos, mask if masked else None)
 
-    return alternate({"fused per call": lambda: run(True), "separate (now)": lambda: run(False)},
-                     args.repeats, args.rounds)
+    return alternate({"causal": lambda: run(False), "masked": lambda: run(True)}, args.repeats, args.rounds)
+
+
+def layouts(model, args) -> dict:
+    """Forward+backward of `completion_logps` on groups of `--group` rows sharing a prompt."""
+    import preftune.model.logps as logps
+
+    p_ids, p_mask, c_ids, c_mask = batch(args)
+    p_ids = p_ids[::args.group].repeat_interleave(args.group, 0)  # (B, P): groups of equal prompts
+    now = logps.MASKED
+
+    def run(masked: float):
+        logps.MASKED = masked
+        lp, _ = logps.completion_logps(model, p_ids, p_mask, c_ids, c_mask)
+        lp.sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    try:
+        return alternate({"plain rows": lambda: run(1e9), "packed, prompt once": lambda: run(0.0)},
+                         args.repeats, args.rounds)
+    finally:
+        logps.MASKED = now
 
 
 def rollout(model, args) -> dict:
@@ -85,10 +106,10 @@ def rollout(model, args) -> dict:
 
     p_ids, p_mask = batch(args)[:2]
     groups = max(1, args.rows // 4)
-    now = sampler._LeanDecoder.inference
+    init = sampler._OwnDecoder.__init__
 
     def run(inference: bool):
-        sampler._LeanDecoder.inference = inference
+        sampler._OwnDecoder.__init__ = lambda self, *a: init(self, *a) or setattr(self, "inference", inference)
         sampler.sample(model, p_ids[:groups], p_mask[:groups], num_generations=args.rows // groups,
                        max_new_tokens=args.completion, eos_id=-1, pad_id=0, generator=torch.Generator().manual_seed(1))
 
@@ -96,7 +117,7 @@ def rollout(model, args) -> dict:
         return alternate({"no_grad": lambda: run(False), "inference mode (now)": lambda: run(True)},
                          args.repeats, args.rounds)
     finally:
-        sampler._LeanDecoder.inference = now
+        sampler._OwnDecoder.__init__ = init
 
 
 def faults_child(args) -> dict:
@@ -140,6 +161,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=20)
     ap.add_argument("--completion", type=int, default=64)
+    ap.add_argument("--group", type=int, default=8, help="rows per shared prompt (the layouts row)")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--child", choices=("default", "keep"), help=argparse.SUPPRESS)
@@ -148,7 +170,8 @@ def main(argv=None) -> dict:
         print(json.dumps(faults_child(args)))
         return {}
     model = load(args)
-    result = {"no-grad pass ms": no_grad_pass(model, args), "rollout ms": rollout(model, args),
+    result = {"no-grad pass ms": masked_attention(model, args), "fwd+bwd pass ms": layouts(model, args),
+              "rollout ms": rollout(model, args),
               "forward+backward": page_faults(args, argv)}
     print(f"{args.model}, {args.rows} rows x ({args.prompt} + {args.completion}) tokens, "
           f"{torch.get_num_threads()} threads, best of {args.rounds} alternating rounds (median of {args.repeats})")

@@ -65,8 +65,8 @@ main() {
   [ $# -gt 0 ] || set -- --size gpu
   local cache=/tmp/preftune-bench-models  # the 0.5B model is built once, for the suite and the decode bench
   local rc=0
-  # first the sampler's decoders (bench/gpu_decode.py, about a minute; DECODE=0 skips it): the only check
-  # of the CUDA-graph step, which has never run on a GPU, and it builds the model the suite reuses
+  # first the own module against the HF one on the GPU (bench/gpu_decode.py, about a minute; DECODE=0 skips
+  # it): decoding, and a training pass eager and with per-block torch.compile; it builds the model the suite reuses
   if [ "${DECODE:-1}" != 0 ]; then
     echo "== $PY bench/gpu_decode.py --json $OUT/gpu-decode.json --model-cache $cache"
     timeout "${DECODE_TIMEOUT:-180}" "$PY" bench/gpu_decode.py --json "$OUT/gpu-decode.json" --model-cache "$cache" \

@@ -20,6 +20,7 @@ import datetime
 import logging
 import os
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -185,7 +186,7 @@ class Parallel:
         tables). So no other rank ever holds a whole weight, and no device the whole model (the
         32B sizing in the README: 131 GB of fp32 weights per rank otherwise)."""
         def wrap(model):  # bf16 mixed precision where load_model chose float32 masters under bf16 autocast
-            return self.wrap(model, mixed_bf16=getattr(model, "preftune_autocast", None) is not None,
+            return self.wrap(model, mixed_bf16=loader.compute_dtype(model) is not None,
                              reshard_after_forward=reshard_after_forward)
 
         if not self.sharded or cfg.lora.enabled:  # LoRA: peft wraps the loaded module first
@@ -210,8 +211,6 @@ class Parallel:
         the meta device stays there: `load` gives it storage once it is sharded)."""
         if not next(model.parameters()).is_meta:
             model = model.to(self.device)
-        if self.active:  # one forward per log-prob pass, see below; on every strategy for equal numerics
-            model.preftune_one_forward = True
         if not self.active or self.strategy != "fsdp":
             return model
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -221,8 +220,8 @@ class Parallel:
         for block in decoder_blocks(model):
             fully_shard(block, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-        # one forward per log-prob pass (no shared-prompt layout, which runs two): the passes of all
-        # ranks, idle ones included, then issue the same all-gathers and reduce-scatters in order
+        # every log-prob pass is one forward of the root (whatever its layout), so all ranks, idle
+        # ones included, issue the same all-gathers and reduce-scatters in order
         if any(p.requires_grad for p in model.parameters()):
             for mod in fsdp_modules(model):  # each block reduces its own gradients
                 mod.set_gradient_divide_factor(1.0)  # sum over ranks, see the module docstring
@@ -270,16 +269,8 @@ class Parallel:
     def gathered(self, model):
         """Whole parameters on every rank for generation: one all-gather per rollout (not one per
         token), sampling with no collective at all, then back to shards."""
-        mods = fsdp_modules(model) if self.sharded else []
-        for m in mods:
-            m.set_reshard_after_forward(False)
-            m.unshard()
-        try:
+        with whole(model) if self.sharded else contextlib.nullcontext():
             yield model
-        finally:
-            for m in mods:
-                m.reshard()
-                m.set_reshard_after_forward(True)
 
     def close(self) -> None:
         if self.active:
@@ -296,6 +287,30 @@ def decoder_blocks(model) -> list:
                 and len({type(m) for m in mod}) == 1:
             best = list(mod)
     return best
+
+
+_WHOLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # models inside `whole`, and how deep
+
+
+@contextlib.contextmanager
+def whole(model):
+    """The whole parameters of an FSDP2-sharded model inside the block: each sharded module
+    gathers once and keeps its parameters until the block ends (reads outside the modules'
+    forwards, such as the decode step, see them whole). Nested blocks gather once; a model that
+    is not sharded is left as it is."""
+    depth = _WHOLE.get(model, 0)
+    mods = [] if depth or not any(hasattr(m, "reshard") for m in model.modules()) else fsdp_modules(model)
+    _WHOLE[model] = depth + 1
+    for m in mods:
+        m.set_reshard_after_forward(False)
+        m.unshard()
+    try:
+        yield model
+    finally:
+        _WHOLE[model] = depth
+        for m in mods:
+            m.reshard()
+            m.set_reshard_after_forward(True)
 
 
 def fsdp_modules(model) -> list:

@@ -61,7 +61,17 @@ def tokenizer():
 
 @pytest.fixture
 def model():
-    """A fresh float32 copy of the embedded ~1M-parameter Qwen2 (seconds to load, safe to train)."""
+    """A fresh float32 copy of the embedded ~1M-parameter Qwen2 as training loads it: preftune's own
+    module (seconds to load, safe to train)."""
+    from preftune.config import ModelConfig
+    from preftune.model.load import load_model
+
+    return load_model(ModelConfig(), str(MODEL_DIR))
+
+
+@pytest.fixture
+def hf_model():
+    """The same weights in the Hugging Face module (what `model.lean_forward: false` runs)."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -25,11 +25,8 @@ from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_respo
 from preftune.distributed import Parallel
 from preftune.errors import UserError
 from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
-from preftune.model import llama  # llama.supported: called through the module, so a test can switch it off
-from preftune.model.head import head_logps
-from preftune.model.llama import Lean, tree_mask
-from preftune.model.load import autocast, to_device
-from preftune.model.logps import Rows, completion_logps, length_buckets, microbatches, unit_costs
+from preftune.model.load import to_device
+from preftune.model.logps import Rows, completion_logps, microbatches
 
 log = logging.getLogger("preftune")
 
@@ -69,129 +66,14 @@ def pair_tensors(batch: list[EncodedPair], pad_id: int):
 
 
 def sequence_logps(model, batch: list[EncodedPair], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed completion log-probs (2b,) and completion lengths (2b,): the b chosen, then the b rejected.
-
-    Where the lean decoder replays the model, pairs are tree-packed (`packed_sequence_logps`: one
-    forward, each prompt once, no padding). Otherwise pairs of similar length run together
-    (`length_buckets`), so little padding is computed; the sums come back in the batch's order (one
-    graph, so one backward covers every bucket)."""
-    plan = tree_plan(model.config, batch) if llama.supported(model) else None
-    if plan is not None:  # the fused weights are built only when they will be used
-        with autocast(model):  # bf16 mixed precision: the forward runs as the module's would
-            return packed_sequence_logps(Lean(model), batch, pad_id, device, plan)
-    lengths = [len(e.prompt) + max(len(e.chosen), len(e.rejected)) for e in batch]
-    sums = counts = None
-    for rows in length_buckets(lengths):
-        *tensors, sized = pair_tensors([batch[i] for i in rows], pad_id)
-        p_ids, p_mask, c_ids, c_mask = (to_device(t, device) for t in tensors)
-        logps, _ = completion_logps(model, p_ids, p_mask, c_ids, c_mask, rows=sized)  # (2r, T)
-        idx = to_device(rows, device)
-        if sums is None:
-            sums = logps.new_zeros(len(batch), 2)  # (b, 2): chosen, rejected
-            counts = c_mask.new_zeros(len(batch), 2)
-        sums = sums.index_copy(0, idx, (logps * c_mask).sum(-1).view(-1, 2))
-        counts = counts.index_copy(0, idx, c_mask.sum(-1).view(-1, 2))
+    """Summed completion log-probs (2b,) and completion lengths (2b,): the b chosen, then the b
+    rejected. One pass: chosen and rejected rows are next to each other, so the packer can run each
+    prompt once with both responses as its branches (`model/logps.py`)."""
+    *tensors, rows = pair_tensors(batch, pad_id)
+    p_ids, p_mask, c_ids, c_mask = (to_device(t, device) for t in tensors)
+    logps, _ = completion_logps(model, p_ids, p_mask, c_ids, c_mask, rows=rows)  # (2b, T), 0 at padding
+    sums, counts = logps.sum(-1).view(-1, 2), c_mask.sum(-1).view(-1, 2)  # (b, 2): chosen, rejected
     return sums.t().reshape(-1), counts.t().reshape(-1)
-
-
-def packed_sequence_logps(lean, batch: list[EncodedPair], pad_id: int, device,
-                          plan: tuple[list[list[int]], int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sequence_logps` in one forward: each pair is one sequence [prompt | chosen | rejected] whose
-    rejected tokens see the prompt and themselves only (positions restart after the prompt), and
-    pairs are packed first-fit into rows (`plan` from `tree_plan`; default: as wide as the longest
-    pair) with `preftune.model.llama.tree_mask`. The last prompt position predicts both responses'
-    first tokens."""
-    rows, width = plan or pack_rows([len(e.prompt) + len(e.chosen) + len(e.rejected) for e in batch])
-    cells = len(rows) * width
-    # built as Python lists and turned into tensors once: per-pair tensor writes cost more than the
-    # forward of a small model
-    ids, pos, segment, branch = [pad_id] * cells, [0] * cells, [-1] * cells, [0] * cells
-    src, dst, slot = [], [], []  # predicting position (flat), target position (flat), output slot
-    for r, members in enumerate(rows):
-        at = r * width
-        for i in members:
-            e = batch[i]
-            p = len(e.prompt)
-            if p < 1:  # as the bucketed layout: the first response token needs a position to predict it
-                raise ValueError("every prompt needs at least one token")
-            ids[at:at + p], pos[at:at + p], segment[at:at + p] = e.prompt, range(p), [i] * p
-            start = at + p
-            for k, resp in enumerate((e.chosen, e.rejected)):
-                n = len(resp)
-                ids[start:start + n], pos[start:start + n] = resp, range(p, p + n)
-                segment[start:start + n], branch[start:start + n] = [i] * n, [k + 1] * n
-                if n:
-                    src += [at + p - 1, *range(start, start + n - 1)]
-                dst += range(start, start + n)
-                slot += [k * len(batch) + i] * n
-                start += n
-            at = start
-    ids, pos, segment, branch = (to_device(x, device, torch.long).view(-1, width)
-                                 for x in (ids, pos, segment, branch))  # (R, W)
-    src, dst, slot = (to_device(x, device, torch.long) for x in (src, dst, slot))
-    hidden = lean.forward(ids, lean.rope(pos), tree_mask(segment, branch))  # (R, W, H)
-    picked = hidden.reshape(-1, hidden.size(-1))[src]  # (K, H) only the positions that predict response tokens
-    logps, _ = head_logps(lean.rms(picked, lean.norm), lean.head_module, ids.view(-1)[dst])  # (K,)
-    sums = logps.new_zeros(2 * len(batch)).index_add(0, slot, logps)  # (2b,)
-    counts = to_device([len(e.chosen) for e in batch] + [len(e.rejected) for e in batch], device)  # (2b,)
-    return sums, counts
-
-
-def tree_plan(config, batch: list[EncodedPair]) -> tuple[list[list[int]], int] | None:
-    """The packed rows (pair indices per row, row width) when tree-packing is cheaper than the
-    bucketed layout it replaces, else None. Multiply-adds from the model config: the decoder per
-    position and attention per query-key pair. The tree's arbitrary mask computes the whole W x W
-    square of a row (a causal kernel skips half); the bucketed layout (`bucketed_cost`) runs each
-    prompt once but pads. Long responses behind a short prompt lose, shared prompts win. Rows 1,
-    2, 4 or 8 times the longest pair wide are tried: wider rows hold more short pairs (less
-    padding) but square the attention."""
-    body, attn = _costs(config)
-    lengths = [len(e.prompt) + len(e.chosen) + len(e.rejected) for e in batch]
-    best = None
-    for k in (1, 2, 4, 8):
-        rows, width = pack_rows(lengths, k * max(lengths))
-        cost = len(rows) * (width * body + width * width * attn)
-        if best is None or cost < best[0]:
-            best = (cost, rows, width)
-    # the bucketed layout also pays two forwards and a cache copy (and its backward): a tenth, from
-    # the 300-token-prompt bench row (tree-packed 0.71 s/step, bucketed 0.75 s/step)
-    return (best[1], best[2]) if best[0] <= 1.1 * bucketed_cost(config, batch) else None
-
-
-def bucketed_cost(config, batch: list[EncodedPair]) -> int:
-    """Multiply-adds of `sequence_logps`'s bucketed layout: per length bucket, the cheaper of the
-    shared-prompt layout (each prompt once, padded to the bucket's longest; both responses padded
-    to its longest, attending to the prompt) and two padded causal sequences per pair."""
-    body, attn = _costs(config)
-    cost = 0
-    for rows in length_buckets([len(e.prompt) + max(len(e.chosen), len(e.rejected)) for e in batch]):
-        u = len(rows)
-        P = max(len(batch[i].prompt) for i in rows)
-        T = max(max(len(batch[i].chosen), len(batch[i].rejected)) for i in rows)
-        shared = u * (P * body + P * (P + 1) // 2 * attn) + 2 * u * (T * body + T * (P + (T + 1) // 2) * attn)
-        cost += min(shared, 2 * u * ((P + T) * body + (P + T) * (P + T + 1) // 2 * attn))
-    return cost
-
-
-def _costs(config) -> tuple[int, int]:
-    """Multiply-adds per position of the decoder and per query-key pair of attention."""
-    return unit_costs(config)[0], 2 * getattr(config, "num_hidden_layers", 0) * getattr(config, "hidden_size", 0)
-
-
-def pack_rows(lengths: list[int], width: int | None = None) -> tuple[list[list[int]], int]:
-    """First-fit decreasing: item indices per row, each row at most `width` wide (default: the longest item)."""
-    width = max(lengths) if width is None else width
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
-        r = next((k for k, free in enumerate(room) if free >= lengths[i]), None)
-        if r is None:
-            rows.append([])
-            room.append(width)
-            r = len(rows) - 1
-        rows[r].append(i)
-        room[r] -= lengths[i]
-    return rows, width
 
 
 def _weights_signature(path: str) -> str:

@@ -1,12 +1,10 @@
 """The SFT task: completion-only negative log-likelihood on (prompt, completion) examples.
 
 Examples come from labeled traces (rejection sampling: reward >= sft.min_reward), TRL's
-prompt/completion columns or its conversational `messages` (`data/sft.py`). A micro-batch is laid
-out either padded (one example per row, `train/logps.completion_logps`) or packed: several examples
-concatenated in a row of at most `sft.max_length` tokens, position ids restarting at 0 for each
-example and no attention mask, from which transformers builds a block-diagonal causal mask (and
-flash-attention its varlen boundaries), so no token attends across examples. Both layouts give the
-same loss (tested); packing is used when it cuts the positions the decoder runs over by 10% or more.
+prompt/completion columns or its conversational `messages` (`data/pipeline.py`). A micro-batch is
+one pass of `model/logps.completion_logps`: one example per row, or (`sft.packing`) several packed
+into a row with positions restarting per example and attention kept within each, when the
+packer's rule says it is cheaper. Both layouts give the same loss (tested).
 """
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ from preftune.data.traces import TraceOptions
 from preftune.distributed import Parallel
 from preftune.errors import UserError
 from preftune.losses.sft import sft_loss
-from preftune.model.head import token_logps
-from preftune.model.load import autocast, to_device
+from preftune.model.load import to_device
 from preftune.model.logps import Rows, completion_logps, microbatches
 
 
@@ -53,80 +50,17 @@ def encode_examples(examples, tokenizer, cfg: Config) -> tuple[list[EncodedExamp
                  "completions_truncated": cut}
 
 
-def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Example indices per row, first fit in the given order (deterministic); each row holds at most
-    `capacity` tokens and every example fits in one row (lengths <= capacity)."""
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i, n in enumerate(lengths):
-        j = next((r for r, free in enumerate(room) if free >= n), None)
-        if j is None:
-            rows.append([]), room.append(capacity)
-            j = len(rows) - 1
-        rows[j].append(i)
-        room[j] -= n
-    return rows
-
-
-def packed_batch(batch: list[EncodedExample], rows: list[list[int]], pad_id: int):
-    """ids (R, L), position ids (R, L) restarting per example (padding forms its own run), and for every
-    completion token in example order its row, the position that predicts it, and its id (N,) each."""
-    width = max(sum(len(batch[i]) for i in row) for row in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (R, L)
-    pos = torch.zeros((len(rows), width), dtype=torch.long)  # (R, L)
-    where: dict[int, tuple[int, int]] = {}
-    for r, row in enumerate(rows):
-        off = 0
-        for i in row:
-            e = batch[i]
-            ids[r, off:off + len(e)] = torch.tensor(e.prompt + e.completion)
-            pos[r, off:off + len(e)] = torch.arange(len(e))
-            where[i] = (r, off)
-            off += len(e)
-        pos[r, off:] = torch.arange(width - off)
-    row_idx, col_idx, targets = [], [], []
-    for i, e in enumerate(batch):
-        r, off = where[i]
-        start = off + len(e.prompt) - 1  # the position that predicts the first completion token
-        row_idx += [r] * len(e.completion)
-        col_idx += range(start, start + len(e.completion))
-        targets += e.completion
-    return ids, pos, torch.tensor(row_idx), torch.tensor(col_idx), torch.tensor(targets)
-
-
-def packed_logps(model, batch: list[EncodedExample], rows: list[list[int]], pad_id: int, device):
-    """Completion-token log-probs and entropies, flat (N,) in example order, from packed rows."""
-    ids, pos, r, c, targets = packed_batch(batch, rows, pad_id)  # on the host
-    keep = torch.unique(c)  # positions some completion token is predicted from (sorted; on the host: no device sync)
-    ids, pos, r, c, targets, keep = (to_device(t, device) for t in (ids, pos, r, c, targets, keep))
-    with autocast(model):  # attention_mask=None + restarting positions: attention stays within each example
-        out = model(input_ids=ids, position_ids=pos, logits_to_keep=keep, use_cache=False)
-    logits = out.logits.float()[r, torch.searchsorted(keep, c)]  # (N, V)
-    return token_logps(logits, targets, with_entropy=True)
-
-
-def padded_logps(model, batch: list[EncodedExample], pad_id: int, device):
-    """The same (N,) log-probs and entropies with one example per row (left-padded prompts)."""
+def example_logps(model, batch: list[EncodedExample], pad_id: int, device, *, pack: bool = True):
+    """Completion-token log-probs and entropies, flat (n,) in example order: one example per row, or
+    several packed into a row where the packer's rule says so (`pack`; attention stays within each)."""
     p_ids, p_mask = left_pad([e.prompt for e in batch], pad_id)  # (b, P)
     c_ids, c_mask = right_pad([e.completion for e in batch], pad_id)  # (b, T)
     p_ids, p_mask, c_ids, c_mask = (to_device(t, device) for t in (p_ids, p_mask, c_ids, c_mask))
     rows = Rows.of([e.prompt for e in batch], [len(e.completion) for e in batch])  # sizes the pass: no host read
-    logps, entropy = completion_logps(model, p_ids, p_mask, c_ids, c_mask, with_entropy=True, rows=rows)  # (b, T)
+    logps, entropy = completion_logps(model, p_ids, p_mask, c_ids, c_mask, with_entropy=True, rows=rows,
+                                      pack=pack)  # (b, T)
     real = c_mask.bool()
     return logps[real], entropy[real]  # row-major: example order
-
-
-def choose_rows(batch: list[EncodedExample], capacity: int, packing: str) -> list[list[int]] | None:
-    """Rows to pack into, or None for the padded layout. packing: auto | always | never; auto packs
-    when rows x width is at most 90% of examples x longest example (decoder positions)."""
-    if packing == "never":
-        return None
-    lengths = [len(e) for e in batch]
-    rows = pack_rows(lengths, capacity)
-    packed = len(rows) * max(sum(lengths[i] for i in row) for row in rows)
-    if packing == "always" or packed <= 0.9 * len(batch) * max(lengths):
-        return rows
-    return None
 
 
 class SFTTask:
@@ -134,7 +68,6 @@ class SFTTask:
 
     def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp=None):
         self.cfg, self.s, self.device, self.dp = cfg, cfg.sft, device, dp or Parallel()
-        self.packing = "auto" if self.s.packing else "never"
         examples, report = load_examples(cfg.data.train, TraceOptions.from_config(cfg.data), self.s.min_reward,
                                          split=cfg.eval.split)
         self.encoded, stats = encode_examples(examples, tokenizer, cfg)
@@ -146,10 +79,7 @@ class SFTTask:
         self.stream = IndexStream(len(self.encoded), cfg.seed, cfg.data.shuffle)
 
     def logps(self, model, batch: list[EncodedExample]):
-        rows = choose_rows(batch, self.s.max_length, self.packing)
-        if rows is None:
-            return padded_logps(model, batch, self.pad_id, self.device)
-        return packed_logps(model, batch, rows, self.pad_id, self.device)
+        return example_logps(model, batch, self.pad_id, self.device, pack=self.s.packing)
 
     def step(self, model, step: int, stop) -> dict:
         batch = [self.encoded[i] for i in self.stream.take(self.s.batch_size)]  # the global batch

@@ -39,9 +39,7 @@ class ModelConfig:
     lean_forward: bool = knob(
         True, "preftune's own forward for Llama-family weights (false: the Hugging Face module's)",
         peer="TRL use_liger_kernel (a different kernel set)")
-    cuda_graphs: bool = knob(
-        False, "on a GPU, replay the decode step as a CUDA graph (untested on a GPU so far)",
-        peer="vLLM and verl enforce_eager: false")
+    compile: bool = knob(False, "torch.compile each block of preftune's own module (the training passes)")
     lora: LoraConfig = section(LoraConfig)
 
 

@@ -1,80 +1,287 @@
-"""A lean forward pass of Llama-family decoders (Llama, Qwen2, Qwen3, Mistral) on the weights of the
-Hugging Face module, where the module's own forward costs more than its maths:
+"""preftune's own model of the Llama family (Llama, Qwen2, Qwen3, Mistral): one plain module per
+block, no distributed code inside (FSDP2, activation checkpointing and LoRA are applied from
+outside), the parameter names of the Hugging Face module, so it loads and saves the same folders.
 
-- decoding (`rollout/sampler.py`): one token per row per step, where per-call work (mask building,
-  cache objects, one matmul per projection, a dozen small tensor ops per layer) is most of a small
-  model's step. Here q/k/v and gate/up are one matmul each, the rotary table is built once per
-  rollout, keys/values are written in place into buffers of the final length, and `Lean.step`
-  runs a token in fewer tensor ops than `forward` (279 against 347 for a 4-layer model, views included);
-- tree-packed sequences (`train/dpo.py`): a DPO pair as one sequence [prompt | chosen | rejected]
-  whose rejected tokens attend to the prompt and to themselves, never to the chosen ones, with
-  several pairs packed into a row. The prompt runs once and no padding is computed, which a
-  module that builds its own causal mask cannot express;
-- the training passes (GRPO's per-row log-probs, `train/logps.py`; DPO's packed rows): RMSNorm
-  and RoPE with hand-written backward passes (fewer passes over the activations than autograd's)
-  and no concatenated weights, whose gradients would be one more copy.
-
-The maths is the module's (RMSNorm in float32, rotate-half RoPE from the model's own rotary
-module, SDPA attention), tested equal to it in float64 and under bf16 autocast. Anything else
-(LoRA, FSDP/DDP wrappers, activation checkpointing, sliding windows, dynamic RoPE, other
-architectures) takes the Hugging Face forward: `Lean.of(model)` returns None for it.
+One model for every pass: the training and reference passes (`forward`: packed rows, plain causal
+or tree-masked, the vocabulary projection inside so FSDP2 holds the whole head there), prefill
+(`forward` writing a KV cache) and decoding (`step`: one token per row on weights fused once per
+rollout). The maths is the Hugging Face module's (RMSNorm in float32, the model's own rotary
+embedding, SDPA), tested equal to it in float64; RMSNorm and RoPE have hand-written backward
+passes (fewer passes over the activations than autograd's).
 """
 from __future__ import annotations
 
+import contextlib
+import json
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # model_type values whose layers this replays
-# q/k/v and gate/up are fused into one matrix each for decoding only: there the copy serves a whole
-# rollout of small matmuls. Any other pass builds its `Lean` per micro-batch, and the copy cost more than
-# the fused products saved (bench/bench_passes.py, a no-grad pass of the 3M model: 100 ms fused, 93 ms
-# separate over 32 x 84 tokens; 15 and 9 ms over 8 x 28); with grad the fused product's gradient
-# would also be assembled by one more copy.
+from preftune.model.head import head_logps
 
-
-def _base(model):
-    """The decoder stack (`model.model`) of a Llama-family `*ForCausalLM` from transformers itself
-    (not remote code reusing a model_type with its own forward), or None."""
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
-        return None
-    if getattr(getattr(model, "config", None), "model_type", None) not in ARCHITECTURES:
-        return None
-    return inner if type(model).__module__.startswith("transformers.models.") else None
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # model_type values this file implements
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every linear but the head
 
 
-def stack_and_head(model):
-    """(decoder stack, output layer) of a plain or LoRA-wrapped Llama-family causal LM, or None:
-    where `train/logps.py` may project hidden states itself. Not under FSDP2/DDP (the root module's
-    forward must run) nor with `model.lean_forward: false`."""
-    if getattr(model, "preftune_one_forward", False) or not getattr(model, "preftune_lean", True):
-        return None
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    stack = _base(base)
-    return None if stack is None else (stack, base.lm_head)
+def unsupported(config) -> str | None:
+    """Why this file cannot run a model of `config` (then the Hugging Face module does), or None."""
+    if getattr(config, "model_type", None) not in ARCHITECTURES:
+        return f"model_type {getattr(config, 'model_type', None)!r}"
+    if getattr(config, "auto_map", None):
+        return "the folder brings its own modeling code"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act}"
+    if getattr(config, "use_sliding_window", False) or (config.model_type == "mistral"
+                                                         and getattr(config, "sliding_window", None)):
+        return "sliding-window attention"
+    rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if any(k in str(rope.get("rope_type", rope.get("type", ""))) for k in ("dynamic", "longrope")):
+        return "position-dependent rotary frequencies"  # the table is built once per rollout
+    if getattr(config, "attention_dropout", 0.0):
+        return "attention dropout"
+    return None
 
 
-def supported(model) -> bool:
-    """Can `Lean` replay this model exactly? A plain HF module (float32/64 or bf16 weights, or float32
-    masters under preftune's bf16 autocast, which the caller enters as for the module), no wrappers."""
-    if hasattr(model, "peft_config") or stack_and_head(model) is None:
-        return False  # LoRA, FSDP2/DDP, model.lean_forward: false, other architectures, remote code
-    cfg, base = model.config, _base(model)
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return False
-    if getattr(base, "gradient_checkpointing", False) or getattr(base, "is_activation_checkpointing", False):
-        return False
-    if getattr(cfg, "use_sliding_window", False):
-        return False
-    if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
-        return False
-    # dynamic and longrope frequencies depend on the longest position of each call; the sampler
-    # builds its rotary table once for the whole rollout
-    rope_type = getattr(base.rotary_emb, "rope_type", "default")
-    if "dynamic" in rope_type or "longrope" in rope_type or getattr(cfg, "attention_dropout", 0.0):
-        return False
-    params = list(model.parameters())  # plain tensors (not DTensor shards), any floating dtype
-    return bool(params) and all(type(p) is torch.nn.Parameter and p.is_floating_point() for p in params)
+def _hf_layout(config):
+    """The Hugging Face module of `config` on the meta device: the shapes, biases and rotary class
+    this model mirrors (no storage, no weights read)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _linear(like: nn.Linear) -> nn.Linear:
+    return nn.Linear(like.in_features, like.out_features, bias=like.bias is not None)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(size)), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, like, config):
+        super().__init__()
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self, name, _linear(getattr(like, name)))
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if hasattr(like, "q_norm") else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if hasattr(like, "k_norm") else None
+
+    def forward(self, x, cos, sin, mask, kv=None, layer: int = 0, start: int = 0) -> torch.Tensor:
+        """x (B, L, H) -> attention output (B, L, H). With `kv`, keys/values go to columns
+        start..start+L-1 of layer `layer`'s cache and attention runs over columns 0..start+L-1."""
+        B, L, _ = x.shape
+        d = self.head_dim
+        q, k, v = (p(x).view(B, L, -1, d) for p in (self.q_proj, self.k_proj, self.v_proj))  # (B, L, h, d)
+        if self.q_norm is not None:  # Qwen3 normalises each head's q and k before the rotation
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = _rotate(q, cos, sin).transpose(1, 2), _rotate(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
+        if kv is not None:
+            kv.keys[layer, :, :, start:start + L], kv.values[layer, :, :, start:start + L] = k, v
+            k, v = kv.keys[layer, :, :, :start + L], kv.values[layer, :, :, :start + L]  # (B, nkv, S, d)
+        return self.o_proj(_attend(q, k, v, mask))  # (B, L, H)
+
+
+class MLP(nn.Module):
+    def __init__(self, like):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = (_linear(getattr(like, n)) for n in
+                                                        ("gate_proj", "up_proj", "down_proj"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, like, config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(like.self_attn, config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(like.mlp)
+
+    def forward(self, x, cos, sin, mask, kv=None, layer: int = 0, start: int = 0) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, layer, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """`model.` of the Hugging Face names: embeddings, blocks, final norm, rotary table."""
+
+    def __init__(self, like, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(layer, config) for layer in like.layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = type(like.rotary_emb)(config)  # the model's own frequencies (buffers only)
+
+
+class Llama(nn.Module):
+    """A Llama-family causal LM. `autocast_dtype`: bf16 compute over float32 master weights."""
+
+    def __init__(self, config, *, autocast_dtype: torch.dtype | None = None):
+        super().__init__()
+        like = _hf_layout(config)
+        self.config, self.autocast_dtype, self.checkpointing = config, autocast_dtype, False
+        self.model = Decoder(like.model, config)
+        self.lm_head = _linear(like.lm_head)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (B, L, 1, d) for position ids (B, L), as the module's rotary embedding computes them."""
+        cos, sin = self.model.rotary_emb(self.model.embed_tokens.weight[:1], positions)  # (B, L, d)
+        return cos.unsqueeze(2), sin.unsqueeze(2)
+
+    def hidden(self, ids, positions, mask=None, kv=None, start: int = 0) -> torch.Tensor:
+        """Hidden states before the final norm (B, L, H). mask: boolean (B, 1, L, S), True where a
+        query may attend a key, or None for plain causal attention over the L tokens."""
+        if mask is not None and ids.size(1) > 1:  # SDPA turns a boolean mask additive: once, not per layer
+            mask = torch.zeros(mask.shape, dtype=self.model.embed_tokens.weight.dtype,
+                               device=ids.device).masked_fill_(~mask, float("-inf"))
+        cos, sin = self.rope(positions)
+        x = self.model.embed_tokens(ids)  # (B, L, H)
+        for i, block in enumerate(self.model.layers):
+            if self.checkpointing and torch.is_grad_enabled():  # recompute the block in backward
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, mask, kv, i, start)
+        return x
+
+    def forward(self, ids, positions, mask=None, *, kv=None, index=None, targets=None, temperature: float = 1.0,
+                with_entropy: bool = False):
+        """Log-probs (K,) of `targets` (K,) predicted at flat positions `index` (K,) of the rows
+        (R, L), and optionally the entropy; the final norm and the (chunked) vocabulary projection
+        run here, inside the root module, so a sharded head is whole for them. Without `index`, the
+        hidden states (a prefill writing `kv`). Every pass enters here: FSDP2 runs the root's hooks."""
+        if index is None:
+            return self.hidden(ids, positions, mask, kv=kv)  # (R, L, H)
+        h = self.hidden(ids, positions, mask).flatten(0, 1)[index]  # (K, H)
+        return head_logps(self.model.norm(h), self.lm_head, targets, temperature=temperature,
+                          with_entropy=with_entropy)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden))  # (..., V)
+
+    # ---------------------------------------------------------------- decoding
+
+    def new_kv(self, rows: int, capacity: int, dtype: torch.dtype) -> KVBuffers:
+        a = self.model.layers[0].self_attn
+        shape = (len(self.model.layers), rows, a.kv_heads, capacity, a.head_dim)
+        w = self.model.embed_tokens.weight
+        return KVBuffers(w.new_empty(shape, dtype=dtype), w.new_empty(shape, dtype=dtype))
+
+    def decoding(self, dtype: torch.dtype) -> list[dict]:
+        """Each block's weights for `step`, read once per rollout: q/k/v and gate/up fused into one
+        matrix each (a copy that serves every token), LoRA adapters merged, in `dtype`."""
+        return [_fused(block, dtype) for block in self.model.layers]
+
+    def step(self, tok, cos, sin, mask, kv: KVBuffers, col: int, weights: list[dict]) -> torch.Tensor:
+        """One new token per row -> logits (n, V). tok (n,); cos, sin (n, d), the new positions'
+        rotary rows; mask (n, S) boolean over cache columns 0..col (S = col + 1), the new one
+        included. Residual adds run inside the projections' matmuls (addmm) and attention is one
+        baddbmm with an additive mask built once per step: a small model's decode step costs per
+        tensor op more than per FLOP."""
+        a = self.model.layers[0].self_attn
+        n, d, nh, nkv, S = tok.size(0), a.head_dim, a.heads, a.kv_heads, mask.size(1)
+        if S != col + 1:  # wider would read unwritten columns
+            raise ValueError(f"step: the mask covers {S} columns, the cache {col + 1}")
+        low = weights[0]["qkv"].dtype
+        wide = torch.promote_types(low, torch.float32)  # softmax at least in float32
+        cos, sin = cos[:, None].to(low), sin[:, None].to(low)  # (n, 1, d)
+        bias = torch.zeros(mask.shape, dtype=low, device=tok.device).masked_fill_(~mask, float("-inf"))  # (n, S)
+        bias = bias[:, None, None].expand(n, nkv, 1, S).reshape(n * nkv, 1, S)  # each key head's rows
+        x = F.embedding(tok, self.model.embed_tokens.weight)  # (n, H): the residual in the master dtype
+        for i, w in enumerate(weights):
+            qkv = _addmm(w["qkv_bias"], rms(x, w["norm1"], w["eps"]).to(low), w["qkv"])  # (n, (nh + 2 nkv) d)
+            q, k, v = qkv.view(n, nh + 2 * nkv, d).split((nh, nkv, nkv), 1)
+            if w["q_norm"] is not None:
+                q, k = rms(q, w["q_norm"], w["eps"]), rms(k, w["k_norm"], w["eps"])
+            q, k = _rotate_into(q * cos, q, sin), _rotate_into(k * cos, k, sin)  # (n, nh | nkv, d)
+            kv.keys[i, :, :, col], kv.values[i, :, :, col] = k, v
+            keys = kv.keys[i, :, :, :S].reshape(n * nkv, S, d)  # a view: rows and heads merge
+            values = kv.values[i, :, :, :S].reshape(n * nkv, S, d)  # (n nkv, S, d)
+            scores = torch.baddbmm(bias, q.reshape(n * nkv, nh // nkv, d), keys.transpose(1, 2),
+                                   alpha=d ** -0.5)  # (n nkv, g, S)
+            probs = scores.to(wide).softmax(-1).to(values.dtype)  # (n nkv, g, S)
+            x = _addmm(x, torch.bmm(probs, values).view(n, nh * d), w["o"], w["o_bias"])
+            gate, up = _addmm(w["gate_up_bias"], rms(x, w["norm2"], w["eps"]).to(low), w["gate_up"]).chunk(2, -1)
+            x = _addmm(x, F.silu(gate) * up, w["down"], w["down_bias"])  # (n, H)
+        return F.linear(rms(x, self.model.norm.weight, self.model.norm.eps).to(low),
+                        self.lm_head.weight.to(low))  # (n, V)
+
+    # ---------------------------------------------------------------- Hugging Face folders
+
+    @classmethod
+    def of(cls, module, *, autocast_dtype=None) -> "Llama":
+        """This model holding a copy of a Hugging Face module's weights (its dtype and device)."""
+        w = next(module.parameters())
+        with _default_dtype(w.dtype), torch.device(w.device):
+            model = cls(module.config, autocast_dtype=autocast_dtype)
+        model.load_state_dict(module.state_dict())
+        return model.train(module.training)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, config, *, dtype: torch.dtype, autocast_dtype=None,
+                        weights: bool = True) -> "Llama":
+        """The model of a Hugging Face folder (its *.safetensors by parameter name); without
+        `weights`, on the meta device (shapes only: FSDP2 ranks receive their shards)."""
+        with _default_dtype(dtype), torch.device("meta") if not weights else contextlib.nullcontext():
+            model = cls(config, autocast_dtype=autocast_dtype)  # parameters in `dtype`, rotary tables float32
+        if not weights:
+            return model
+        from safetensors.torch import load_file
+
+        state = {}
+        for f in sorted(Path(path).glob("*.safetensors")):
+            state.update(load_file(str(f)))
+        if not state:
+            raise OSError(f"no *.safetensors weights in {path}")
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not (model.tied and k == "lm_head.weight")]
+        if missing or unexpected:
+            raise KeyError(f"weights do not fit {config.model_type}: missing {missing[:3]}, unexpected "
+                           f"{unexpected[:3]}")
+        return model
+
+    def save_pretrained(self, out: str | Path, *, safe_serialization: bool = True, state_dict=None) -> None:
+        """config.json and model.safetensors, as `from_pretrained` of transformers reads them."""
+        from safetensors.torch import save_file
+
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        state = dict(self.state_dict() if state_dict is None else state_dict)
+        if self.tied:
+            state.pop("lm_head.weight", None)
+        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
+        self.config.save_pretrained(str(out))
+        dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+        cfg = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps(cfg | {"dtype": dtype}, indent=2) + "\n")
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 class KVBuffers:
@@ -92,204 +299,55 @@ class KVBuffers:
             setattr(self, name, out)
 
 
-class Lean:
-    """The decoder as a few tensor ops on the module's parameters. Built per use (a rollout, a
-    micro-batch): it reads the live parameters, so gradients flow back into them and an optimiser
-    step is seen by the next `Lean.of`. q/k/v and gate/up are fused into one matrix each for
-    `decoding` only. With grad, RMSNorm and RoPE have hand-written backward passes (`_RMSNorm`,
-    `_Rope`: fewer passes over the activations than autograd's)."""
+def _weight(linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A projection's weight and bias, a LoRA adapter merged in (W + scale B A; dropout is off)."""
+    base = getattr(linear, "base_layer", linear)
+    w = base.weight
+    for name in getattr(linear, "active_adapters", ()):
+        if name in getattr(linear, "lora_A", {}):
+            w = w + linear.scaling[name] * (linear.lora_B[name].weight @ linear.lora_A[name].weight)
+    return w, base.bias
 
-    def __init__(self, model, decoding: bool = False):
-        cfg, base = model.config, _base(model)
-        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
-        self.eps = cfg.rms_norm_eps
-        self.embed, self.norm, self.head = base.embed_tokens.weight, base.norm.weight, model.lm_head.weight
-        self.head_module = model.lm_head  # for `train/head.py`'s chunked projection
-        self.rotary = base.rotary_emb
-        self.layers = [self._fuse(layer, decoding) for layer in base.layers[: cfg.num_hidden_layers]]
-        device = self.embed.device.type
-        if decoding and not torch.is_grad_enabled() and torch.is_autocast_enabled(device):
-            # decoding under bf16 autocast: cast the fused matrices once, not on every step (autocast
-            # caches casts of leaf parameters only; these are concatenations)
-            low = torch.get_autocast_dtype(device)
-            cast = lambda t: None if t is None else t.to(low)  # noqa: E731
-            self.head = cast(self.head)
-            for w in self.layers:
-                for k in ("qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias", "down", "down_bias"):
-                    w[k] = cast(w[k])
 
-    @classmethod
-    def of(cls, model, decoding: bool = False) -> "Lean | None":
-        return cls(model, decoding) if supported(model) else None
+def _fused(block: Block, dtype: torch.dtype) -> dict:
+    a, mlp = block.self_attn, block.mlp
 
-    @staticmethod
-    def _fuse(layer, fuse: bool) -> dict:
-        """The layer's weights; with `fuse`, q/k/v and gate/up each one matrix, else tuples of parts
-        (see `_project`)."""
-        a, mlp = layer.self_attn, layer.mlp
+    def join(mods):
+        parts = [_weight(m) for m in mods]
+        biases = None if all(b is None for _, b in parts) else torch.cat(
+            [b if b is not None else w.new_zeros(w.size(0)) for w, b in parts]).to(dtype)
+        # stored transposed, (in, out) in memory, as the matmul reads it
+        return torch.cat([w for w, _ in parts]).to(dtype).t().contiguous().t(), biases
 
-        def join(mods):
-            weights, biases = [m.weight for m in mods], [m.bias for m in mods]
-            if all(b is None for b in biases):
-                biases = None
-            elif fuse:
-                biases = [w.new_zeros(w.size(0)) if b is None else b for w, b in zip(weights, biases)]
-            if not fuse:
-                return tuple(weights), biases
-            # stored transposed, (in, out) in memory, as the matmul reads it: 10-20% faster small products
-            return torch.cat(weights).t().contiguous().t(), biases and torch.cat(biases)
+    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    qkv, qkv_bias = join((a.q_proj, a.k_proj, a.v_proj))
+    gate_up, gate_up_bias = join((mlp.gate_proj, mlp.up_proj))
+    (o, o_bias), (down, down_bias) = _weight(a.o_proj), _weight(mlp.down_proj)
+    return {"qkv": qkv, "qkv_bias": qkv_bias, "o": cast(o), "o_bias": cast(o_bias), "gate_up": gate_up,
+            "gate_up_bias": gate_up_bias, "down": cast(down), "down_bias": cast(down_bias),
+            "norm1": block.input_layernorm.weight, "norm2": block.post_attention_layernorm.weight,
+            "eps": block.input_layernorm.eps, "q_norm": a.q_norm and cast(a.q_norm.weight),
+            "k_norm": a.k_norm and cast(a.k_norm.weight)}
 
-        qkv, qkv_bias = join((a.q_proj, a.k_proj, a.v_proj))
-        gate_up, gate_up_bias = join((mlp.gate_proj, mlp.up_proj))
-        return {
-            "norm1": layer.input_layernorm.weight, "norm2": layer.post_attention_layernorm.weight,
-            "qkv": qkv, "qkv_bias": qkv_bias, "o": a.o_proj.weight, "o_bias": a.o_proj.bias,
-            "gate_up": gate_up, "gate_up_bias": gate_up_bias, "down": mlp.down_proj.weight,
-            "down_bias": mlp.down_proj.bias,
-            "q_norm": getattr(getattr(a, "q_norm", None), "weight", None),
-            "k_norm": getattr(getattr(a, "k_norm", None), "weight", None),
-        }
 
-    def rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm as the HF module computes it: in float32 (even for float64 weights), then the weight."""
-        if x.dtype == torch.float32 and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-            return _RMSNorm.apply(x, weight, self.eps)  # the same forward, a shorter backward
-        h = x.to(torch.float32)  # a no-op for float32
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * h.to(x.dtype)
-
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (B, L, d) for position ids (B, L), from the model's own rotary module."""
-        return self.rotary(self.embed[:1], positions)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and vocabulary projection of chosen positions: (..., H) -> (..., V)."""
-        return F.linear(self.rms(hidden, self.norm), self.head)
-
-    def forward(self, ids: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None, *,
-                kv: KVBuffers | None = None, start: int | torch.Tensor = 0) -> torch.Tensor:
-        """Hidden states before the final norm (B, L, H) for token ids (B, L).
-
-        mask: boolean (B, 1, L, S), True where a query may attend a key, or None for plain causal
-        attention over the L tokens. With `kv`, the new keys/values are written at columns
-        start..start+L-1 and attention runs over columns 0..start+L-1 (S = start + L). With `start`
-        a (1,) tensor (one token per row), they are written at that column and attention runs over
-        every column of the buffers (S = capacity, the mask says which count): the same shapes and
-        addresses on every step, which a CUDA graph needs (`rollout/sampler.py`)."""
-        B, L = ids.shape
-        fixed = isinstance(start, torch.Tensor)
-        if mask is None and kv is not None and not fixed and start:  # causal over the cache: query i sees 0..start+i
-            mask = torch.ones(L, start + L, dtype=torch.bool, device=ids.device).tril(diagonal=start)[None, None]
-        if mask is not None and L > 1:  # SDPA turns a boolean mask into an additive one: once, not per layer
-            mask = torch.zeros(mask.shape, dtype=self.embed.dtype, device=ids.device).masked_fill_(
-                ~mask, float("-inf"))  # (B or 1, 1, L, S)
-        cos, sin = (t.unsqueeze(2) for t in rope)  # (B, L, 1, d)
-        x = F.embedding(ids, self.embed)  # (B, L, H)
-        for i, w in enumerate(self.layers):
-            q, k, v = self._qkv(self.rms(x, w["norm1"]), w, cos, sin)  # (B, nh | nkv, L, d)
-            if fixed:
-                kv.keys[i].index_copy_(2, start, k.to(kv.keys.dtype))  # (B, nkv, 1, d) into column `start`
-                kv.values[i].index_copy_(2, start, v.to(kv.values.dtype))  # (casts as the slice assignment does)
-                k, v = kv.keys[i], kv.values[i]  # (B, nkv, capacity, d)
-            elif kv is not None:
-                kv.keys[i, :, :, start:start + L] = k  # (B, nkv, L, d) into columns start..start+L-1
-                kv.values[i, :, :, start:start + L] = v
-                k, v = kv.keys[i, :, :, :start + L], kv.values[i, :, :, :start + L]  # (B, nkv, S, d)
-            o = _attend(q, k, v, mask)  # (B, L, nh d)
-            x = x + F.linear(o, w["o"], w["o_bias"])
-            inner = w["down"].size(1)
-            gate, up = _project(self.rms(x, w["norm2"]), w["gate_up"], w["gate_up_bias"], (inner, inner))  # (B, L, I)
-            x = x + F.linear(F.silu(gate) * up, w["down"], w["down_bias"])  # (B, L, H)
-        return x
-
-    def _qkv(self, h: torch.Tensor, w: dict, cos: torch.Tensor, sin: torch.Tensor):
-        """Rotated q (B, nh, L, d), rotated k and v (B, nkv, L, d) of normed hidden states (B, L, H)."""
-        B, L, _ = h.shape
-        d, nh, nkv = self.head_dim, self.heads, self.kv_heads
-        if isinstance(w["qkv"], torch.Tensor) and w["q_norm"] is None:  # fused: q and k in one rotation
-            qk, v = F.linear(h, w["qkv"], w["qkv_bias"]).view(B, L, nh + 2 * nkv, d).split((nh + nkv, nkv), 2)
-            q, k = _rotate(qk, cos, sin).split((nh, nkv), 2)  # (B, L, nh | nkv, d)
-        else:
-            parts = _project(h, w["qkv"], w["qkv_bias"], (nh * d, nkv * d, nkv * d))
-            q, k, v = (t.view(B, L, -1, d) for t in parts)  # (B, L, nh | nkv | nkv, d)
-            if w["q_norm"] is not None:  # Qwen3 normalises each head's q and k before the rotation
-                q, k = self.rms(q, w["q_norm"]), self.rms(k, w["k_norm"])
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)  # (B, L, nh | nkv, d)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-
-    def quick(self) -> bool:
-        """Can `step` decode here? Fused weights without autocast (whose casts `step`'s fused
-        residual adds would skip) and without Qwen3's per-head q/k norms."""
-        return (isinstance(self.layers[0]["qkv"], torch.Tensor) and self.layers[0]["q_norm"] is None
-                and not torch.is_autocast_enabled(self.embed.device.type))
-
-    def step(self, tok: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-             kv: KVBuffers, col: int | torch.Tensor) -> torch.Tensor:
-        """One new token per row -> logits (n, V): `forward` for decoding in a quarter fewer tensor
-        ops, since on a CPU a small model's decode step costs per op more than per FLOP.
-
-        tok (n,); cos, sin (n, d), the new positions' rotary rows; mask (n, S) boolean, the cache
-        columns a row attends (the new one included). The keys/values go to column `col`: an int
-        attends columns 0..col (S = col + 1); a (1,) tensor, the whole buffers (S = capacity) at
-        fixed shapes, as `forward` does.
-        Residual adds run inside the o and down matmuls (addmm), RoPE's cross terms are two fused
-        multiply-adds (`_rotate_into`), and attention scores are one baddbmm with an additive mask
-        built once per step."""
-        n, d, nh, nkv = tok.size(0), self.head_dim, self.heads, self.kv_heads
-        g, S = nh // nkv, mask.size(1)
-        if not isinstance(col, torch.Tensor) and S != col + 1:  # wider would read unwritten columns
-            raise ValueError(f"Lean.step: the mask covers {S} columns, the cache {col + 1}")
-        cos, sin = cos[:, None], sin[:, None]  # (n, 1, d)
-        bias = torch.zeros(mask.shape, dtype=self.embed.dtype, device=tok.device).masked_fill_(
-            ~mask, float("-inf"))  # (n, S)
-        bias = bias[:, None, None].expand(n, nkv, 1, S).reshape(n * nkv, 1, S)  # each key head's rows
-        wide = torch.promote_types(self.embed.dtype, torch.float32)  # softmax at least in float32
-        x = F.embedding(tok, self.embed)  # (n, H)
-        for i, w in enumerate(self.layers):
-            qkv = _addmm(w["qkv_bias"], self.rms(x, w["norm1"]), w["qkv"])  # (n, (nh + 2 nkv) d)
-            qk = qkv[:, :(nh + nkv) * d].view(n, nh + nkv, d)
-            qk = _rotate_into(qk * cos, qk, sin)  # (n, nh + nkv, d) rotated
-            k, v = qk[:, nh:], qkv[:, (nh + nkv) * d:].view(n, nkv, d)  # (n, nkv, d)
-            if isinstance(col, torch.Tensor):
-                kv.keys[i].index_copy_(2, col, k[:, :, None])  # (n, nkv, 1, d) into column `col`
-                kv.values[i].index_copy_(2, col, v[:, :, None])
-            else:
-                kv.keys[i, :, :, col], kv.values[i, :, :, col] = k, v
-            keys = kv.keys[i, :, :, :S].reshape(n * nkv, S, d)  # a view: rows and heads merge
-            values = kv.values[i, :, :, :S].reshape(n * nkv, S, d)  # (n nkv, S, d)
-            q = qk[:, :nh].reshape(n * nkv, g, d)  # the g query heads of each key head
-            scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=d ** -0.5)  # (n nkv, g, S)
-            probs = scores.to(wide).softmax(-1).to(values.dtype)  # (n nkv, g, S)
-            o = torch.bmm(probs, values).view(n, nh * d)  # (n, nh d)
-            x = _addmm(x, o, w["o"], w["o_bias"])  # x + o Wo^T (+ b)
-            gate, up = _addmm(w["gate_up_bias"], self.rms(x, w["norm2"]), w["gate_up"]).chunk(2, -1)  # (n, I)
-            x = _addmm(x, F.silu(gate) * up, w["down"], w["down_bias"])  # (n, H)
-        return self.logits(x)  # (n, V)
-
-    def new_kv(self, rows: int, capacity: int) -> KVBuffers:
-        """Buffers in the dtype keys/values are computed in: the autocast dtype when it is on."""
-        shape = (len(self.layers), rows, self.kv_heads, capacity, self.head_dim)
-        device = self.embed.device
-        on = torch.is_autocast_enabled(device.type)
-        dtype = torch.get_autocast_dtype(device.type) if on else self.embed.dtype
-        return KVBuffers(self.embed.new_empty(shape, dtype=dtype), self.embed.new_empty(shape, dtype=dtype))
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as the HF module computes it: in float32 (even for float64 weights), then the weight."""
+    if x.dtype == torch.float32 and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNorm.apply(x, weight, eps)  # the same forward, a shorter backward
+    h = x.to(torch.float32)  # a no-op for float32
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 def _addmm(base: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """base + x @ weight.T (+ bias) for 2-D x (n, in): one matmul that adds (base None: x @ weight.T)."""
-    out = torch.mm(x, weight.t()) if base is None else torch.addmm(base, x, weight.t())
+    """base + x @ weight.T (+ bias) for 2-D x (n, in): one matmul that adds (base None: x @ weight.T).
+    A float32 residual over bf16 products (mixed precision) keeps its dtype, as under autocast."""
+    if base is None or base.dtype != x.dtype:
+        out = torch.mm(x, weight.t())
+        out = out if bias is None else out + bias
+        return out if base is None else base + out.to(base.dtype)
+    out = torch.addmm(base, x, weight.t())
     return out if bias is None else out + bias
-
-
-def _project(x: torch.Tensor, weight, bias, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-    """The outputs (..., size) of x @ weight.T + bias for one fused matrix (split into `sizes`, views
-    of one product) or for a tuple of matrices (with a list of biases or None): never a
-    concatenation, whose backward would copy every gradient once more."""
-    if isinstance(weight, torch.Tensor):
-        return F.linear(x, weight, bias).split(sizes, -1)
-    biases = [None] * len(weight) if bias is None else bias
-    return tuple(F.linear(x, w, b) for w, b in zip(weight, biases))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -356,32 +414,23 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Softmax attention with grouped keys/values -> (B, L, nh d). q (B, nh, L, d), k/v (B, nkv, S, d).
-    One query per row (decoding) is two small matmuls; SDPA's kernel costs more than its maths there."""
+    """Softmax attention with grouped keys/values -> (B, L, nh d). q (B, nh, L, d), k/v (B, nkv, S, d);
+    mask additive (B, 1, L, S), or None for causal attention (SDPA's flash kernel on CUDA)."""
     B, nh, L, d = q.shape
-    nkv = k.size(1)
-    if L > 1 or q.requires_grad:
-        if nkv != nh and mask is not None and q.device.type == "cuda":
-            # CUDA's flash kernel takes no mask and the efficient one no grouped heads: repeat k/v so
-            # a masked call does not fall back to the math kernel (which keeps the B x h x L x S weights)
-            k, v = (t.repeat_interleave(nh // nkv, dim=1) for t in (k, v))  # (B, nh, S, d)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=k.size(1) != nh)  # (B, nh, L, d)
-        return o.transpose(1, 2).reshape(B, L, nh * d)
-    qg = q.view(B, nkv, nh // nkv, d)  # (B, nkv, g, d): the g query heads that share a key head
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * d ** -0.5  # (B, nkv, g, S)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))  # mask (B, 1, 1, S)
-    wide = torch.promote_types(scores.dtype, torch.float32)  # bf16 scores: softmax in float32 as SDPA's kernels do
-    probs = scores.to(wide).softmax(-1).to(v.dtype)  # (B, nkv, g, S)
-    return torch.matmul(probs, v).reshape(B, L, nh * d)
+    if mask is not None and k.size(1) != nh and q.device.type == "cuda":
+        # CUDA's flash kernel takes no mask and the efficient one no grouped heads: repeat k/v so a
+        # masked call does not fall back to the math kernel (which keeps the B x h x L x S weights)
+        k, v = (t.repeat_interleave(nh // k.size(1), dim=1) for t in (k, v))  # (B, nh, S, d)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and L > 1,
+                                       enable_gqa=k.size(1) != nh)  # (B, nh, L, d)
+    return o.transpose(1, 2).reshape(B, L, nh * d)
 
 
 def tree_mask(segment: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
-    """Attention mask of tree-packed rows -> (B, 1, L, L) boolean.
+    """Attention mask of packed rows -> (B, 1, L, L) boolean.
 
     segment (B, L): which sequence of the row a token belongs to (-1: padding);
-    branch (B, L): 0 for the shared trunk (the prompt), k > 0 for the k-th continuation.
+    branch (B, L): 0 for the shared trunk (a prompt), k > 0 for the k-th continuation.
     A token attends an earlier (or the same) token of its sequence on the trunk or on its own
     branch. Padding attends only itself, so no row of the softmax is empty."""
     L = segment.size(1)

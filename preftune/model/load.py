@@ -7,6 +7,7 @@ import inspect
 import json
 import logging
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -14,9 +15,12 @@ import torch
 from preftune.atomic import atomic_write
 from preftune.config import ModelConfig
 from preftune.errors import UserError, one_line
+from preftune.model.llama import PROJECTIONS, Llama, unsupported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the names of CHOICES["model.dtype"]
 log = logging.getLogger(__name__)
+# Hugging Face modules loaded with float32 masters for bf16 compute (preftune's own module says so itself)
+_MIXED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # What a broken model folder raises inside transformers / tokenizers / safetensors: a user error.
@@ -72,9 +76,10 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 
 
 def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True, weights: bool = True):
-    """The policy (trainable, optionally LoRA-wrapped) or a frozen copy for the reference. Without
-    `weights`, the same module on the meta device, from config.json alone (shapes, no storage: the
-    FSDP2 ranks that receive their shards from rank 0, `Parallel.load`)."""
+    """The policy (trainable, optionally LoRA-wrapped) or a frozen copy for the reference: preftune's
+    own module (`llama.Llama`) for the Llama family, else the Hugging Face module (also with
+    `model.lean_forward: false`). Without `weights`, the same module on the meta device, from
+    config.json alone (shapes, no storage: the FSDP2 ranks that receive their shards from rank 0)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     # Full fine-tuning in bfloat16 keeps float32 master weights and computes under autocast: AdamW
@@ -82,37 +87,60 @@ def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True, weights: 
     mixed = trainable and cfg.dtype == "bfloat16" and not cfg.lora.enabled
     dtype, remote = torch.float32 if mixed else DTYPES[cfg.dtype], cfg.trust_remote_code
     try:
-        if weights:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
+        if cfg.lean_forward and unsupported(config) is None:
+            model = Llama.from_pretrained(path, config, dtype=dtype, weights=weights,
+                                          autocast_dtype=torch.bfloat16 if mixed else None)
+        elif weights:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=remote)
         else:
-            config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=remote)
     except _load_errors() as e:  # corrupt or truncated weights, bad config.json
         raise UserError(f"cannot load model: {one_line(e, with_type=True)}", where=path) from None
-    model.preftune_lean = cfg.lean_forward  # read by preftune.model.llama.supported
-    model.preftune_cuda_graphs = cfg.cuda_graphs  # read by the sampler
+    if mixed and not isinstance(model, Llama):
+        _MIXED[model] = torch.bfloat16
     if not trainable:
         model.eval().requires_grad_(False)
         return model
     if cfg.gradient_checkpointing:
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24 renamed it
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        model.config.use_cache = False
+        _checkpoint_blocks(model)
+    if cfg.compile and isinstance(model, Llama):
+        for block in model.model.layers:  # per block, as FSDP2 wraps them: one graph serves every layer
+            block.compile()
     if cfg.lora.enabled:
         model = _wrap_lora(model, cfg)
-    if mixed:
-        model.preftune_autocast = torch.bfloat16
     model.train()
     return model
 
 
+def _checkpoint_blocks(model) -> None:
+    """Activation checkpointing per block: its activations are recomputed in backward."""
+    if isinstance(model, Llama):
+        model.checkpointing = True
+        return
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24 renamed it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.config.use_cache = False
+
+
+def base_module(model):
+    """The module under a LoRA wrapper (PEFT), or the model itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def compute_dtype(model) -> torch.dtype | None:
+    """bf16 for a model loaded with float32 master weights for bf16 compute, else None."""
+    base = base_module(model)
+    return base.autocast_dtype if isinstance(base, Llama) else _MIXED.get(base)
+
+
 def autocast(model):
     """The compute-precision context for a forward pass of `model` (bf16 autocast for mixed precision)."""
-    dtype = getattr(model, "preftune_autocast", None)
+    dtype = compute_dtype(model)
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=next(model.parameters()).device.type, dtype=dtype)
@@ -134,8 +162,11 @@ def _wrap_lora(model, cfg: ModelConfig):
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise UserError("model.lora.enabled needs peft: pip install 'preftune[lora]'", where="model.lora") from None
+    targets, own = cfg.lora.target_modules, isinstance(model, Llama)
+    if own and targets == "all-linear":  # PEFT's rule for a transformers model: every linear but the head
+        targets = list(PROJECTIONS)
     lcfg = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                      target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM")
+                      target_modules=targets, task_type=None if own else "CAUSAL_LM")
     return get_peft_model(model, lcfg)
 
 

@@ -4,8 +4,7 @@
 stopping criteria, cache bookkeeping). This loop does only what GRPO needs: prefill each distinct
 prompt once, copy its cache G times into preallocated buffers, then one forward per new token with
 the last-token logits, a Gumbel-max draw, and one host sync per token (stop when all rows are
-done; rows that finished leave the batch once they are an eighth of it, except at the fixed shapes
-a CUDA graph replays, where they stay, masked: `model.cuda_graphs`).
+done; rows that finished leave the batch once they are an eighth of it).
 Positions come from the attention mask, so a left-padded prompt sees the same positions as an
 unpadded one, here and in the training forward pass (`model/logps.py` calls `data/tensors.positions_from_mask`).
 """
@@ -18,8 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from preftune.data.tensors import positions_from_mask
-from preftune.model.llama import Lean
-from preftune.model.load import autocast, cache_kwarg
+from preftune.distributed import whole
+from preftune.model.llama import Llama
+from preftune.model.load import autocast, base_module, cache_kwarg
 
 
 @dataclass(slots=True)
@@ -72,8 +72,8 @@ def sample(
     """Sample `num_generations` completions for each of B prompts -> Rollout with N = B * G rows."""
     was_training = model.training
     model.eval()  # dropout off, and HF keeps the cache on even with gradient checkpointing
-    try:
-        with autocast(model):
+    try:  # FSDP2: one all-gather per rollout, the decode step reads whole parameters
+        with whole(model), autocast(model):
             return _sample(model, prompt_ids, prompt_mask, num_generations, max_new_tokens, eos_id, pad_id,
                            temperature, top_p, top_k, greedy, generator)
     finally:
@@ -88,9 +88,9 @@ def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id, t
     copies = torch.arange(prompt_ids.size(0), device=device).repeat_interleave(G)  # (N,) prompt of each row
     decoder = _decoder(model, P + max_new_tokens - 1)
     # inference mode skips autograd's per-op bookkeeping (version counters, view tracking; measured in
-    # bench/bench_passes.py). Not for the module (hooks such as FSDP2's may keep tensors
-    # made here for the training pass) nor for a CUDA graph (its replay has no per-op work to save);
-    # those stay in `sample`'s no_grad (`inference_mode(False)` would turn grad back on)
+    # bench/bench_passes.py). Not where hooks (FSDP2's, the HF module's) may keep tensors made here
+    # for the training pass: those stay in `sample`'s no_grad (`inference_mode(False)` would turn
+    # grad back on)
     with torch.inference_mode() if decoder.inference else contextlib.nullcontext():
         logits = decoder.prefill(prompt_ids, prompt_mask, copies)  # (N, V)
         N = logits.size(0)
@@ -110,7 +110,7 @@ def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id, t
             finished = int(done.sum())  # the one host sync per token: stop, or drop finished rows
             if finished == done.numel():
                 break
-            if finished * 8 >= done.numel() and decoder.compacts:  # finished rows leave the batch (and the cache)
+            if finished * 8 >= done.numel():  # finished rows leave the batch (and the cache)
                 keep = (~done).nonzero().squeeze(1)  # (n',)
                 rows, done, tok, attn, next_pos = rows[keep], done[keep], tok[keep], attn[keep], next_pos[keep]
                 decoder.select(keep)
@@ -120,20 +120,15 @@ def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id, t
 
 
 def _decoder(model, capacity: int):
-    """The lean decoder (`preftune/decoder.py`) where it replays the model (its step replayed as a
-    CUDA graph with `model.cuda_graphs` on a GPU), else the HF forward."""
-    lean = Lean.of(model, decoding=True)
-    if lean is None:
-        return _HFDecoder(model, capacity)
-    if getattr(model, "preftune_cuda_graphs", False) and lean.embed.is_cuda:
-        return _GraphedDecoder(lean, capacity)
-    return _LeanDecoder(lean, capacity)
+    """preftune's own model decodes with its `step`; any other module with its forward and a cache."""
+    base = base_module(model)
+    return _OwnDecoder(base, capacity) if isinstance(base, Llama) else _HFDecoder(model, capacity)
 
 
 class _HFDecoder:
-    """The model's own forward with a cache whose layers are preallocated buffers."""
+    """The module's own forward with a cache whose layers are preallocated buffers."""
 
-    compacts, inference = True, False
+    inference = False  # hooks (LoRA, FSDP2) may keep tensors made here
 
     def __init__(self, model, capacity: int):
         from transformers import DynamicCache
@@ -158,14 +153,19 @@ class _HFDecoder:
         return out.logits[:, -1].float()  # (n, V)
 
 
-class _LeanDecoder:
-    """Fused projections, a rotary table built once, keys/values written in place."""
+class _OwnDecoder:
+    """Prefill by the model's forward, then `Llama.step` on weights fused once for the rollout, a
+    rotary table built once, keys/values written in place into buffers of the final length."""
 
-    compacts, inference = True, True
-
-    def __init__(self, lean, capacity: int):
-        self.lean, self.capacity, self.filled, self.quick = lean, capacity, 0, lean.quick()
-        self.cos, self.sin = (t[0] for t in lean.rope(torch.arange(capacity + 1, device=lean.embed.device)[None]))
+    def __init__(self, model: Llama, capacity: int):
+        self.inference = not hasattr(model, "unshard")  # an FSDP2 module's hooks run in the prefill
+        device = model.model.embed_tokens.weight.device
+        on = torch.is_autocast_enabled(device.type)
+        self.dtype = torch.get_autocast_dtype(device.type) if on else model.model.embed_tokens.weight.dtype
+        self.model, self.capacity, self.filled = model, capacity, 0
+        self.weights = model.decoding(self.dtype)
+        cos, sin = model.rope(torch.arange(capacity + 1, device=device)[None])  # (1, cap, 1, d)
+        self.cos, self.sin = cos[0, :, 0], sin[0, :, 0]  # (cap, d)
 
     def prefill(self, prompt_ids, prompt_mask, copies) -> torch.Tensor:
         B, P = prompt_ids.shape
@@ -174,94 +174,21 @@ class _LeanDecoder:
         causal = torch.ones(P, P, dtype=torch.bool, device=pos.device).tril()
         # a left-padding query sees only itself (never an empty softmax row); real tokens never see padding
         mask = (causal & keys) | torch.eye(P, dtype=torch.bool, device=pos.device)  # (B, 1, P, P)
-        kv = self.lean.new_kv(B, P)
-        h = self.lean.forward(prompt_ids, (self.cos[pos], self.sin[pos]), mask, kv=kv)  # (B, P, H)
-        self.kv = self.lean.new_kv(copies.numel(), self.capacity)
+        kv = self.model.new_kv(B, P, self.dtype)
+        h = self.model(prompt_ids, pos, mask, kv=kv)  # (B, P, H)
+        self.kv = self.model.new_kv(copies.numel(), self.capacity, self.dtype)
         self.kv.keys[:, :, :, :P], self.kv.values[:, :, :, :P] = kv.keys[:, copies], kv.values[:, copies]
         self.filled = P
-        return self.lean.logits(h[:, -1]).float()[copies]  # (N, V)
+        return self.model.logits(h[:, -1]).float()[copies]  # (N, V)
 
     def select(self, keep: torch.Tensor) -> None:
         self.kv.select(keep, self.filled)
 
     def step(self, tok, attn, pos) -> torch.Tensor:
-        logits = self._next(tok[:, None], pos, attn.bool()[:, None, None, :], self.filled)  # mask (n, 1, 1, S)
+        at = pos[:, 0]  # (n,)
+        logits = self.model.step(tok, self.cos[at], self.sin[at], attn.bool(), self.kv, self.filled, self.weights)
         self.filled += 1
-        return logits
-
-    def _next(self, tok, pos, mask, start) -> torch.Tensor:
-        """Last-position logits (n, V) of one new token per row (n, 1) at positions (n, 1)."""
-        if self.quick:  # `Lean.step`: the same maths in fewer tensor ops
-            at = pos[:, 0]  # (n,)
-            cols = mask.size(-1) if isinstance(start, torch.Tensor) else start + 1
-            return self.lean.step(tok[:, 0], self.cos[at], self.sin[at], mask[:, 0, 0, :cols], self.kv,
-                                  start).float()  # (n, V)
-        h = self.lean.forward(tok, (self.cos[pos], self.sin[pos]), mask, kv=self.kv, start=start)  # (n, 1, H)
-        return self.lean.logits(h[:, -1]).float()  # (n, V)
-
-
-class _StaticDecoder(_LeanDecoder):
-    """Decoding at fixed shapes: every row on every step (a finished row is masked, not dropped),
-    attention over the buffers' whole width under a boolean mask, the write column a tensor. Each
-    step then runs the same kernels on the same addresses, which `_GraphedDecoder` replays as one
-    CUDA graph. Here it runs eagerly: tests compare its tokens with `_LeanDecoder`'s."""
-
-    compacts = False
-
-    def prefill(self, prompt_ids, prompt_mask, copies) -> torch.Tensor:
-        logits = super().prefill(prompt_ids, prompt_mask, copies)  # (N, V)
-        P, N = prompt_ids.size(1), logits.size(0)
-        for buf in (self.kv.keys, self.kv.values):
-            buf[:, :, :, P:].zero_()  # masked columns still meet 0 x value: no NaN from unwritten memory
-        device = logits.device
-        self.tok = torch.zeros(N, 1, dtype=torch.long, device=device)  # (N, 1) the step's inputs, filled in place
-        self.pos = torch.zeros(N, 1, dtype=torch.long, device=device)  # (N, 1)
-        self.col = torch.zeros(1, dtype=torch.long, device=device)  # (1,) the column written
-        self.mask = torch.zeros(N, 1, 1, self.capacity, dtype=torch.bool, device=device)  # (N, 1, 1, cap)
-        return logits
-
-    def step(self, tok, attn, pos) -> torch.Tensor:
-        self.tok.copy_(tok[:, None])
-        self.pos.copy_(pos)
-        self.col.fill_(self.filled)
-        self.mask[:, 0, 0, :attn.size(1)] = attn.bool()  # (n, S): later columns stay False
-        self.filled += 1
-        return self._run()
-
-    def _run(self) -> torch.Tensor:
-        return self._next(self.tok, self.pos, self.mask, self.col)  # (N, V)
-
-
-class _GraphedDecoder(_StaticDecoder):
-    """The fixed-shape step captured as a CUDA graph on its first call and replayed after: one
-    launch per token instead of one per kernel (hundreds for a 24-layer model), which is what
-    bounds decoding a small batch on a GPU. Captured once per rollout (the buffers are new)."""
-
-    graph, inference = None, False
-
-    def _run(self) -> torch.Tensor:
-        if self.graph is None:
-            self._capture()
-        self.graph.replay()
-        return self.logits
-
-    def _capture(self) -> None:
-        # autocast's cast cache would hand the graph tensors that are freed when the cache clears
-        dtype, on = torch.get_autocast_dtype("cuda"), torch.is_autocast_enabled("cuda")
-        side = torch.cuda.Stream()  # capture needs a stream other than the default one
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.autocast("cuda", dtype=dtype, enabled=on, cache_enabled=False), torch.cuda.stream(side):
-            super()._run()  # warm-up outside the graph (lazy library handles, workspaces)
-            torch.cuda.synchronize()  # as torch.cuda.graph does: nothing in flight while capturing
-            self.graph = torch.cuda.CUDAGraph()
-            # capture_begin/end, not `torch.cuda.graph`, whose entry empties the allocator's cache:
-            # once per rollout, that would hand the training pass's cached blocks back to the driver
-            self.graph.capture_begin()
-            try:
-                self.logits = super()._run()  # (N, V), rewritten by every replay
-            finally:
-                self.graph.capture_end()
-        torch.cuda.current_stream().wait_stream(side)
+        return logits.float()  # (n, V)
 
 
 def draw(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, greedy: bool,

@@ -279,17 +279,16 @@ def test_reference_per_batch_with_lora_is_the_base_under_the_adapters(make_confi
     assert m["loss"] != pytest.approx(math.log(2), abs=1e-3)
 
 
-@pytest.mark.parametrize("path", ["tree_packed", "bucketed"])
+@pytest.mark.parametrize("path", ["packed", "plain"])
 def test_the_step_reads_metrics_once_not_per_micro_batch(make_config, traces_file, model, tokenizer, monkeypatch,
                                                          path):
-    """Metrics stay on the device until the step ends and the passes are sized on the host (tree
-    packing from the pairs' token lists; the bucketed HF path from `logps.Rows.of`, its prompts
-    shared through the cache): as many host reads with 6 micro-batches as with one."""
-    import preftune.model.llama as decoder
+    """Metrics stay on the device until the step ends and the passes are sized on the host (from
+    the pairs' token lists, `logps.Rows.of`), packed or plain: as many host reads with 6
+    micro-batches as with one."""
+    import preftune.model.logps as logps
     from tests.conftest import HostReads
 
-    if path == "bucketed":
-        monkeypatch.setattr(decoder, "supported", lambda m: False)  # LoRA, FSDP2: the HF module's forward
+    monkeypatch.setattr(logps, "MASKED", 0.0 if path == "packed" else 1e9)
     task = make_task(_cfg(make_config, traces_file), model, tokenizer)
     reads = HostReads(monkeypatch)
     counts = []

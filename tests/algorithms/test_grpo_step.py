@@ -68,8 +68,9 @@ def run_step(model, batch, cfg):
 # ---------------------------------------------------------------- completion log-probs
 
 
-def test_completion_logps_padding_invariant(model, tokenizer):
-    """Each row's log-probs equal a plain forward + log_softmax over its unpadded prompt+completion."""
+def test_completion_logps_padding_invariant(model, hf_model, tokenizer):
+    """Each row's log-probs equal a plain forward of the Hugging Face module + log_softmax over its
+    unpadded prompt+completion."""
     ro = synthetic_rollout(tokenizer)
     model.eval()
     for temperature in (1.0, 0.7):
@@ -82,7 +83,7 @@ def test_completion_logps_padding_invariant(model, tokenizer):
             c = ro.completion_ids[i][ro.completion_mask[i].bool()]
             seq = torch.cat([p, c])[None]  # (1, L)
             with torch.no_grad():
-                logits = model(input_ids=seq).logits[0, len(p) - 1:-1].float() / temperature  # (|c|, V)
+                logits = hf_model(input_ids=seq).logits[0, len(p) - 1:-1].float() / temperature  # (|c|, V)
             ref = logits.log_softmax(-1)
             want = ref.gather(-1, c[:, None]).squeeze(-1)
             want_ent = -(ref.exp() * ref).sum(-1)
@@ -113,11 +114,11 @@ def _batch(model, tokenizer, cfg: GRPOConfig) -> GRPOBatch:
 def shared(tokenizer):
     """One model and one batch (with old and reference log-probs) for all the invariance cases:
     grpo_step only accumulates gradients, it never changes the weights."""
-    from transformers import AutoModelForCausalLM
-
+    from preftune.config import ModelConfig
+    from preftune.model.load import load_model
     from tests.conftest import MODEL_DIR
 
-    model = AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32)
+    model = load_model(ModelConfig(), str(MODEL_DIR))
     return model, _batch(model, tokenizer, GRPOConfig(beta=0.04, micro_batch_size=N))
 
 
@@ -343,8 +344,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(model, tokenizer):
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)  # no deprecated transformers API on our side
         ckpt = load_model(ModelConfig(gradient_checkpointing=True), str(MODEL_DIR))
-    assert ckpt.is_activation_checkpointing if hasattr(ckpt, "is_activation_checkpointing") \
-        else ckpt.is_gradient_checkpointing
+    assert ckpt.checkpointing
     checkpointed, _ = run_step(ckpt, batch, cfg)
     torch.testing.assert_close(checkpointed, plain, rtol=0, atol=1e-5 * plain.abs().max().item())
 
@@ -353,11 +353,12 @@ def test_gradient_checkpointing_gives_the_same_gradients(model, tokenizer):
 
 
 def _model64():
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
+    from preftune.model.llama import Llama
     from tests.conftest import MODEL_DIR
 
-    return AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float64)
+    return Llama.from_pretrained(MODEL_DIR, AutoConfig.from_pretrained(str(MODEL_DIR)), dtype=torch.float64)
 
 
 def _logps_now(model, ro: Rollout, temperature: float) -> torch.Tensor:
@@ -462,7 +463,7 @@ def test_abandoned_first_step_records_nothing(tokenizer):
     torch.testing.assert_close(ro.old_logps[m], _logps_now(model, ro, 1.0)[m], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("layout", ["shared", "per_row"])
+@pytest.mark.parametrize("layout", ["shared", "plain"])
 @pytest.mark.parametrize("loss_type,beta", [("dapo", 0.0), ("dapo", 0.04), ("bnpo", 0.04)])
 def test_the_step_reads_metrics_once_not_per_micro_batch(shared, monkeypatch, loss_type, beta, layout):
     """Nothing waits on the device between micro-batches: as many host reads with N / 2 micro-batches
@@ -472,7 +473,7 @@ def test_the_step_reads_metrics_once_not_per_micro_batch(shared, monkeypatch, lo
     import preftune.model.logps as logps
 
     model, batch = shared
-    monkeypatch.setattr(logps, "shared_pays", lambda *a: layout == "shared")
+    monkeypatch.setattr(logps, "MASKED", 0.0 if layout == "shared" else 1e9)
     cfg = GRPOConfig(loss_type=loss_type, beta=beta, micro_batch_size=N, max_completion_length=T)
     reads = HostReads(monkeypatch)
     counts = []

@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from preftune.algorithms.sft import EncodedExample, SFTTask, choose_rows, pack_rows, packed_batch, packed_logps, padded_logps
+from preftune.algorithms.sft import EncodedExample, SFTTask, example_logps
+from preftune.model import logps as L
 from preftune.config import load_config
 from preftune.run import loop
 from tests.conftest import arith_traces, flat_grads, write_parquet
@@ -37,58 +38,33 @@ def _examples(tokenizer, pairs):
 PAIRS = [("12+7=", "19"), ("3+4=", "7"), ("10+19=", "29"), ("1+1=", "2"), ("0+0=", "0"), ("18+17=", "35")]
 
 
-def test_pack_rows_first_fit_within_capacity():
-    assert pack_rows([5, 4, 3, 2, 6], 9) == [[0, 1], [2, 3], [4]]
-    assert pack_rows([9, 1], 9) == [[0], [1]]
-    rows = pack_rows([3, 3, 3, 3], 12)
-    assert rows == [[0, 1, 2, 3]]
-
-
-def test_packed_positions_restart_per_example_and_padding_is_its_own_run(tokenizer):
-    batch = _examples(tokenizer, PAIRS[:3])  # lengths 8, 6, 9
-    ids, pos, rows, cols, targets = packed_batch(batch, [[0, 1], [2]], tokenizer.pad_token_id)
-    assert ids.shape == (2, 14)
-    assert pos[0].tolist() == list(range(8)) + list(range(6))
-    assert pos[1].tolist() == list(range(9)) + list(range(5))  # padding restarts: it attends only to itself
-    assert ids[1, 9:].eq(tokenizer.pad_token_id).all()
-    # completion token t of example i is predicted at (its offset + prompt length - 1 + t)
-    assert rows.tolist()[:3] == [0, 0, 0] and cols.tolist()[:3] == [4, 5, 6] and cols.tolist()[3:5] == [11, 12]
-    assert targets.tolist()[:3] == batch[0].completion
-
-
-def test_packed_equals_padded_loss_and_gradients(tokenizer, model):
+def test_packed_equals_padded_loss_and_gradients(tokenizer, model, monkeypatch):
+    """Several examples in a row (attention kept within each) give one example per row's log-probs,
+    entropies and gradients."""
     batch = _examples(tokenizer, PAIRS)
-    rows = pack_rows([len(e) for e in batch], 24)
-    assert len(rows) < len(batch)  # several examples share a row
-    lp_pad, ent_pad = padded_logps(model, batch, tokenizer.pad_token_id, CPU)
-    lp_pack, ent_pack = packed_logps(model, batch, rows, tokenizer.pad_token_id, CPU)
+    out = {}
+    for layout, masked in (("packed", 0.0), ("padded", 1e9)):
+        monkeypatch.setattr(L, "MASKED", masked)
+        rows = L.Rows.of([e.prompt for e in batch], [len(e.completion) for e in batch])
+        plan = L._plan(rows, max(len(e.prompt) for e in batch), max(len(e.completion) for e in batch), model.config)
+        assert (plan.rows < len(batch)) == (layout == "packed")  # several examples share a row
+        lp, ent = example_logps(model, batch, tokenizer.pad_token_id, CPU)
+        (-lp.sum()).backward()
+        out[layout] = lp.detach(), ent, flat_grads(model).clone()
+        model.zero_grad(set_to_none=True)
+    (lp_pack, ent_pack, g_pack), (lp_pad, ent_pad, g_pad) = out["packed"], out["padded"]
     torch.testing.assert_close(lp_pack, lp_pad, rtol=0, atol=1e-5)
     torch.testing.assert_close(ent_pack, ent_pad, rtol=0, atol=1e-5)
-    (-lp_pad.sum()).backward()
-    g_pad = flat_grads(model).clone()
-    model.zero_grad(set_to_none=True)
-    (-lp_pack.sum()).backward()
-    torch.testing.assert_close(flat_grads(model), g_pad, rtol=0, atol=1e-5 * g_pad.abs().max().item())
+    torch.testing.assert_close(g_pack, g_pad, rtol=0, atol=1e-5 * g_pad.abs().max().item())
 
 
-def test_without_restarting_positions_examples_would_see_each_other(tokenizer, model):
-    """The control for the test above: one causal sequence over the same packed row gives other numbers."""
-    batch = _examples(tokenizer, PAIRS[:2])
-    ids, pos, rows, cols, targets = packed_batch(batch, [[0, 1]], tokenizer.pad_token_id)
-    with torch.no_grad():
-        causal = model(input_ids=ids, use_cache=False).logits.log_softmax(-1)[rows, cols].gather(-1, targets[:, None])
-        packed, _ = packed_logps(model, batch, [[0, 1]], tokenizer.pad_token_id, CPU)
-    n0 = len(batch[0].completion)
-    torch.testing.assert_close(causal[:n0, 0], packed[:n0], rtol=0, atol=1e-5)  # the first example is the same
-    assert (causal[n0:, 0] - packed[n0:]).abs().max() > 1e-3  # the second would attend to the first
-
-
-def test_choose_rows_packs_only_when_it_pays(tokenizer):
-    even = _examples(tokenizer, [("1+1=", "2")] * 4)  # equal lengths: 4 rows of 6 or 1 row of 24 (no saving)
-    assert choose_rows(even, 24, "auto") is None and choose_rows(even, 24, "always") == [[0, 1, 2, 3]]
-    uneven = _examples(tokenizer, [("1+1=", "2"), ("1+1=", "2" * 18)])  # 6 and 23 tokens: 2x23 vs 1x29
-    assert choose_rows(uneven, 32, "auto") == [[0, 1]]
-    assert choose_rows(uneven, 32, "never") is None
+def test_packing_false_keeps_one_example_per_row(tokenizer, model, monkeypatch):
+    monkeypatch.setattr(L, "MASKED", 0.0)  # packing would always pay
+    plans = []
+    plan = L._plan
+    monkeypatch.setattr(L, "_plan", lambda *a, **k: plans.append(plan(*a, **k)) or plans[-1])
+    example_logps(model, _examples(tokenizer, PAIRS), tokenizer.pad_token_id, CPU, pack=False)
+    assert plans[0].segment is None and plans[0].rows == len(PAIRS)
 
 
 @pytest.fixture
@@ -102,9 +78,9 @@ def sft_cfg(make_config, tmp_path):
     return make
 
 
-def _step(task, model, micro: int, packing: str):
+def _step(task, model, micro: int, packing: bool):
     task.stream.load_state_dict({"epoch": 0, "offset": 0})
-    task.s.micro_batch_size, task.packing = micro, packing
+    task.s.micro_batch_size, task.s.packing = micro, packing
     model.zero_grad(set_to_none=True)
     m = task.step(model, 1, _Stop())
     g = flat_grads(model).clone()
@@ -112,11 +88,12 @@ def _step(task, model, micro: int, packing: str):
     return g, m
 
 
-@pytest.mark.parametrize("packing", ["never", "always"])
-def test_micro_batch_invariance(sft_cfg, model, tokenizer, packing):
+@pytest.mark.parametrize("packing", [False, True])
+def test_micro_batch_invariance(sft_cfg, model, tokenizer, packing, monkeypatch):
+    monkeypatch.setattr(L, "MASKED", 0.0 if packing else 1e9)
     task = SFTTask(sft_cfg(), model, tokenizer, CPU)
     assert len(task.encoded) == 48  # min_reward 0: every trace row is an example
-    full, m_full = _step(task, model, 12, "never")
+    full, m_full = _step(task, model, 12, False)
     assert full.abs().max() > 0
     for micro in (1, 5):  # one example at a time, and uneven (5 + 5 + 2)
         part, m_part = _step(task, model, micro, packing)

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # Runs `preftune` after optional test hooks: PREFTUNE_TEST_FAKE_SAMPLER=1 replaces the sampler by
 # fake_sample (same completions for a prompt whatever the rank); PREFTUNE_TEST_STEP_PAUSE=S sleeps S
 # seconds after each step's forward/backward, so a test can signal a rank mid-run;
-# PREFTUNE_TEST_MARK_LOADS=1 prints a line for each read of a model's weights.
+# PREFTUNE_TEST_MARK_LOADS=1 prints a line for each read of a model's weights;
+# PREFTUNE_TEST_MASKED=X sets logps.MASKED (0: packed rows, 1e9: plain rows).
 DRIVER = """
 import os, sys, time
 if os.environ.get("PREFTUNE_TEST_DUMP_AFTER"):  # a hung rank prints its stacks and exits
@@ -32,6 +33,16 @@ if os.environ.get("PREFTUNE_TEST_MARK_LOADS"):  # each read of a model's weights
         print("TEST weights read", flush=True)
         return read(*a, **k)
     transformers.AutoModelForCausalLM.from_pretrained = marked
+    from preftune.model.llama import Llama
+    own = Llama.from_pretrained.__func__
+    def own_marked(cls, *a, **k):
+        if k.get("weights", True):
+            print("TEST weights read", flush=True)
+        return own(cls, *a, **k)
+    Llama.from_pretrained = classmethod(own_marked)
+if os.environ.get("PREFTUNE_TEST_MASKED"):  # the packer's layout, as the 1-process reference has it
+    from preftune.model import logps
+    logps.MASKED = float(os.environ["PREFTUNE_TEST_MASKED"])
 if os.environ.get("PREFTUNE_TEST_FAKE_SAMPLER"):
     from tests.distributed.ranks import install_fake_sampler
     install_fake_sampler()

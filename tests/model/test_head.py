@@ -1,4 +1,4 @@
-"""The chunked vocabulary projection (`train/head.py`): the log-probs, entropy and gradients of the
+"""The chunked vocabulary projection (`model/head.py`): the log-probs, entropy and gradients of the
 plain (K, V) computation, without (K, V) logits saved for the backward."""
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import torch
 
 from preftune.model import head as H
 from preftune.model.head import token_logps
-from preftune.model.logps import completion_logps, split_head
+from preftune.model.llama import Llama
+from preftune.model.logps import completion_logps
 
 
 def _plain(hidden, weight, targets, temperature):
@@ -79,14 +80,13 @@ def test_chunked_under_bf16_autocast_matches_plain(monkeypatch):
 
 
 def test_completion_logps_chunked_equals_plain(monkeypatch):
-    """Through the log-prob pass (shared-prompt layout: rows repeat their prompt), float64."""
+    """Through the own module's log-prob pass (rows repeat their prompt), float64."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model("qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float64)
-    assert split_head(model) is not None
+    model = Llama.of(AutoModelForCausalLM.from_config(cfg, dtype=torch.float64))
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(2, 97, (2, 6), generator=g).repeat_interleave(3, 0)  # (6, 6): 2 prompts x G=3
     p_mask = torch.ones_like(prompt)
@@ -106,26 +106,3 @@ def test_completion_logps_chunked_equals_plain(monkeypatch):
     got = run()
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
-
-
-def test_split_head_is_off_where_the_root_forward_must_run():
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-        "llama", vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
-    stack, head = split_head(model)
-    assert stack is model.model and head is model.lm_head
-    model.preftune_one_forward = True  # FSDP2 / DDP
-    assert split_head(model) is None
-    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", vocab_size=50, n_embd=16, n_layer=1, n_head=2))
-    assert split_head(gpt2) is None
-
-
-def test_split_head_honours_lean_forward_false():
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-        "qwen2", vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
-    assert split_head(model) is not None
-    model.preftune_lean = False  # model.lean_forward: false
-    assert split_head(model) is None

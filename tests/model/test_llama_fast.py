@@ -1,7 +1,5 @@
-"""The lean decoder's fast paths against its plain ones and the Hugging Face modules: the
-hand-written RMSNorm and RoPE backward passes (finite differences; a float32 training pass against
-HF's, also under bf16 autocast), and `Lean.step`, the decode step in fewer tensor ops, against
-`forward`'s step."""
+"""The own module's hand-written RMSNorm and RoPE backward passes: finite differences, and a
+float32 training pass against the Hugging Face module's, also under bf16 autocast."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +7,8 @@ import torch
 
 from preftune.model import llama as D
 from tests.model.test_llama import ARCHS, VOCAB, grads, tiny
+
+Llama = D.Llama
 
 
 def test_hand_written_backward_passes_are_the_gradients():
@@ -28,12 +28,13 @@ def test_hand_written_backward_passes_are_the_gradients():
 
 
 def _case(arch: str, seed: int):
-    """A float32 tiny model of `arch`, ids (2, 11), positions and logit weights for a scalar loss."""
+    """A float32 tiny model of `arch` (HF's and the own one), ids (2, 11), positions and logit
+    weights for a scalar loss."""
     model_type, kw = ARCHS[arch]
     model = tiny(model_type, dtype=torch.float32, **kw)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (2, 11), generator=g)
-    return model, ids, torch.arange(11)[None].expand(2, 11), torch.randn(2, 11, VOCAB, generator=g)
+    return model, Llama.of(model), ids, torch.arange(11)[None].expand(2, 11), torch.randn(2, 11, VOCAB, generator=g)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama-bias"])
@@ -41,18 +42,17 @@ def test_bf16_autocast_training_pass_is_the_modules(arch):
     """Under bf16 autocast (float32 masters, `model.dtype: bfloat16`) `_Rope` meets bf16 q/k and
     float32 cos/sin, and `_RMSNorm` the float32 residual stream: logits and gradients equal HF's to
     bf16 rounding."""
-    model, ids, pos, w = _case(arch, seed=7)
+    model, own, ids, pos, w = _case(arch, seed=7)
     out = {}
-    for path in ("hf", "lean"):
+    for path in ("hf", "own"):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             if path == "hf":
                 logits = model(input_ids=ids, position_ids=pos).logits
             else:
-                lean = D.Lean.of(model)
-                logits = lean.logits(lean.forward(ids, lean.rope(pos), None))
+                logits = own.logits(own.hidden(ids, pos))
         (logits.float() * w).sum().backward()
-        out[path] = logits.float().detach(), grads(model)
-    (want, want_grads), (got, got_grads) = out["hf"], out["lean"]
+        out[path] = logits.float().detach(), grads(model if path == "hf" else own)
+    (want, want_grads), (got, got_grads) = out["hf"], out["own"]
     torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())
     for name, gw in want_grads.items():
         assert got_grads[name].dtype == torch.float32
@@ -61,9 +61,9 @@ def test_bf16_autocast_training_pass_is_the_modules(arch):
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama-bias"])
 def test_float32_training_pass_equals_hf(arch):
-    """In float32 the lean pass takes the hand-written RMSNorm backward (HF computes RMSNorm in
+    """In float32 the own module takes the hand-written RMSNorm backward (HF computes RMSNorm in
     float32, so float64 runs never reach it): the same logits, and gradients to float32 rounding."""
-    model, ids, pos, w = _case(arch, seed=6)
+    model, own, ids, pos, w = _case(arch, seed=6)
     want = model(input_ids=ids, position_ids=pos).logits
     (want * w).sum().backward()
     want_grads = grads(model)
@@ -71,47 +71,11 @@ def test_float32_training_pass_equals_hf(arch):
     apply = D._RMSNorm.apply
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(D._RMSNorm, "apply", lambda *a: calls.append(1) or apply(*a))
-        lean = D.Lean.of(model)
-        got = lean.logits(lean.forward(ids, lean.rope(pos), None))
+        got = own.logits(own.hidden(ids, pos))
     (got * w).sum().backward()
-    got_grads = grads(model)
-    assert len(calls) == 2 * len(lean.layers) + 1 + (2 * len(lean.layers) if arch == "qwen3" else 0)
+    got_grads = grads(own)
+    layers = len(own.model.layers)
+    assert len(calls) == 2 * layers + 1 + (2 * layers if arch == "qwen3" else 0)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     for name, gw in want_grads.items():
         torch.testing.assert_close(got_grads[name], gw, rtol=0, atol=1e-5 * gw.abs().max().item(), msg=name)
-
-
-@pytest.mark.parametrize("arch", ["qwen2", "qwen2-tied", "llama-bias", "llama-mha", "llama-yarn", "mistral"])
-def test_quick_step_equals_the_forward_step(arch):
-    """`Lean.step` (the decode step in fewer ops) gives `forward`'s logits and writes the same
-    keys/values, at a growing width (int column) and at the buffers' whole width (tensor column),
-    rows masking different columns, to float64 rounding."""
-    model_type, kw = ARCHS[arch]
-    model = tiny(model_type, **kw)
-    g = torch.Generator().manual_seed(4)
-    ids = torch.randint(2, VOCAB, (3, 7), generator=g)
-    pos = torch.arange(7).expand(3, 7)
-    with torch.no_grad():
-        lean = D.Lean(model, decoding=True)
-        assert lean.quick()
-        cos, sin = (t[0] for t in lean.rope(torch.arange(9)[None]))  # (9, d)
-        prefix = lean.new_kv(3, 9)
-        prefix.keys.zero_(), prefix.values.zero_()  # as the fixed-shape decoder: no NaN in unwritten columns
-        lean.forward(ids[:, :6], lean.rope(pos[:, :6]), None, kv=prefix)
-        mask = torch.ones(3, 9, dtype=torch.bool)
-        mask[1, 2] = mask[2, :3] = False  # rows attend different columns
-        mask[:, 7:] = False
-        want_kv = lean.new_kv(3, 9)
-        want_kv.keys.copy_(prefix.keys), want_kv.values.copy_(prefix.values)
-        want = lean.logits(lean.forward(ids[:, 6:], lean.rope(pos[:, 6:]), mask[:, None, None, :7], kv=want_kv,
-                                        start=6)[:, -1])  # (3, V)
-        for col, cols in ((6, 7), (torch.tensor([6]), 9)):
-            kv = lean.new_kv(3, 9)
-            kv.keys.copy_(prefix.keys), kv.values.copy_(prefix.values)
-            got = lean.step(ids[:, 6], cos[pos[:, 6]], sin[pos[:, 6]], mask[:, :cols], kv, col)
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-            torch.testing.assert_close(kv.keys[:, :, :, :7], want_kv.keys[:, :, :, :7], rtol=0, atol=1e-14)
-            torch.testing.assert_close(kv.values[:, :, :, :7], want_kv.values[:, :, :, :7], rtol=0, atol=1e-14)
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
-        assert not D.Lean(model, decoding=True).quick()  # autocast: `forward`, which casts as the module
-    assert not D.Lean(tiny("qwen3", head_dim=16), decoding=True).quick()  # per-head q/k norms: `forward`

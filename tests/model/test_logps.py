@@ -1,99 +1,112 @@
-"""The log-prob layouts (aligned and left-packed on the HF module, left-packed on the lean decoder)
-give the same numbers; the cost model picks between the HF ones."""
+"""The one packer: every layout it can choose (plain rows; units or single rows packed under a tree
+mask) gives the Hugging Face module's per-row log-probs and gradients (float64), and its rule
+picks the cheaper layout by multiply-adds."""
+import pytest
 import torch
 
 from preftune.model import llama as D, logps as L
-from tests.algorithms.test_grpo_step import synthetic_rollout
+from preftune.model.head import token_logps
+from tests.model.test_llama import VOCAB, grads, tiny
+
+LAYOUTS = {"plain": 1e9, "packed": 0.0}  # logps.MASKED: the cost factor of masked attention
 
 
-def _run(model, ro):
+def _batch(seed: int = 0):
+    """Rows with left-padded prompts in runs (GRPO groups, a DPO pair, lone rows), completions of
+    uneven lengths, one empty."""
+    from preftune.data.tensors import left_pad, right_pad
+
+    g = torch.Generator().manual_seed(seed)
+    prompts, comps = [], []
+    for n, runs in ((9, 3), (4, 2), (6, 1), (2, 1), (11, 4)):
+        p = torch.randint(3, VOCAB, (n,), generator=g).tolist()
+        for _ in range(runs):
+            prompts.append(p)
+            comps.append(torch.randint(3, VOCAB, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist())
+    comps[5] = []  # a row with no completion token
+    (p_ids, p_mask), (c_ids, c_mask) = left_pad(prompts, 0), right_pad(comps, 0)
+    return p_ids, p_mask, c_ids, c_mask, L.Rows.of(prompts, [len(c) for c in comps])
+
+
+def _reference(hf, p_ids, p_mask, c_ids, c_mask):
+    """Each row alone through the Hugging Face module, unpadded."""
+    out = torch.zeros(c_ids.shape, dtype=torch.float64)
+    for i in range(p_ids.size(0)):
+        p, c = p_ids[i][p_mask[i].bool()], c_ids[i][c_mask[i].bool()]
+        if len(c):
+            logits = hf(input_ids=torch.cat([p, c])[None]).logits[0, len(p) - 1:-1]
+            out[i, :len(c)] = logits.log_softmax(-1).gather(1, c[:, None])[:, 0]
+    return out
+
+
+def float64_norms(monkeypatch):
+    """RMSNorm in the input's dtype, in both modules: HF computes it in float32 even for a float64
+    model, which would cap a comparison of layouts that sum gradients in other orders at float32."""
+    from transformers.models.qwen2 import modeling_qwen2
+    from transformers.models.qwen3 import modeling_qwen3
+
+    def f64(self, h):
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    for cls in (modeling_qwen2.Qwen2RMSNorm, modeling_qwen3.Qwen3RMSNorm):
+        monkeypatch.setattr(cls, "forward", f64)
+    monkeypatch.setattr(D, "rms", lambda x, w, eps: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_every_layout_gives_the_modules_logps_and_gradients(arch, layout, monkeypatch):
+    float64_norms(monkeypatch)
+    hf = tiny(arch, **({"head_dim": 16} if arch == "qwen3" else {}))
+    own = D.Llama.of(hf)
+    p_ids, p_mask, c_ids, c_mask, rows = _batch()
+    w = torch.randn(c_ids.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * c_mask
+    want = _reference(hf, p_ids, p_mask, c_ids, c_mask)
+    (want * w).sum().backward()
+    want_grads = grads(hf)
+    monkeypatch.setattr(L, "MASKED", LAYOUTS[layout])
+    plan = L._plan(rows, p_ids.size(1), c_ids.size(1), own.config)
+    assert (plan.segment is None) == (layout == "plain")
+    got, entropy = L.completion_logps(own, p_ids, p_mask, c_ids, c_mask, rows=rows, with_entropy=True)
+    (got * w).sum().backward()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    assert (got[~c_mask.bool()] == 0).all() and entropy.shape == got.shape
+    for name, g in grads(own).items():
+        torch.testing.assert_close(g, want_grads[name], rtol=0, atol=1e-10 * want_grads[name].abs().max().item())
+
+
+def test_the_module_path_gives_the_same_logps(hf_model, model):
+    """`model.lean_forward: false`: the Hugging Face module over [prompt | completion] rows."""
+    p_ids, p_mask, c_ids, c_mask, rows = _batch(1)
     with torch.no_grad():
-        return L.completion_logps(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask,
-                                  with_entropy=True)
+        a, ea = L.completion_logps(hf_model, p_ids, p_mask, c_ids, c_mask, with_entropy=True)
+        b, eb = L.completion_logps(model, p_ids, p_mask, c_ids, c_mask, rows=rows, with_entropy=True)
+    torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+    torch.testing.assert_close(ea, eb, rtol=0, atol=2e-5)
 
 
-def test_packed_and_aligned_layouts_agree(model, tokenizer, monkeypatch):
-    model.eval()
-    ro = synthetic_rollout(tokenizer)
-    assert D.supported(model)
-    monkeypatch.setattr(L, "shared_pays", lambda *a: False)  # the per-row layouts (these rows share prompts)
-    lean = _run(model, ro)  # the lean decoder replays this model: it takes the per-row pass
-    monkeypatch.setattr(D, "supported", lambda m: False)  # the HF module's forward
-    monkeypatch.setattr(L, "prefer_packed", lambda *a: True)
-    packed = _run(model, ro)
-    monkeypatch.setattr(L, "prefer_packed", lambda *a: False)
-    aligned = _run(model, ro)
-    mask = ro.completion_mask.bool()
-    for a, b, c in zip(packed, aligned, lean):
-        torch.testing.assert_close(a[mask], b[mask], rtol=0, atol=2e-5)
-        torch.testing.assert_close(c[mask], b[mask], rtol=0, atol=2e-5)
+def test_the_rule_shares_long_prompts_and_packs_uneven_rows():
+    config = type("C", (), {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 256})()
+    group = L.Rows([200] * 16, [16] * 16, [1] * 16)  # a GRPO group: 200-token prompt, 16 short completions
+    plan = L._plan(group, 200, 16, config)
+    assert plan.segment is not None and plan.rows * plan.width < 2 * (200 + 16 * 16)  # the prompt once
+    even = L.Rows([10] * 8, [10] * 8, list(range(1, 9)))  # no prompt shared, equal lengths: plain rows
+    assert L._plan(even, 10, 10, config).segment is None
+    uneven = L.Rows([4, 4, 4, 60], [2, 2, 2, 60], [1, 2, 3, 4])  # three short rows fit beside the long one
+    plan = L._plan(uneven, 60, 60, config)
+    assert plan.segment is not None and plan.rows < 4
+    assert L._plan(group, 200, 16, config, pack=False).segment is None  # sft.packing: false
 
 
-def test_packing_shrinks_the_width_of_uneven_rows(tokenizer):
-    ro = synthetic_rollout(tokenizer)
-    short = ro.completion_mask.clone()
-    short[:, 2:] = 0  # every completion at most 2 tokens: the longest row is now shorter than P+T
-    width = L.Rows.read(ro.prompt_ids, ro.prompt_mask, short).width
-    ids, mask, start = L.pack_left(ro.prompt_ids, ro.prompt_mask, ro.completion_ids, short, width)
-    assert ids.size(1) < ro.prompt_ids.size(1) + ro.completion_ids.size(1)
-    assert torch.equal(start, ro.prompt_mask.sum(1))
-    for i in range(ids.size(0)):  # each row keeps its tokens, in order, then padding
-        want = torch.cat([ro.prompt_ids[i][ro.prompt_mask[i].bool()], ro.completion_ids[i][short[i].bool()]])
-        assert torch.equal(ids[i, :len(want)], want) and mask[i, :len(want)].all() and not mask[i, len(want):].any()
-
-
-def test_cost_model_weighs_width_against_vocabulary():
-    cfg = type("C", (), {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 256})()
-    cfg.vocab_size = 10**7  # the lm_head dominates: keep the narrow logits (aligned)
-    assert not L.prefer_packed(cfg, width=30, keep=25, P=30, T=10)
-    cfg.vocab_size = 100  # the decoder dominates: the narrower sequence wins (packed)
-    assert L.prefer_packed(cfg, width=30, keep=25, P=30, T=10)
-    assert L.prefer_packed(None, width=30, keep=11, P=30, T=10) and not L.prefer_packed(None, 30, 12, 30, 10)
-
-
-def test_lean_rows_train_as_the_module(model, tokenizer, monkeypatch):
-    """With grad in float32 (the hand-written RMSNorm and RoPE backward passes): the lean per-row
-    pass gives the HF module's log-probs and gradients, to float32 rounding."""
-    ro = synthetic_rollout(tokenizer)
-    monkeypatch.setattr(L, "shared_pays", lambda *a: False)
-    calls = []
-    lean_hidden = L._lean_hidden
-    monkeypatch.setattr(L, "_lean_hidden", lambda *a: calls.append(1) or lean_hidden(*a))
-    out = []
-    for supported in (True, False):
-        with monkeypatch.context() as m:
-            if not supported:
-                m.setattr(D, "supported", lambda model: False)
-            model.zero_grad(set_to_none=True)
-            lp, _ = L.completion_logps(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
-            (lp * ro.completion_mask).sum().backward()
-            out.append((lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
-    model.zero_grad(set_to_none=True)
-    assert calls == [1]  # the first pass was the lean one, the second the module's
-    mask = ro.completion_mask.bool()
-    torch.testing.assert_close(out[0][0][mask], out[1][0][mask], rtol=0, atol=2e-5)
-    scale = out[1][1].abs().max().item()
-    assert scale > 0
-    torch.testing.assert_close(out[0][1], out[1][1], rtol=0, atol=1e-5 * scale)
-
-
-def test_hf_mask_is_built_on_the_device_not_read():
-    """The mask handed to the HF module: none without left padding (plain causal attention), else
-    SDPA's 4-D boolean mask by hand (real keys up to the query's column, and the query itself),
-    or the 2-D mask for other attention kernels."""
-    sdpa = type("M", (), {"config": type("C", (), {"_attn_implementation": "sdpa"})()})()
-    eager = type("M", (), {"config": type("C", (), {"_attn_implementation": "eager"})()})()
-    keys = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 0]])  # row 0 left-padded; row 1 ends in a padded completion token
-    assert L._hf_mask(sdpa, keys, 4, left_padded=False) is None
-    assert L._hf_mask(eager, keys, 4, left_padded=True) is keys
-    got = L._hf_mask(sdpa, keys, 2, left_padded=True)  # the last 2 columns query
-    want = torch.tensor([[[[0, 1, 1, 0], [0, 1, 1, 1]]], [[[1, 1, 1, 0], [1, 1, 1, 1]]]], dtype=torch.bool)
-    assert got.shape == (2, 1, 2, 4) and torch.equal(got, want)
+def test_pack_rows_first_fit_decreasing():
+    rows, width = L.pack_rows([5, 4, 3, 2, 6], 9)
+    assert sorted(map(sorted, rows)) == [[0, 1], [2, 4], [3]] and width == 9
+    assert L.pack_rows([9, 1])[0] == [[0], [1]] and L.pack_rows([], 4) == ([], 1)
 
 
 def test_sliding_window_models_keep_their_window():
-    """A sliding-window model takes the HF module's forward (the lean decoder refuses it), and HF hands
-    a 4-D mask to every layer unchanged: it gets the 2-D mask, so left-padded rows keep their window."""
+    """A sliding-window model takes the HF module's forward with the 2-D mask, so left-padded rows
+    keep their window."""
     from transformers import MistralConfig, MistralForCausalLM
 
     from preftune.data.tensors import positions_from_mask
@@ -102,7 +115,7 @@ def test_sliding_window_models_keep_their_window():
     cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, sliding_window=3, attn_implementation="sdpa")
     model = MistralForCausalLM(cfg).eval()
-    assert not D.supported(model) and not L._full_attention(model.config)
+    assert D.unsupported(model.config)
     p_ids, c_ids = torch.randint(3, 64, (2, 6)), torch.randint(3, 64, (2, 5))
     p_mask, c_mask = torch.ones(2, 6, dtype=torch.long), torch.ones(2, 5, dtype=torch.long)
     p_mask[1, :2] = 0  # row 1 left-padded
@@ -110,11 +123,8 @@ def test_sliding_window_models_keep_their_window():
         got, _ = L.completion_logps(model, p_ids, p_mask, c_ids, c_mask)
         ids, attn = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
         logits = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn)).logits.float()
-    want, _ = L.token_logps(logits[:, p_ids.size(1) - 1:-1], c_ids)
+    want, _ = token_logps(logits[:, p_ids.size(1) - 1:-1], c_ids)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    full = type("C", (), {"layer_types": ["full_attention"] * 2})()
-    assert L._full_attention(full) and L._full_attention(type("C", (), {})())
-    assert not L._full_attention(type("C", (), {"layer_types": ["full_attention", "sliding_attention"]})())
 
 
 def test_rows_of_token_lists_equal_rows_read_from_the_padded_tensors():

@@ -1,6 +1,6 @@
-"""Less work, same update (float64): shared prompt passes and skipped zero-advantage rows give the
-gradients and losses of the plain per-row computation, for every loss type, with and without a
-reference model."""
+"""Less work, same update (float64): packed rows with each prompt once, and skipped zero-advantage
+rows, give the gradients and losses of the plain per-row computation, for every loss type, with
+and without a reference model; DPO pairs and LoRA too."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,28 +12,22 @@ from preftune.algorithms.grpo import GRPOBatch, grpo_step, reference_logps, trai
 from preftune.config import GRPOConfig
 from preftune.model import llama as D, logps as L
 from tests.conftest import MODEL_DIR
+from tests.model.test_logps import LAYOUTS
 from tests.algorithms.test_grpo_step import N, T, perturbed, run_step, synthetic_rollout
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]
 
 
-def _rms_norm_f64(self, h):
-    """Qwen2's RMSNorm in the input's dtype (HF computes it in float32 even for a float64 model,
-    which would cap any comparison at float32 rounding)."""
-    return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-
 @pytest.fixture(scope="module")
 def setup(tokenizer):
-    """A float64 model, and a batch with old and reference log-probs from perturbed copies."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.qwen2 import modeling_qwen2
+    """A float64 model (RMSNorm in float64: HF's computes in float32 even then, which would cap any
+    comparison of summation orders at float32 rounding), and a batch with old and reference
+    log-probs from perturbed copies."""
+    from transformers import AutoConfig
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", _rms_norm_f64)
-    mp.setattr(D.Lean, "rms", lambda self, h, weight: weight * (
-        h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)))  # the lean decoder's too
-    model = AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float64)
+    mp.setattr(D, "rms", lambda x, w, eps: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)))
+    model = D.Llama.from_pretrained(MODEL_DIR, AutoConfig.from_pretrained(str(MODEL_DIR)), dtype=torch.float64)
     ro = synthetic_rollout(tokenizer)
     cfg = GRPOConfig(micro_batch_size=N)
     ro.old_logps = reference_logps(perturbed(model, 0.03, seed=1), ro, cfg)
@@ -62,37 +56,32 @@ def test_prompt_groups_are_runs_of_equal_prompts():
     cmask = torch.ones(6, 3, dtype=torch.long)
     cmask[1, 2:] = 0
     rows = L.Rows.read(ids, mask, cmask)
-    assert rows.groups() == [3, 3] and rows.prompt == [1, 1, 1, 2, 2, 2] and rows.completion == [3, 2, 3, 3, 3, 3]
-    assert rows[2:4].groups() is None and L.Rows.read(ids[2:4], mask[2:4], cmask[2:4]).groups() is None
-    assert rows[:1].groups() is None and rows[[0, 2, 3]].groups() == [2, 1]  # picked rows keep their runs
+    assert rows.units() == [[0, 1, 2], [3, 4, 5]] and rows.prompt == [1, 1, 1, 2, 2, 2]
+    assert rows.completion == [3, 2, 3, 3, 3, 3] and rows[2:4].units() == [[0], [1]]
+    assert rows[[0, 2, 3]].units() == [[0, 1], [2]]  # picked rows keep their runs
     assert rows.width == 5
     # built on the host from token lists: the same runs
     assert L.Rows.of([[5], [5], [5], [7, 7], [7, 7], [7, 7]], [3, 2, 3, 3, 3, 3]) == rows
 
 
-def test_shared_layout_equals_per_row_forward(setup):
-    """Log-probs, entropy and their gradient: shared prompt == the lean decoder's packed rows == the
-    HF module's aligned and packed rows, to float64 rounding."""
+def test_packed_layout_equals_plain_rows(setup, monkeypatch):
+    """Log-probs, entropy and their gradient: each prompt once in packed rows == plain rows, to
+    float64 rounding."""
     model, batch = setup
     ro = batch.rollout
     out = {}
-    for layout in ("shared", "lean", "aligned", "packed"):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(L, "shared_pays", lambda *a, _l=layout: _l == "shared")
-            mp.setattr(L, "prefer_packed", lambda *a, _l=layout: _l == "packed")
-            if layout in ("aligned", "packed"):
-                mp.setattr(D, "supported", lambda m: False)
-            model.zero_grad(set_to_none=True)
-            lp, ent = L.completion_logps(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
-                                         ro.completion_mask, temperature=0.7, with_entropy=True)
-            (lp * ro.completion_mask).sum().backward()
-            out[layout] = (lp.detach(), ent, torch.cat([p.grad.flatten() for p in model.parameters()]))
+    for layout, masked in LAYOUTS.items():
+        monkeypatch.setattr(L, "MASKED", masked)
+        model.zero_grad(set_to_none=True)
+        lp, ent = L.completion_logps(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
+                                     ro.completion_mask, temperature=0.7, with_entropy=True)
+        (lp * ro.completion_mask).sum().backward()
+        out[layout] = (lp.detach(), ent, torch.cat([p.grad.flatten() for p in model.parameters()]))
     m = ro.completion_mask.bool()
-    for layout in ("lean", "aligned", "packed"):
-        for x, y in zip(out["shared"][:2], out[layout][:2]):
-            torch.testing.assert_close(x[m], y[m], rtol=0, atol=1e-12)
-        g = out[layout][2]
-        torch.testing.assert_close(out["shared"][2], g, rtol=0, atol=1e-11 * g.abs().max().item())
+    for x, y in zip(out["packed"][:2], out["plain"][:2]):
+        torch.testing.assert_close(x[m], y[m], rtol=0, atol=1e-12)
+    g = out["plain"][2]
+    torch.testing.assert_close(out["packed"][2], g, rtol=0, atol=1e-11 * g.abs().max().item())
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.04])
@@ -104,9 +93,9 @@ def test_shared_prompt_step_equals_unshared(setup, loss_type, beta, monkeypatch)
     if beta == 0:
         batch = dataclasses.replace(batch, ref_logps=None)
     for mb in (N, 5):
-        monkeypatch.setattr(L, "shared_pays", lambda *a: True)
+        monkeypatch.setattr(L, "MASKED", LAYOUTS["packed"])
         shared, m_shared = run_step(model, batch, dataclasses.replace(cfg, micro_batch_size=mb))
-        monkeypatch.setattr(L, "shared_pays", lambda *a: False)
+        monkeypatch.setattr(L, "MASKED", LAYOUTS["plain"])
         plain, m_plain = run_step(model, batch, dataclasses.replace(cfg, micro_batch_size=mb))
         _compare(shared, plain, m_shared, m_plain)
 
@@ -114,10 +103,10 @@ def test_shared_prompt_step_equals_unshared(setup, loss_type, beta, monkeypatch)
 def test_reference_pass_shares_prompts(setup, monkeypatch):
     model, batch = setup
     cfg = GRPOConfig(micro_batch_size=5)
-    monkeypatch.setattr(L, "shared_pays", lambda *a: True)
+    monkeypatch.setattr(L, "MASKED", LAYOUTS["packed"])
     shared = reference_logps(model, batch.rollout, cfg)
     assert not shared.requires_grad  # no autograd state in the reference pass
-    monkeypatch.setattr(L, "shared_pays", lambda *a: False)
+    monkeypatch.setattr(L, "MASKED", LAYOUTS["plain"])
     plain = reference_logps(model, batch.rollout, cfg)
     m = batch.rollout.completion_mask.bool()
     torch.testing.assert_close(shared[m], plain[m], rtol=0, atol=1e-12)
@@ -166,17 +155,9 @@ def test_all_rows_skipped_still_gives_zero_gradients(setup):
     model.zero_grad(set_to_none=True)
 
 
-def test_cost_model_prefers_sharing_long_prompts(setup):
-    model, _ = setup
-    rows = L.Rows([40] * 64, [8] * 64, [i // 8 for i in range(64)])  # 8 prompts of 40 tokens, G = 8
-    assert L.shared_pays(model, rows, 40, 8, 8)
-    assert not L.shared_pays(model, rows, 40, 8, 64)  # every prompt distinct: nothing to share
-
-
-def test_dpo_pairs_share_prompt_and_buckets_change_nothing(setup, tokenizer, monkeypatch):
-    """DPO: chosen and rejected run on one prompt pass, in length buckets; the summed log-probs and
-    their gradient equal one padded forward of the 2b unshared rows."""
-    import preftune.algorithms.dpo as dpo
+def test_dpo_pairs_share_their_prompt(setup, tokenizer, monkeypatch):
+    """DPO: chosen and rejected as branches of one prompt pass; the summed log-probs and their
+    gradient equal plain rows."""
     from preftune.algorithms.dpo import EncodedPair, sequence_logps
 
     model, _ = setup
@@ -184,30 +165,18 @@ def test_dpo_pairs_share_prompt_and_buckets_change_nothing(setup, tokenizer, mon
     toks = lambda n: torch.randint(3, 200, (n,), generator=g).tolist()  # noqa: E731
     pairs = [EncodedPair(toks(2 + 7 * (i % 3)), toks(1 + i % 5), toks(1 + (3 * i) % 11)) for i in range(10)]
 
-    def run(shared: bool, buckets: bool):
-        monkeypatch.setattr(L, "shared_pays", lambda *a: shared)
-        monkeypatch.setattr(dpo, "length_buckets", L.length_buckets if buckets else lambda n: [list(range(len(n)))])
+    def run(layout: str):
+        monkeypatch.setattr(L, "MASKED", LAYOUTS[layout])
         model.zero_grad(set_to_none=True)
         lp, lengths = sequence_logps(model, pairs, tokenizer.pad_token_id, "cpu")
         (lp * torch.linspace(-1, 1, lp.numel(), dtype=lp.dtype)).sum().backward()
         return lp.detach(), lengths, torch.cat([p.grad.flatten() for p in model.parameters()])
 
-    want = run(False, False)
+    want, got = run("plain"), run("packed")
     assert want[1].tolist() == [len(p.chosen) for p in pairs] + [len(p.rejected) for p in pairs]
-    for shared, buckets in ((True, False), (True, True), (False, True)):
-        got = run(shared, buckets)
-        torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-11)
-        assert torch.equal(got[1], want[1])
-        torch.testing.assert_close(got[2], want[2], rtol=0, atol=1e-11 * want[2].abs().max().item())
-
-
-def test_length_buckets_cut_padding():
-    lengths = [5, 50, 6, 48, 7, 5, 52, 6, 49, 51]
-    buckets = L.length_buckets(lengths, slack=0.25, min_rows=2)
-    assert sorted(i for b in buckets for i in b) == list(range(10))
-    padded = sum(len(b) * max(lengths[i] for i in b) for b in buckets)
-    assert padded <= 1.25 * sum(lengths) < len(lengths) * max(lengths)
-    assert L.length_buckets([3, 9], min_rows=4) == [[0, 1]]  # too few rows for a second forward
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-11)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2], rtol=0, atol=1e-11 * want[2].abs().max().item())
 
 
 def test_shared_prompts_with_lora_and_its_reference(tokenizer, monkeypatch):
@@ -222,8 +191,8 @@ def test_shared_prompts_with_lora_and_its_reference(tokenizer, monkeypatch):
                 p.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
     ro = synthetic_rollout(tokenizer)
     out = []
-    for shared in (True, False):
-        monkeypatch.setattr(L, "shared_pays", lambda *a, _s=shared: _s)
+    for layout in ("packed", "plain"):
+        monkeypatch.setattr(L, "MASKED", LAYOUTS[layout])
         model.zero_grad(set_to_none=True)
         lp, _ = L.completion_logps(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
         (lp * ro.completion_mask).sum().backward()

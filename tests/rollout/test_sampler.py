@@ -75,15 +75,17 @@ def test_mask_eos_pad_and_truncated_flags(model, tokenizer):
     _check_eos_layout(full, eos, pad, L)
 
 
-def test_greedy_matches_hf_generate_per_prompt(model, tokenizer):
-    """Positions come from the mask, so a left-padded batch must decode like each prompt alone."""
+@pytest.mark.parametrize("module", ["own", "hf"])
+def test_greedy_matches_hf_generate_per_prompt(model, hf_model, tokenizer, module):
+    """Positions come from the mask, so a left-padded batch must decode like each prompt alone, on
+    either module, as the Hugging Face module's `generate` does."""
     eos, T = tokenizer.eos_token_id, 6
-    ro = _sample(model, tokenizer, max_new_tokens=T, greedy=True)
-    model.eval()
+    ro = _sample(model if module == "own" else hf_model, tokenizer, max_new_tokens=T, greedy=True)
+    hf_model.eval()
     for i, p in enumerate(PROMPTS):
         ids = torch.tensor([tokenizer(p).input_ids])
         with torch.no_grad():
-            ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=T,
+            ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=T,
                                  eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)[0, ids.size(1):].tolist()
         ref = ref[:ref.index(eos) + 1] if eos in ref else ref
         ours = ro.completion_ids[i][ro.completion_mask[i].bool()].tolist()
@@ -208,25 +210,24 @@ def test_gumbel_draw_follows_the_softmax():
     assert torch.equal(draw(logits, 0.8, 0, 1.0, True, g), torch.zeros(40000, dtype=torch.long))
 
 
-@pytest.mark.parametrize("forward", ["lean", "hf"])
-def test_finished_rows_leave_the_batch(model, tokenizer, monkeypatch, forward):
+@pytest.mark.parametrize("forward", ["own", "hf"])
+def test_finished_rows_leave_the_batch(model, hf_model, tokenizer, monkeypatch, forward):
     """Rows that emitted EOS stop being run (compaction), and the result still matches per-prompt
     greedy decoding (the HF-generate parity test above covers the tokens themselves), with
-    preftune's lean decoder and with the HF module's forward."""
-    import preftune.model.llama as decoder
+    preftune's own module and with the HF module."""
+    from preftune.model.llama import Llama
 
     sizes = []
     if forward == "hf":
-        monkeypatch.setattr(decoder, "supported", lambda m: False)
+        model = hf_model
         handle = model.register_forward_pre_hook(lambda m, a, kw: sizes.append(kw["input_ids"].size(0)),
                                                  with_kwargs=True)
     else:
-        assert decoder.supported(model)
-        lean_forward, lean_step = decoder.Lean.forward, decoder.Lean.step  # prefill, decode steps
-        monkeypatch.setattr(decoder.Lean, "forward", lambda self, ids, *a, **k: sizes.append(ids.size(0))
-                            or lean_forward(self, ids, *a, **k))
-        monkeypatch.setattr(decoder.Lean, "step", lambda self, tok, *a, **k: sizes.append(tok.size(0))
-                            or lean_step(self, tok, *a, **k))
+        hidden, step = Llama.hidden, Llama.step  # prefill, decode steps
+        monkeypatch.setattr(Llama, "hidden", lambda self, ids, *a, **k: sizes.append(ids.size(0))
+                            or hidden(self, ids, *a, **k))
+        monkeypatch.setattr(Llama, "step", lambda self, tok, *a, **k: sizes.append(tok.size(0))
+                            or step(self, tok, *a, **k))
         handle = None
     try:
         ro = _sample(model, tokenizer, num_generations=2, max_new_tokens=8, greedy=True)
@@ -243,33 +244,57 @@ def test_finished_rows_leave_the_batch(model, tokenizer, monkeypatch, forward):
         assert n >= int((lengths > t).sum())
 
 
-@pytest.mark.parametrize("forward", ["lean", "hf"])
-def test_decoding_runs_in_inference_mode_and_hands_back_normal_tensors(model, tokenizer, monkeypatch, forward):
-    """The lean decoder's steps run under inference mode (no autograd bookkeeping per op); the HF
+@pytest.mark.parametrize("forward", ["own", "hf"])
+def test_decoding_runs_in_inference_mode_and_hands_back_normal_tensors(model, hf_model, tokenizer, monkeypatch,
+                                                                       forward):
+    """The own module's steps run under inference mode (no autograd bookkeeping per op); the HF
     module's do not (its hooks may keep what they make), and neither runs with grad. Either way the
     rollout is made of normal tensors, which a training pass can save for its backward (an
     inference tensor would raise), and the tokens are those of a plain no-grad decode."""
-    import preftune.model.llama as decoder
     import preftune.rollout.sampler as sampler
 
     seen = []
-    if forward == "hf":
-        monkeypatch.setattr(decoder, "supported", lambda m: False)
-        step = sampler._HFDecoder.step
-        monkeypatch.setattr(sampler._HFDecoder, "step", lambda self, *a: seen.append(
-            (torch.is_inference_mode_enabled(), torch.is_grad_enabled())) or step(self, *a))
-    else:
-        step = sampler._LeanDecoder.step
-        monkeypatch.setattr(sampler._LeanDecoder, "step", lambda self, *a: seen.append(
-            (torch.is_inference_mode_enabled(), torch.is_grad_enabled())) or step(self, *a))
+    cls = sampler._HFDecoder if forward == "hf" else sampler._OwnDecoder
+    model = hf_model if forward == "hf" else model
+    step = cls.step
+    monkeypatch.setattr(cls, "step", lambda self, *a: seen.append(
+        (torch.is_inference_mode_enabled(), torch.is_grad_enabled())) or step(self, *a))
     ro = _sample(model, tokenizer, num_generations=2, max_new_tokens=6, generator=torch.Generator().manual_seed(3))
-    assert seen and set(seen) == {(forward == "lean", False)}  # never with grad
+    assert seen and set(seen) == {(forward == "own", False)}  # never with grad
     for t in (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask, ro.truncated):
         assert not t.is_inference()
-    monkeypatch.setattr(sampler._LeanDecoder, "inference", False)
+    init = cls.__init__
+    monkeypatch.setattr(cls, "__init__", lambda self, *a: init(self, *a) or setattr(self, "inference", False))
     plain = _sample(model, tokenizer, num_generations=2, max_new_tokens=6, generator=torch.Generator().manual_seed(3))
     assert torch.equal(plain.completion_ids, ro.completion_ids)
-    logits = model(input_ids=torch.cat([ro.prompt_ids, ro.completion_ids], 1)).logits  # embedding saves the ids
-    logits.float().logsumexp(-1).sum().backward()
-    assert model.get_input_embeddings().weight.grad is not None
+    emb = model.get_input_embeddings() if forward == "hf" else model.model.embed_tokens
+    (emb(torch.cat([ro.prompt_ids, ro.completion_ids], 1)).sum()).backward()  # the ids can be saved for backward
+    assert emb.weight.grad is not None
     model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(num_generations=3, max_new_tokens=8, temperature=1.3),
+    dict(num_generations=2, max_new_tokens=7, temperature=1.0, top_k=5, top_p=0.9),
+    dict(num_generations=1, max_new_tokens=6, greedy=True),
+    dict(num_generations=2, max_new_tokens=1),
+], ids=["sample", "top_k_top_p", "greedy", "one_token"])
+def test_own_and_hf_modules_give_the_same_rollout(tokenizer, kw):
+    """The same weights (float64) sample the same tokens through either decoder, rows leaving the
+    batch as they finish."""
+    from transformers import AutoModelForCausalLM
+
+    from preftune.model.llama import Llama
+    from tests.conftest import MODEL_DIR
+
+    hf = AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float64)
+    own = Llama.of(hf)
+    ids, mask = _encode(tokenizer, PROMPTS + ["7+8=", "1+1=", "13+2="])
+    assert (mask == 0).any()
+    got, want = (sample(m, ids, mask, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                        generator=torch.Generator().manual_seed(11), **kw) for m in (own, hf))
+    for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"):
+        assert torch.equal(getattr(got, k), getattr(want, k)), k
+    if kw["max_new_tokens"] > 1:
+        lengths = got.completion_mask.sum(1)
+        assert (~got.truncated).any() and lengths.min() < lengths.max()
