@@ -104,7 +104,8 @@ def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig, dp=None) -> GRPOBatc
     device = next(model.parameters()).device
     ro = s.rollout.to(device)
     whole, lengths, truncated, offset = global_view(s, dp)
-    adv = group_advantages(whole.total, whole.group_sizes, scale_rewards=cfg.scale_rewards)  # (N_global,)
+    adv = group_advantages(whole.total, whole.group_sizes, estimator=cfg.advantage_estimator,
+                           scale_rewards=cfg.scale_rewards)  # (N_global,)
     adv = adv[offset:offset + ro.completion_ids.size(0)]  # (N_rank,)
     # old log-probs (num_iterations > 1) are not a pass of their own: the batch's first step runs the
     # same weights with grad and records them (`grpo_step`)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from preftune.config.fields import internal, knob, section
-from preftune.losses.names import DPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS
+from preftune.losses.names import (ADVANTAGE_ESTIMATORS, DPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES,
+                                   SCALE_REWARDS)
 
 # log.report_to's names -> (module that must be importable, pip extra that installs it)
 TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
@@ -103,9 +104,13 @@ class GRPOConfig:
         None, "one weight per function (null = all 1)", range="(-inf, inf)", peer="TRL reward_weights")
     overlong_buffer_len: int = knob(
         0, "L_cache of soft_overlong", range="[0, inf)", peer="TRL soft_punish_cache; verl overlong_buffer.len")
+    advantage_estimator: str = knob(
+        "grpo", "the advantage's baseline: grpo (group mean), rloo (leave-one-out mean), "
+        "reinforce_plus_plus_baseline (group mean, then batch whitening)", choices=ADVANTAGE_ESTIMATORS,
+        peer="verl algorithm.adv_estimator; TRL RLOOTrainer; NeMo-RL use_leave_one_out_baseline")
     scale_rewards: str = knob(
-        "group", "std used in the advantage: group, batch, none", choices=SCALE_REWARDS,
-        peer="TRL scale_rewards; NeMo-RL use_leave_one_out_baseline/normalize_rewards")
+        "group", "std the grpo estimator's advantage is divided by: group, batch, none", choices=SCALE_REWARDS,
+        peer="TRL scale_rewards; NeMo-RL normalize_rewards; verl norm_adv_by_std_in_grpo")
     loss_type: str = knob(
         "dapo", "the loss: surrogate and aggregation (docs/algorithms.md)", choices=LOSS_TYPES, peer="TRL loss_type")
     beta: float = knob(
