@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from preftune.config.fields import internal, knob, section
-from preftune.losses.names import (ADVANTAGE_ESTIMATORS, DPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES,
-                                   SCALE_REWARDS)
+from preftune.losses.names import (ADVANTAGE_ESTIMATORS, DPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS,
+                                   KTO_LOSS_TYPES, LOSS_TYPES, SCALE_REWARDS)
 
 # log.report_to's names -> (module that must be importable, pip extra that installs it)
 TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
@@ -46,10 +46,10 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Training and evaluation data; trace columns and validation; DPO pairing."""
+    """Training and evaluation data; trace columns and validation; DPO pairing and KTO labels."""
 
     train: str = knob(
-        "", "prompts (online GRPO), labeled traces (DPO, offline GRPO) or a pairs file (DPO)",
+        "", "prompts (online GRPO), labeled traces (DPO, KTO, SFT, offline GRPO) or a pairs file (DPO)",
         peer="TRL train_dataset; NeMo-RL data.train_data_path")
     eval: str | None = knob(None, "held-out prompt set for eval/reward (greedy)", peer="TRL eval_dataset")
     prompt_column: str = knob(
@@ -68,8 +68,8 @@ class DataConfig:
     prompt_truncation: str = knob(
         "left", "longer prompts: left (keep the end), drop, error; counted", choices=("left", "drop", "error"))
     shuffle: bool = knob(True, "shuffle each epoch (seeded)")
-    chosen_min: float = knob(0.7, "DPO chosen: reward >= this", range="(-inf, inf)")
-    rejected_max: float = knob(0.5, "DPO rejected: reward < this", range="(-inf, inf)")
+    chosen_min: float = knob(0.7, "DPO chosen, KTO desirable: reward >= this", range="(-inf, inf)")
+    rejected_max: float = knob(0.5, "DPO rejected, KTO undesirable: reward < this", range="(-inf, inf)")
     pair_strategy: str = knob("best_vs_worst", "best_vs_worst or all_pairs", choices=("best_vs_worst", "all_pairs"))
     max_pairs_per_prompt: int | None = knob(None, "cap for all_pairs", range="[1, inf)")
     min_margin: float = knob(0.0, "skip pairs with a smaller reward margin", range="[0, inf)")
@@ -163,6 +163,25 @@ class DPOConfig:
         peer="TRL per_device_train_batch_size \u00d7 gradient_accumulation_steps")
     micro_batch_size: int = knob(
         16, "pairs per forward/backward", range="[1, inf)", peer="TRL per_device_train_batch_size")
+
+
+@dataclass
+class KTOConfig:
+    """KTO on labeled traces: desirable (reward >= data.chosen_min) or undesirable (< data.rejected_max)."""
+
+    loss_type: str = knob("kto", "kto, or apo_zero_unpaired (no KL reference point)", choices=KTO_LOSS_TYPES,
+                          peer="TRL loss_type")
+    beta: float = knob(0.1, "KTO temperature \u03b2", range="(0, inf)", peer="TRL beta")
+    desirable_weight: float = knob(
+        1.0, "\u03bb_D: weight of the desirable examples' losses", range="(0, inf)", peer="TRL desirable_weight")
+    undesirable_weight: float = knob(
+        1.0, "\u03bb_U: weight of the undesirable examples' losses", range="(0, inf)", peer="TRL undesirable_weight")
+    max_length: int = knob(512, "prompt + response tokens", range="[2, inf)", peer="TRL max_length")
+    batch_size: int = knob(
+        16, "examples per optimiser step; the KL reference point z is taken over them", range="[1, inf)",
+        peer="TRL per_device_train_batch_size \u00d7 gradient_accumulation_steps")
+    micro_batch_size: int = knob(
+        16, "examples per forward/backward", range="[1, inf)", peer="TRL per_device_train_batch_size")
 
 
 @dataclass
@@ -327,7 +346,7 @@ class DeployConfig:
 class Config:
     """A preftune run."""
 
-    algorithm: str = knob("grpo", "grpo, dpo or sft", choices=("grpo", "dpo", "sft"))
+    algorithm: str = knob("grpo", "grpo, dpo, kto or sft", choices=("grpo", "dpo", "kto", "sft"))
     output_dir: str = knob(
         "runs/preftune", "run folder (config.yaml, metrics.jsonl, checkpoints/, final/)", peer="TRL output_dir")
     max_steps: int = knob(100, "optimiser steps", range="[1, inf)", peer="TRL max_steps; NeMo-RL grpo.max_num_steps")
@@ -351,6 +370,7 @@ class Config:
     data: DataConfig = section(DataConfig)
     grpo: GRPOConfig = section(GRPOConfig)
     dpo: DPOConfig = section(DPOConfig)
+    kto: KTOConfig = section(KTOConfig)
     sft: SFTConfig = section(SFTConfig)
     optim: OptimConfig = section(OptimConfig)
     eval: EvalConfig = section(EvalConfig)

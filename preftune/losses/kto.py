@@ -113,5 +113,6 @@ def weight_advice(n_desirable: int, n_undesirable: int, desirable_weight: float,
     u_lo, u_hi = round(n_d * desirable_weight / n_u / 1.33, 2), round(n_d * desirable_weight / n_u, 2)
     if d_lo <= desirable_weight <= d_hi or u_lo <= undesirable_weight <= u_hi:
         return None
-    return (f"{n_d} desirable and {n_u} undesirable examples: the weighted ratio is outside [1, 4/3]; set EITHER "
-            f"kto.desirable_weight in [{d_lo}, {d_hi}] or kto.undesirable_weight in [{u_lo}, {u_hi}] (not both)")
+    return (f"{n_desirable} desirable and {n_undesirable} undesirable examples: the weighted ratio is outside "
+            f"[1, 4/3]; set EITHER kto.desirable_weight in [{d_lo}, {d_hi}] or kto.undesirable_weight in "
+            f"[{u_lo}, {u_hi}] (not both)")
