@@ -294,7 +294,7 @@ class GRPOTask:
             if cfg.eval.split:  # the held-out prompts are for evaluation only
                 n, prompts = len(prompts), split_prompt_set(prompts, cfg.eval.split, held_out=False)
                 held_out = {"held_out_prompts": n - len(prompts)}
-            funcs = load_reward_funcs(self.g.reward_funcs, self.g, cfg.config_dir)
+            funcs = load_reward_funcs(self.g.reward_funcs, self.g, cfg.config_dir, device=device)
             self.source = OnlineSource(self.g, tokenizer, prompts, funcs, device=device, dp=self.dp, **common)
             self.source.state.max_steps = cfg.max_steps  # what TRL's trainer_state.max_steps tells reward functions
             self.data_report = {"prompts": len(prompts)} | held_out

@@ -17,18 +17,11 @@ import torch
 from preftune.atomic import atomic_path
 from preftune.config import Config
 from preftune.distributed import Parallel
+from preftune.model.load import weights_signature
 from preftune.model.logps import microbatches
 
 log = logging.getLogger("preftune")
 CACHE = "ref_logps.pt"
-
-
-def weights_signature(path: str) -> str:
-    """Name, size and mtime of the model's weight files: a folder whose weights were replaced (same path)
-    must not reuse reference log-probs cached for the old weights."""
-    folder = Path(path)
-    files = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")) if folder.is_dir() else []
-    return ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
 
 
 def fingerprint(cfg: Config, rows: Iterable[tuple]) -> str:

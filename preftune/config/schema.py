@@ -99,7 +99,11 @@ class GRPOConfig:
     top_p: float = knob(1.0, "nucleus sampling", range="(0, 1]", peer="TRL top_p")
     top_k: int = knob(0, "top-k sampling (0 = off)", range="[0, inf)", peer="TRL top_k")
     reward_funcs: list[str] = knob(
-        help="built-in names, module:fn or file.py:fn", peer="TRL reward_funcs", factory=lambda: ["accuracy"])
+        help="built-in names, module:fn, file.py:fn or a sequence-classification model folder (a reward model)",
+        peer="TRL reward_funcs", factory=lambda: ["accuracy"])
+    reward_model_batch_size: int = knob(
+        64, "completions per forward of a reward model (a sequence-classification folder in reward_funcs)",
+        range="[1, inf)")
     reward_weights: list[float] | None = knob(
         None, "one weight per function (null = all 1)", range="(-inf, inf)", peer="TRL reward_weights")
     overlong_buffer_len: int = knob(
