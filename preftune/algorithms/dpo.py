@@ -2,21 +2,18 @@
 
 Reference log-probs are computed once, before the first step, with the initial policy (which *is*
 the reference), and cached in OUTPUT_DIR/ref_logps.pt keyed by a fingerprint of the model and the
-tokenised pairs; no reference model is held during training (TRL's `precompute_ref_log_probs`).
-With `dpo.precompute_ref_logps: false` a frozen reference (the base under LoRA adapters) runs on
-each micro-batch instead.
+tokenised pairs (`algorithms/reference.py`); no reference model is held during training (TRL's
+`precompute_ref_log_probs`). With `dpo.precompute_ref_logps: false` a frozen reference (the base
+under LoRA adapters) runs on each micro-batch instead.
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from preftune.atomic import atomic_path
+from preftune.algorithms.reference import cached_reference
 from preftune.config import Config
 from preftune.data.pipeline import load_pairs
 from preftune.data.stream import IndexStream
@@ -27,8 +24,6 @@ from preftune.errors import UserError
 from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
 from preftune.model.load import to_device
 from preftune.model.logps import Rows, completion_logps, microbatches
-
-log = logging.getLogger("preftune")
 
 
 @dataclass
@@ -76,66 +71,16 @@ def sequence_logps(model, batch: list[EncodedPair], pad_id: int, device) -> tupl
     return sums.t().reshape(-1), counts.t().reshape(-1)
 
 
-def _weights_signature(path: str) -> str:
-    """Name, size and mtime of the model's weight files: a folder whose weights were replaced (same path)
-    must not reuse reference log-probs cached for the old weights."""
-    folder = Path(path)
-    files = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")) if folder.is_dir() else []
-    return ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
-
-
-def _fingerprint(cfg: Config, encoded: list[EncodedPair]) -> str:
-    model = cfg.model.name_or_path
-    h = hashlib.sha256(f"{model}|{cfg.model.dtype}|{_weights_signature(model)}".encode())
-    for e in encoded:
-        h.update(repr((e.prompt, e.chosen, e.rejected)).encode())
-    return h.hexdigest()
-
-
 @torch.no_grad()
 def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int, device, *, dp=None) -> torch.Tensor:
-    """(n, 2) reference [chosen, rejected] log-probs, cached in the output folder.
+    """(n, 2) reference [chosen, rejected] log-probs, cached in the output folder (`cached_reference`:
+    each rank its share of the pairs, rank 0 reads and writes the cache)."""
+    def pair_logps(batch: list[EncodedPair]) -> torch.Tensor:
+        lp, _ = sequence_logps(model, batch, pad_id, device)  # (2b,)
+        return torch.stack([lp[:len(batch)], lp[len(batch):]], dim=1)  # (b, 2)
 
-    Rank 0 reads the cache and hands it to every rank; without a valid one each rank computes its
-    contiguous share of the pairs (`dp`: train/distributed.py's Parallel; None: one process, all of
-    them), the shares are gathered in rank order and rank 0 writes the cache (atomically)."""
-    dp = dp or Parallel()
-    cache = Path(cfg.output_dir) / "ref_logps.pt"
-    key = _fingerprint(cfg, encoded) if dp.is_main else None  # only rank 0 reads and writes the cache
-    cached = dp.on_main(lambda: _read_cache(cache, key))
-    if cached is not None:
-        log.info("reference log-probs of %d pairs read from %s", len(cached), cache)
-        return cached
-    was_training = model.training
-    model.eval()
-    mine = encoded[dp.share(len(encoded))]
-    out = [torch.zeros(0, 2)]  # a rank can hold no pairs when there are fewer than ranks
-    for sl in microbatches(len(mine), cfg.dpo.micro_batch_size):
-        lp, _ = sequence_logps(model, mine[sl], pad_id, device)
-        b = len(mine[sl])
-        out.append(torch.stack([lp[:b], lp[b:]], dim=1).cpu())
-    model.train(was_training)
-    logps = torch.cat(dp.gather(torch.cat(out)))  # (n, 2)
-    log.info("reference log-probs of %d pairs computed (%d on this rank)", len(logps), len(mine))
-    if dp.is_main:
-        with atomic_path(cache) as tmp:
-            torch.save({"fingerprint": key, "logps": logps}, tmp)
-    return logps
-
-
-def _read_cache(cache: Path, key: str) -> torch.Tensor | None:
-    """The cached log-probs when they were computed for these pairs and weights. Any failure to
-    read them means computing them again (the file is written atomically, so only a foreign one can
-    be damaged), and never an exception: the other ranks wait for this answer."""
-    try:
-        if not cache.exists():
-            return None
-        saved = torch.load(cache, weights_only=True)
-        return saved["logps"] if isinstance(saved, dict) and saved.get("fingerprint") == key else None
-    except Exception as e:  # noqa: BLE001 - any damage means: compute them again
-        log.warning("%s unreadable (%s): computing the reference log-probs again", cache, type(e).__name__)
-        return None
-
+    return cached_reference(model, encoded, pair_logps, cfg, micro_batch_size=cfg.dpo.micro_batch_size, what="pairs",
+                            key_rows=lambda: ((e.prompt, e.chosen, e.rejected) for e in encoded), dp=dp)
 
 
 class DPOTask:

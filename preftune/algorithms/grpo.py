@@ -104,7 +104,8 @@ def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig, dp=None) -> GRPOBatc
     device = next(model.parameters()).device
     ro = s.rollout.to(device)
     whole, lengths, truncated, offset = global_view(s, dp)
-    adv = group_advantages(whole.total, whole.group_sizes, scale_rewards=cfg.scale_rewards)  # (N_global,)
+    adv = group_advantages(whole.total, whole.group_sizes, estimator=cfg.advantage_estimator,
+                           scale_rewards=cfg.scale_rewards)  # (N_global,)
     adv = adv[offset:offset + ro.completion_ids.size(0)]  # (N_rank,)
     # old log-probs (num_iterations > 1) are not a pass of their own: the batch's first step runs the
     # same weights with grad and records them (`grpo_step`)
@@ -293,7 +294,7 @@ class GRPOTask:
             if cfg.eval.split:  # the held-out prompts are for evaluation only
                 n, prompts = len(prompts), split_prompt_set(prompts, cfg.eval.split, held_out=False)
                 held_out = {"held_out_prompts": n - len(prompts)}
-            funcs = load_reward_funcs(self.g.reward_funcs, self.g, cfg.config_dir)
+            funcs = load_reward_funcs(self.g.reward_funcs, self.g, cfg.config_dir, device=device)
             self.source = OnlineSource(self.g, tokenizer, prompts, funcs, device=device, dp=self.dp, **common)
             self.source.state.max_steps = cfg.max_steps  # what TRL's trainer_state.max_steps tells reward functions
             self.data_report = {"prompts": len(prompts)} | held_out

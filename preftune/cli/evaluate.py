@@ -54,13 +54,19 @@ def _load(cfg, path: str, device):
     return load_model(model_cfg, path, trainable=False).to(device), tok
 
 
+def _device():
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def evaluate_model(cfg, path: str, prompt_set, funcs, weights) -> tuple[dict, "object"]:
     """Summary figures and the greedy per-prompt result of one model folder (same prompts, same seeds)."""
     import torch
 
     from preftune.evaluation.evaluate import generate_scored, summarize
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = _device()
     model, tok = _load(cfg, path, device)
     common = dict(weights=weights, max_new_tokens=cfg.eval.max_new_tokens or cfg.grpo.max_completion_length,
                   batch_size=cfg.eval.batch_size, truncation=PromptTruncation(cfg.data.max_prompt_length, "left"))
@@ -87,7 +93,7 @@ def run_eval(args) -> int:
     if prompt_set is None:
         raise UserError("no held-out prompts: set data.eval, or eval.split to hold out part of data.train",
                         where="data.eval")
-    funcs, weights = eval_reward_funcs(cfg)
+    funcs, weights = eval_reward_funcs(cfg, _device())
     ckpt, ckpt_greedy = evaluate_model(cfg, args.checkpoint, prompt_set, funcs, weights)
     base = comparison = None
     if args.baseline:

@@ -182,8 +182,12 @@ def yaml_problem(e: yaml.YAMLError) -> str:
 
 def resolve_reward_file(spec: str, config_dir: str) -> str:
     """`file.py:function` with a relative path is read beside the config file; make it absolute so the
-    resolved config (OUTPUT_DIR/config.yaml) still finds the file when loaded from another folder."""
+    resolved config (OUTPUT_DIR/config.yaml) still finds the file when loaded from another folder. So
+    is a reward-model folder given as a path (`./rm`, `models/rm`) that exists there and not here."""
     target, _, attr = spec.rpartition(":")
+    if not target and ("/" in spec or "\\" in spec or spec.startswith(".")):
+        local = resolve_local(spec, config_dir)
+        return str(Path(local).resolve()) if Path(local).is_dir() else spec
     if not target or not (target.endswith(".py") or "/" in target or "\\" in target):
         return spec  # a builtin name or an importable module
     path = Path(target).expanduser()

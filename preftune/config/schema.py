@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from preftune.config.fields import internal, knob, section
-from preftune.losses.names import DPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS
+from preftune.losses.names import (ADVANTAGE_ESTIMATORS, DPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS,
+                                   KTO_LOSS_TYPES, LOSS_TYPES, SCALE_REWARDS)
 
 # log.report_to's names -> (module that must be importable, pip extra that installs it)
 TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
@@ -45,10 +46,10 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Training and evaluation data; trace columns and validation; DPO pairing."""
+    """Training and evaluation data; trace columns and validation; DPO pairing and KTO labels."""
 
     train: str = knob(
-        "", "prompts (online GRPO), labeled traces (DPO, offline GRPO) or a pairs file (DPO)",
+        "", "prompts (online GRPO), labeled traces (DPO, KTO, SFT, offline GRPO) or a pairs file (DPO)",
         peer="TRL train_dataset; NeMo-RL data.train_data_path")
     eval: str | None = knob(None, "held-out prompt set for eval/reward (greedy)", peer="TRL eval_dataset")
     prompt_column: str = knob(
@@ -67,8 +68,8 @@ class DataConfig:
     prompt_truncation: str = knob(
         "left", "longer prompts: left (keep the end), drop, error; counted", choices=("left", "drop", "error"))
     shuffle: bool = knob(True, "shuffle each epoch (seeded)")
-    chosen_min: float = knob(0.7, "DPO chosen: reward >= this", range="(-inf, inf)")
-    rejected_max: float = knob(0.5, "DPO rejected: reward < this", range="(-inf, inf)")
+    chosen_min: float = knob(0.7, "DPO chosen, KTO desirable: reward >= this", range="(-inf, inf)")
+    rejected_max: float = knob(0.5, "DPO rejected, KTO undesirable: reward < this", range="(-inf, inf)")
     pair_strategy: str = knob("best_vs_worst", "best_vs_worst or all_pairs", choices=("best_vs_worst", "all_pairs"))
     max_pairs_per_prompt: int | None = knob(None, "cap for all_pairs", range="[1, inf)")
     min_margin: float = knob(0.0, "skip pairs with a smaller reward margin", range="[0, inf)")
@@ -98,14 +99,22 @@ class GRPOConfig:
     top_p: float = knob(1.0, "nucleus sampling", range="(0, 1]", peer="TRL top_p")
     top_k: int = knob(0, "top-k sampling (0 = off)", range="[0, inf)", peer="TRL top_k")
     reward_funcs: list[str] = knob(
-        help="built-in names, module:fn or file.py:fn", peer="TRL reward_funcs", factory=lambda: ["accuracy"])
+        help="built-in names, module:fn, file.py:fn or a sequence-classification model folder (a reward model)",
+        peer="TRL reward_funcs", factory=lambda: ["accuracy"])
+    reward_model_batch_size: int = knob(
+        64, "completions per forward of a reward model (a sequence-classification folder in reward_funcs)",
+        range="[1, inf)")
     reward_weights: list[float] | None = knob(
         None, "one weight per function (null = all 1)", range="(-inf, inf)", peer="TRL reward_weights")
     overlong_buffer_len: int = knob(
         0, "L_cache of soft_overlong", range="[0, inf)", peer="TRL soft_punish_cache; verl overlong_buffer.len")
+    advantage_estimator: str = knob(
+        "grpo", "the advantage's baseline: grpo (group mean), rloo (leave-one-out mean), "
+        "reinforce_plus_plus_baseline (group mean, then batch whitening)", choices=ADVANTAGE_ESTIMATORS,
+        peer="verl algorithm.adv_estimator; TRL RLOOTrainer; NeMo-RL use_leave_one_out_baseline")
     scale_rewards: str = knob(
-        "group", "std used in the advantage: group, batch, none", choices=SCALE_REWARDS,
-        peer="TRL scale_rewards; NeMo-RL use_leave_one_out_baseline/normalize_rewards")
+        "group", "std the grpo estimator's advantage is divided by: group, batch, none", choices=SCALE_REWARDS,
+        peer="TRL scale_rewards; NeMo-RL normalize_rewards; verl norm_adv_by_std_in_grpo")
     loss_type: str = knob(
         "dapo", "the loss: surrogate and aggregation (docs/algorithms.md)", choices=LOSS_TYPES, peer="TRL loss_type")
     beta: float = knob(
@@ -158,6 +167,25 @@ class DPOConfig:
         peer="TRL per_device_train_batch_size \u00d7 gradient_accumulation_steps")
     micro_batch_size: int = knob(
         16, "pairs per forward/backward", range="[1, inf)", peer="TRL per_device_train_batch_size")
+
+
+@dataclass
+class KTOConfig:
+    """KTO on labeled traces: desirable (reward >= data.chosen_min) or undesirable (< data.rejected_max)."""
+
+    loss_type: str = knob("kto", "kto, or apo_zero_unpaired (no KL reference point)", choices=KTO_LOSS_TYPES,
+                          peer="TRL loss_type")
+    beta: float = knob(0.1, "KTO temperature \u03b2", range="(0, inf)", peer="TRL beta")
+    desirable_weight: float = knob(
+        1.0, "\u03bb_D: weight of the desirable examples' losses", range="(0, inf)", peer="TRL desirable_weight")
+    undesirable_weight: float = knob(
+        1.0, "\u03bb_U: weight of the undesirable examples' losses", range="(0, inf)", peer="TRL undesirable_weight")
+    max_length: int = knob(512, "prompt + response tokens", range="[2, inf)", peer="TRL max_length")
+    batch_size: int = knob(
+        16, "examples per optimiser step; the KL reference point z is taken over them", range="[1, inf)",
+        peer="TRL per_device_train_batch_size \u00d7 gradient_accumulation_steps")
+    micro_batch_size: int = knob(
+        16, "examples per forward/backward", range="[1, inf)", peer="TRL per_device_train_batch_size")
 
 
 @dataclass
@@ -322,7 +350,7 @@ class DeployConfig:
 class Config:
     """A preftune run."""
 
-    algorithm: str = knob("grpo", "grpo, dpo or sft", choices=("grpo", "dpo", "sft"))
+    algorithm: str = knob("grpo", "grpo, dpo, kto or sft", choices=("grpo", "dpo", "kto", "sft"))
     output_dir: str = knob(
         "runs/preftune", "run folder (config.yaml, metrics.jsonl, checkpoints/, final/)", peer="TRL output_dir")
     max_steps: int = knob(100, "optimiser steps", range="[1, inf)", peer="TRL max_steps; NeMo-RL grpo.max_num_steps")
@@ -346,6 +374,7 @@ class Config:
     data: DataConfig = section(DataConfig)
     grpo: GRPOConfig = section(GRPOConfig)
     dpo: DPOConfig = section(DPOConfig)
+    kto: KTOConfig = section(KTOConfig)
     sft: SFTConfig = section(SFTConfig)
     optim: OptimConfig = section(OptimConfig)
     eval: EvalConfig = section(EvalConfig)

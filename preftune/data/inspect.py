@@ -9,6 +9,7 @@ import numpy as np
 
 from preftune.data.groups import build_groups
 from preftune.data.pairs import PAIR_DEFAULTS, build_pairs, check_writable_file, group_by_prompt, write_pairs
+from preftune.data.pipeline import label_builder
 from preftune.data.traces import DropReport, TraceOptions, load_traces, dropped_note
 from preftune.errors import UserError
 
@@ -41,7 +42,7 @@ def reward_stats(rewards: list[float], reward_range: tuple[float, float]) -> dic
 
 
 def inspect_report(path: str, opts: TraceOptions, *, min_group_size: int = 2, **pair_options) -> dict[str, Any]:
-    """A JSON-ready summary of a trace dataset and what DPO / offline GRPO would get from it.
+    """A JSON-ready summary of a trace dataset and what DPO, KTO and offline GRPO would get from it.
     `pair_options`: build_pairs' keywords (defaults: the config's, `PAIR_DEFAULTS`)."""
     pair_options = PAIR_DEFAULTS | pair_options
     traces, drops = load_traces(path, opts)
@@ -59,6 +60,8 @@ def inspect_report(path: str, opts: TraceOptions, *, min_group_size: int = 2, **
         "reward": reward_stats([t.reward for t in traces], opts.reward_range),
         "drops": drops.as_dict(),
         "dpo": {**pair_options, **pair_report.as_dict()},
+        "kto": {"chosen_min": pair_options["chosen_min"], "rejected_max": pair_options["rejected_max"],
+                **label_builder(pair_options["chosen_min"], pair_options["rejected_max"])(list(traces)).report},
         "grpo": {"min_group_size": min_group_size, **group_report.as_dict()},
     }
 
@@ -97,6 +100,10 @@ def format_inspect(report: dict[str, Any]) -> str:
               f"without a rejected: {p['prompts_without_rejected']}",
               f"  skipped by margin: {p['skipped_by_margin']}   identical: {p['skipped_identical']}   "
               f"by cap: {p['skipped_by_cap']}"]
+    k = report["kto"]
+    lines.append(f"KTO examples (desirable >= {k['chosen_min']}, undesirable < {k['rejected_max']}): {k['examples']} "
+                 f"({k['desirable']} desirable, {k['undesirable']} undesirable; {k['between_thresholds']} in between, "
+                 "left out)")
     g = report["grpo"]
     lines += [f"GRPO groups (min size {g['min_group_size']}): {g['groups_made']} "
               f"({g['responses_in_groups']} responses)",

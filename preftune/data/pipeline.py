@@ -2,9 +2,10 @@
 
     read and validate (data.*) -> leave out the held-out prompts (eval.split) -> build -> report
 
-and a builder at its end: `pair_builder` (DPO), `group_builder` (offline GRPO), `example_builder`
-(SFT). A builder turns the traces into what its algorithm trains on and counts what it left out;
-`trace_items` stops with one line naming why nothing is left, counting the rows dropped before.
+and a builder at its end: `pair_builder` (DPO), `label_builder` (KTO), `group_builder` (offline
+GRPO), `example_builder` (SFT). A builder turns the traces into what its algorithm trains on and
+counts what it left out; `trace_items` stops with one line naming why nothing is left, counting the
+rows dropped before.
 """
 from __future__ import annotations
 
@@ -55,6 +56,34 @@ def pair_builder(data) -> Builder:
     return build
 
 
+@dataclass(frozen=True)
+class Labeled:
+    """A response on its own, desirable or not (KTO's unpaired example)."""
+
+    prompt: Any
+    completion: Any
+    desirable: bool
+
+
+def label_builder(chosen_min: float, rejected_max: float) -> Builder:
+    """KTO: each response desirable (reward >= data.chosen_min) or undesirable (< data.rejected_max),
+    DPO's thresholds; a response in between is left out and counted."""
+    def build(traces: list[Trace]) -> Built:
+        kept, between = [], 0
+        for t in traces:
+            if t.reward >= chosen_min or t.reward < rejected_max:
+                kept.append(Labeled(t.prompt, t.response, t.reward >= chosen_min))
+            else:
+                between += 1
+        desirable = sum(e.desirable for e in kept)
+        report = {"examples": len(kept), "desirable": desirable, "undesirable": len(kept) - desirable,
+                  "between_thresholds": between}
+        why = "no trace rows left" if not traces else (
+            f"all {len(traces)} rows have data.rejected_max={rejected_max} <= reward < data.chosen_min={chosen_min}")
+        return Built(kept, report, f"no KTO example to train on: {why}")
+    return build
+
+
 def group_builder(traces: list[Trace]) -> Built:
     """Offline GRPO: one group per prompt, its labeled responses."""
     groups, r = build_groups(traces)
@@ -84,6 +113,12 @@ def load_pairs(cfg) -> tuple[list, dict]:
         pairs, held_out = drop_held_out(read_pairs(path), split)
         return pairs, {"pairs_file": len(pairs)} | ({"held_out_pairs": held_out} if split else {})
     return trace_items(path, TraceOptions.from_config(cfg.data), "pairs", pair_builder(cfg.data), split=split)
+
+
+def load_labeled(cfg) -> tuple[list[Labeled], dict]:
+    """KTO's labeled responses from traces (data.*) and the data report."""
+    return trace_items(cfg.data.train, TraceOptions.from_config(cfg.data), "kto",
+                       label_builder(cfg.data.chosen_min, cfg.data.rejected_max), split=cfg.eval.split)
 
 
 def load_examples(path: str, opts: TraceOptions, min_reward: float, *, split: float = 0.0) -> tuple[list, dict]:

@@ -110,10 +110,12 @@ class Workload:
 
 
 def count_samples(cfg) -> int:
-    """Prompts (online GRPO), trace groups (offline GRPO) or pairs (DPO) the config's data gives."""
+    """Prompts (online GRPO), trace groups (offline GRPO), pairs (DPO) or examples (KTO) the config's data gives."""
     if cfg.algorithm == "grpo" and cfg.grpo.rollout == "online":
         return len(load_prompts(cfg.data.train, prompt_column=cfg.data.prompt_column))
     report = commands.inspect_report(cfg.data.train, TraceOptions.from_config(cfg.data), **pair_options(cfg.data))
+    if cfg.algorithm == "kto":
+        return report["kto"]["examples"]
     return report["dpo"]["pairs_made"] if cfg.algorithm == "dpo" else report["grpo"]["groups_made"]
 
 
@@ -121,6 +123,8 @@ def workload(cfg, *, epochs: float | None = None, samples: int | None = None,
              tokens_per_sequence: int | None = None) -> Workload:
     if cfg.algorithm == "dpo":  # chosen and rejected: two sequences per pair
         items, per_item, length = cfg.dpo.batch_size, 2, cfg.dpo.max_length
+    elif cfg.algorithm == "kto":  # each example and its mismatched pair (a forward without gradients)
+        items, per_item, length = cfg.kto.batch_size, 2 if cfg.kto.loss_type == "kto" else 1, cfg.kto.max_length
     else:
         items, per_item = cfg.grpo.prompts_per_step, cfg.grpo.num_generations
         length = cfg.data.max_prompt_length + cfg.grpo.max_completion_length

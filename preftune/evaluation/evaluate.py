@@ -108,9 +108,10 @@ def eval_prompt_set(cfg):
     return None
 
 
-def eval_reward_funcs(cfg) -> tuple[list, list | None]:
-    """(functions, weights): eval.reward_funcs unweighted, or grpo.reward_funcs with grpo.reward_weights."""
-    funcs = load_reward_funcs(cfg.eval.reward_funcs or cfg.grpo.reward_funcs, cfg.grpo, cfg.config_dir)
+def eval_reward_funcs(cfg, device="cpu") -> tuple[list, list | None]:
+    """(functions, weights): eval.reward_funcs unweighted, or grpo.reward_funcs with grpo.reward_weights;
+    reward models on `device` (the evaluated model's)."""
+    funcs = load_reward_funcs(cfg.eval.reward_funcs or cfg.grpo.reward_funcs, cfg.grpo, cfg.config_dir, device)
     return funcs, cfg.grpo.reward_weights if cfg.eval.reward_funcs is None else None
 
 
@@ -121,7 +122,7 @@ def build_evaluator(cfg, tokenizer, dp=None):
     if prompt_set is None:
         return None
 
-    funcs, weights = eval_reward_funcs(cfg)
+    funcs, weights = eval_reward_funcs(cfg, dp.device if dp is not None else "cpu")
     truncation = PromptTruncation(cfg.data.max_prompt_length, "left")
     max_new = cfg.eval.max_new_tokens or cfg.grpo.max_completion_length
 

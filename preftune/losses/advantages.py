@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from preftune.losses.names import SCALE_REWARDS
+from preftune.losses.names import ADVANTAGE_ESTIMATORS, SCALE_REWARDS
 
 GroupSizes = int | Sequence[int]  # G for equal groups, or the size of each group in order
 
@@ -96,32 +96,56 @@ def group_stats(rewards: torch.Tensor, num_generations: GroupSizes) -> GroupStat
 
 
 def group_advantages(
-    rewards: torch.Tensor, num_generations: GroupSizes, *, scale_rewards: str = "group", eps: float = 1e-4
+    rewards: torch.Tensor, num_generations: GroupSizes, *, estimator: str = "grpo", scale_rewards: str = "group",
+    eps: float = 1e-4,
 ) -> torch.Tensor:
-    """A_i = (r_i - mean_g(i)) / (std + eps) for flat group-contiguous rewards (N,) -> (N,).
+    """Advantages of flat group-contiguous rewards (N,) -> (N,); `num_generations` is G (equal groups)
+    or the list of group sizes (offline traces). With n_g the valid rewards of row i's group g:
 
-    `num_generations` is G (equal groups) or the list of group sizes (offline traces).
-
-    scale_rewards:
-        "group": std = Bessel std of the row's group (GRPO).
-        "batch": std = Bessel std of all valid rewards in the batch; the mean stays per group
-                 (PPO-Lite / "Tricks or Traps", arXiv:2508.08221; TRL's "batch").
-        "none":  no division (Dr. GRPO, arXiv:2503.20783: std scaling adds a difficulty bias).
-    NaN rewards get A = 0 and are excluded from mean and std. A row whose group has a single
-    valid reward has A = 0 (it is its own baseline; its undefined std does not matter), and so
-    does every row when G == 1. Pass the whole generation batch so "batch" sees every group.
+    estimator:
+        "grpo": A_i = (r_i - mean_g) / (std + eps) (GRPO, DeepSeekMath arXiv:2402.03300), std set by
+                scale_rewards:
+                "group": Bessel std of the row's group;
+                "batch": Bessel std of all valid rewards in the batch, the mean staying per group
+                         (PPO-Lite / "Tricks or Traps", arXiv:2508.08221; TRL's "batch");
+                "none":  no division (Dr. GRPO, arXiv:2503.20783: std scaling adds a difficulty bias).
+        "rloo": A_i = r_i - sum_{j != i} r_j / (n_g - 1), the leave-one-out baseline (RLOO, Ahmadian et
+                al. 2024, arXiv:2402.14740; = n_g / (n_g - 1) (r_i - mean_g)); no division (TRL's
+                RLOOTrainer with normalize_advantages=False, verl's rloo).
+        "reinforce_plus_plus_baseline": c_i = r_i - mean_g, then whitened over the batch,
+                A_i = (c_i - mean(c)) / (std(c) + eps) (REINFORCE++, Hu et al. 2025, arXiv:2501.03262;
+                verl's name). verl whitens over tokens; this over the valid rows (one value per sequence).
+    scale_rewards is the grpo estimator's only: rloo divides by nothing, reinforce_plus_plus_baseline by
+    the batch std of c. NaN rewards get A = 0 and are excluded from every mean and std. A row whose
+    group has a single valid reward has A = 0 (it is its own baseline) and is left out of the batch
+    whitening, and so does every row when G == 1. Pass the whole generation batch so "batch" and the
+    whitening see every group.
     """
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"unknown scale_rewards {scale_rewards!r}; expected one of {', '.join(SCALE_REWARDS)}")
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown estimator {estimator!r}; expected one of {', '.join(ADVANTAGE_ESTIMATORS)}")
     grouped, index = _grouped(rewards, num_generations)  # (n, G), NaN-padded when unequal
     mean, group_std = nan_mean_std(grouped, dim=1)  # (n, 1)
-    centred = grouped - mean  # (n, G)
-    if scale_rewards == "group":
-        adv = centred / (group_std + eps)
+    if estimator == "rloo":
+        total = torch.nansum(grouped, dim=1, keepdim=True)  # (n, 1)
+        others = (total - grouped) / (n_valid(grouped) - 1)  # (n, G) mean of the other valid rewards
+        adv = grouped - others  # 0 / 0 = NaN for a lone reward
+    elif estimator == "reinforce_plus_plus_baseline":
+        centred = torch.where(n_valid(grouped) > 1, grouped - mean, torch.nan)  # (n, G): lone rows out
+        c_mean, c_std = nan_mean_std(centred, dim=None)
+        adv = (centred - c_mean) / (c_std + eps)
+    elif scale_rewards == "group":
+        adv = (grouped - mean) / (group_std + eps)
     elif scale_rewards == "batch":
-        adv = centred / (nan_mean_std(grouped, dim=None)[1] + eps)
+        adv = (grouped - mean) / (nan_mean_std(grouped, dim=None)[1] + eps)
     else:
-        adv = centred
-    # NaN arises only from a NaN reward, or from a NaN std (< 2 valid rewards) divided into an
-    # exact 0 (a lone reward is its own mean): both mean "no signal". Infinities were rejected.
+        adv = grouped - mean
+    # NaN arises only from a NaN reward, or from fewer than 2 valid rewards in a group (a NaN std or
+    # leave-one-out mean, or a row left out of the whitening): all mean "no signal". Infinities were rejected.
     return _ungroup(torch.nan_to_num(adv, nan=0.0), index)
+
+
+def n_valid(grouped: torch.Tensor) -> torch.Tensor:
+    """Valid (non-NaN) rewards per group (n, 1) of grouped rewards (n, G)."""
+    return (~torch.isnan(grouped)).sum(dim=1, keepdim=True)

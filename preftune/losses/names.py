@@ -3,5 +3,7 @@
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")  # GRPO family: surrogate + aggregation
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # sequence: GSPO
 SCALE_REWARDS = ("group", "batch", "none")  # the std an advantage is divided by
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # the baseline (verl's names)
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "sigmoid_norm", "robust", "exo_pair", "nca_pair", "bco_pair",
                   "sppo_hard", "apo_zero", "apo_down", "discopop", "aot", "aot_unpaired", "sft")
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")

@@ -46,6 +46,14 @@ def check_model_path(path: str) -> str:
     return path
 
 
+def weights_signature(path: str) -> str:
+    """Name, size and mtime of the model's weight files: a folder whose weights were replaced (same path)
+    must not reuse what was computed from the old weights (cached reference log-probs, a loaded reward model)."""
+    folder = Path(path)
+    files = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")) if folder.is_dir() else []
+    return ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+
+
 def import_model_libraries(cfg: ModelConfig) -> None:
     """Import transformers and the model's own modeling module now (seconds: most of a restart on
     a small model), so start-up time shows as `startup/imports` and a signal then still finds the

@@ -1,4 +1,5 @@
-"""Loading reward functions and scoring completions with them (TRL's reward contract).
+"""Loading reward functions (built-ins, Python functions, reward-model folders) and scoring completions
+with them (TRL's reward contract).
 
 A reward function is called as
 
@@ -30,6 +31,7 @@ from preftune.data.messages import is_messages
 from preftune.errors import UserError, one_line
 from preftune.rewards import CALLABLE_PREFIX
 from preftune.rewards.builtin import BUILTINS
+from preftune.rewards.model import is_model_folder, load_reward_model
 
 # Dataset columns TRL never forwards (they are passed positionally-named instead).
 _DROPPED_COLUMNS = ("prompt", "completion", "completion_ids")
@@ -97,13 +99,16 @@ def check_callables(specs: Sequence[str] | None, key: str) -> None:
 # loading
 
 
-def load_reward_function(spec: str, *, base_dir: str | Path = ".", **builtin_options: Any) -> Callable:
+def load_reward_function(spec: str, *, base_dir: str | Path = ".", device: Any = "cpu",
+                         reward_model_batch_size: int = 64, **builtin_options: Any) -> Callable:
     """Resolve `spec` to a reward function.
 
-    `spec` is a builtin name (see `preftune.rewards.builtin.BUILTINS`), `module:function` (an
-    importable module; `base_dir` is searched first), or `path/to/file.py:function` (relative to
-    `base_dir`, the config file's folder, or absolute). `builtin_options` configure builtins
-    (e.g. `max_completion_length`, `overlong_buffer_len`) and are ignored for custom functions.
+    `spec` is a builtin name (see `preftune.rewards.builtin.BUILTINS`), a local Hugging Face
+    sequence-classification folder (a reward model, `rewards/model.py`: loaded once on `device`,
+    scoring `reward_model_batch_size` completions per forward), `module:function` (an importable
+    module; `base_dir` is searched first), or `path/to/file.py:function` (relative to `base_dir`,
+    the config file's folder, or absolute). `builtin_options` configure builtins (e.g.
+    `max_completion_length`, `overlong_buffer_len`) and are ignored for custom functions.
     """
     where = f"reward '{spec}'"
     spec = str(spec).strip()
@@ -112,6 +117,12 @@ def load_reward_function(spec: str, *, base_dir: str | Path = ".", **builtin_opt
     if spec.startswith(CALLABLE_PREFIX):
         check_callables([spec], where)
         return CALLABLES[spec]
+    if ":" not in spec and spec not in BUILTINS:
+        folder = is_model_folder(spec, base_dir)
+        if folder is not None:
+            return load_reward_model(folder, device=device, batch_size=reward_model_batch_size, where=where)
+        if "/" in spec or "\\" in spec or spec.startswith("."):
+            raise UserError(f"no such reward-model folder: {spec} (looked in {Path.cwd()} and {base_dir})", where=where)
     if ":" not in spec:
         if spec not in BUILTINS:
             near = difflib.get_close_matches(spec, list(BUILTINS), n=1)
@@ -330,7 +341,10 @@ def compute_rewards(
     return RewardResult(per_func=per_func, total=total, names=names)
 
 
-def load_reward_funcs(specs: Sequence[str], grpo, base_dir: str | Path = ".") -> list[Callable]:
-    """Every reward function of a run; `grpo` (a `GRPOConfig`) configures the length-based builtins."""
-    return [load_reward_function(s, base_dir=base_dir, max_completion_length=grpo.max_completion_length,
+def load_reward_funcs(specs: Sequence[str], grpo, base_dir: str | Path = ".", device: Any = "cpu") -> list[Callable]:
+    """Every reward function of a run; `grpo` (a `GRPOConfig`) configures the length-based builtins and
+    the reward models' batch size; reward models run on `device` (the policy's)."""
+    return [load_reward_function(s, base_dir=base_dir, device=device,
+                                 reward_model_batch_size=grpo.reward_model_batch_size,
+                                 max_completion_length=grpo.max_completion_length,
                                  overlong_buffer_len=grpo.overlong_buffer_len) for s in specs]

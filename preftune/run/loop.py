@@ -1,7 +1,7 @@
 """The run: set up, resume, step, log, evaluate, checkpoint, and stop cleanly on preemption.
 
 The loop owns the optimizer, the schedule, logging, checkpoints and the stop flag; a *task*
-(`GRPOTask`, `DPOTask`) owns its data order and does one step's forward/backward.
+(`GRPOTask`, `DPOTask`, `KTOTask`, `SFTTask`) owns its data order and does one step's forward/backward.
 
 Exact resume: a checkpoint at step N holds everything step N+1 reads (weights, optimizer moments,
 every RNG, the task's data position and pending batch, the metrics so far), and the LR is a pure
@@ -30,6 +30,7 @@ from preftune.run.checkpointer import (  # noqa: F401 - load_weights, rng_state:
 )
 from preftune.algorithms.dpo import DPOTask
 from preftune.algorithms.grpo import GRPOTask
+from preftune.algorithms.kto import KTOTask
 from preftune.algorithms.sft import SFTTask
 from preftune.distributed import Parallel
 from preftune.evaluation.evaluate import build_evaluator
@@ -59,6 +60,8 @@ def build_task(cfg: Config, model, tokenizer, device, dp: Parallel | None = None
         return GRPOTask(cfg, model, tokenizer, device, dp)
     if cfg.algorithm == "sft":
         return SFTTask(cfg, model, tokenizer, device, dp)
+    if cfg.algorithm == "kto":
+        return KTOTask(cfg, model, tokenizer, device, dp)
 
     return DPOTask(cfg, model, tokenizer, device, dp)
 
@@ -331,5 +334,6 @@ def check_parallel(cfg: Config, dp: Parallel) -> None:
     if dp.world == 1:
         return
     batch = {"grpo": {"grpo.prompts_per_step": cfg.grpo.prompts_per_step},
-             "dpo": {"dpo.batch_size": cfg.dpo.batch_size}, "sft": {"sft.batch_size": cfg.sft.batch_size}}
+             "dpo": {"dpo.batch_size": cfg.dpo.batch_size}, "kto": {"kto.batch_size": cfg.kto.batch_size},
+             "sft": {"sft.batch_size": cfg.sft.batch_size}}
     dp.require_divisible(batch[cfg.algorithm])

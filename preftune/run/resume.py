@@ -35,7 +35,8 @@ MUST_MATCH = ("algorithm", "seed", "model.name_or_path", "model.dtype", "model.l
               "data.max_prompt_length", "data.prompt_truncation", "data.chosen_min", "data.rejected_max",
               "data.pair_strategy", "data.max_pairs_per_prompt", "data.min_margin",
               "grpo.rollout", "grpo.prompts_per_step", "grpo.num_generations", "grpo.num_iterations",
-              "dpo.batch_size", "dpo.loss_type", "sft.min_reward", "sft.max_length", "sft.batch_size", "eval.split")
+              "dpo.batch_size", "dpo.loss_type", "kto.batch_size", "kto.loss_type", "kto.max_length",
+              "sft.min_reward", "sft.max_length", "sft.batch_size", "eval.split")
 _PATH_KEYS = (("model", "name_or_path"), ("data", "train"))
 
 

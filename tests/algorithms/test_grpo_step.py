@@ -251,6 +251,25 @@ def test_row_without_reward_gets_zero_advantage(tokenizer, sizes):
     torch.testing.assert_close(adv[:2], torch.tensor(want), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("rollout", ["online", "offline"])
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus_baseline"])
+def test_the_task_uses_grpo_advantage_estimator(make_config, model, tokenizer, traces_file, rollout, estimator):
+    """Online and offline GRPO: the generation batch's advantages are the estimator's, over its rewards."""
+    from preftune.algorithms.grpo import GRPOTask
+
+    extra = [f"data.train={traces_file}", "grpo.rollout=offline"] if rollout == "offline" else ["grpo.reward_funcs=[length]"]
+    cfg = make_config(f"grpo.advantage_estimator={estimator}", *extra)
+    task = GRPOTask(cfg, model, tokenizer, torch.device("cpu"))
+    seen = []
+    make = task.source.make_batch
+    task.source.make_batch = lambda m, step: seen.append(make(m, step)) or seen[-1]
+    task.step(model, 1, _Stop())
+    s = seen[0]
+    want = group_advantages(s.total, s.group_sizes, estimator=estimator)
+    assert (want != 0).any() and not torch.equal(want, group_advantages(s.total, s.group_sizes))
+    torch.testing.assert_close(task.pending.advantages, want, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------- dynamic sampling (online source)
 
 

@@ -39,6 +39,8 @@ def test_inspect_report_numbers(dataset):
     assert (d["pairs_made"], d["prompts_without_chosen"], d["prompts_without_rejected"]) == (2, 1, 1)
     g = rep["grpo"]
     assert (g["groups_made"], g["too_small"], g["zero_spread"]) == (2, 1, 1)
+    k = rep["kto"]  # 1.0, 0.8, 0.8, 0.9 desirable; 0.0, 0.2, 0.3 undesirable; 0.5 in between
+    assert (k["examples"], k["desirable"], k["undesirable"], k["between_thresholds"]) == (7, 4, 3, 1)
     json.dumps(rep)  # must be JSON-ready for --json
 
 
@@ -53,6 +55,7 @@ def test_format_inspect_text(dataset):
     text = format_inspect(inspect_report(dataset, TraceOptions(invalid="drop")))
     assert "distinct prompts: 4" in text and "dropped missing_reward: 1" in text
     assert "DPO pairs" in text and "GRPO groups" in text and "#" in text
+    assert "KTO examples (desirable >= 0.7, undesirable < 0.5): 7 (4 desirable, 3 undesirable; 1 in between" in text
 
 
 def test_inspect_empty_after_drops(tmp_path):

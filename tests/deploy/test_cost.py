@@ -90,6 +90,10 @@ def test_workload_counts_the_data_for_epochs():
     work = cost.workload(dpo, epochs=1, tokens_per_sequence=100)
     assert work.samples > 0 and work.sequences_per_step == 2 * dpo.dpo.batch_size and work.tokens_per_sequence == 100
     assert cost.workload(dpo, epochs=1, samples=10).steps == -(-10 // dpo.dpo.batch_size)
+    kto = load_config(EXAMPLES / "kto.yaml")  # every labeled response, and its mismatched pair
+    work = cost.workload(kto, epochs=1)
+    assert work.samples == 1270 and work.sequences_per_step == 2 * kto.kto.batch_size
+    assert work.steps == -(-1270 // kto.kto.batch_size) and work.tokens_per_sequence == kto.kto.max_length
 
 
 def test_parse_range():

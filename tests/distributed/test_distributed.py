@@ -1,5 +1,5 @@
 """Data parallel on CPU with gloo: 2 ranks and 1 rank on the same data give the same loss and
-gradient norm at every step and the same weights after several steps (offline GRPO, DPO, SFT, online
+gradient norm at every step and the same weights after several steps (offline GRPO, DPO, KTO, SFT, online
 GRPO fed identical rollouts; FSDP2 and ddp); a global batch that does not split evenly is refused."""
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ EXTRA = {
                "grpo.reward_funcs": "[length]", "grpo.dynamic_sampling": "true", "grpo.num_generations": 2,
                "grpo.loss_type": "bnpo", "grpo.beta": 0.05, "grpo.num_iterations": 2},
     "dpo": {"dpo.batch_size": 4, "dpo.micro_batch_size": 1},
+    # z over the whole batch: each rank's mismatched log-ratios summed over the ranks
+    # (a heavy desirable weight makes the mismatched log-ratios grow, so z > 0 after a few steps)
+    "kto": {"kto.batch_size": 4, "kto.micro_batch_size": 1, "data.rejected_max": 0.3, "kto.desirable_weight": 20},
     # micro-batches of 3 over a share of 4 (3 + 1): uneven micro-batches on each rank
     "sft": {"sft.batch_size": 8, "sft.micro_batch_size": 3},
     "lora": {"dpo.batch_size": 4, "dpo.micro_batch_size": 2, "model.lora.enabled": "true", "model.lora.r": 4,
@@ -32,7 +35,7 @@ EXTRA = {
 
 # the packer's layout per kind, forced in both runs (`logps.MASKED`): the comparison measures the
 # data-parallel split, not two layouts' rounding (which Adam amplifies on near-zero gradients)
-LAYOUT = {"offline": "1e9", "online": "0", "dpo": "0", "sft": "1e9", "lora": "1e9"}
+LAYOUT = {"offline": "1e9", "online": "0", "dpo": "0", "kto": "1e9", "sft": "1e9", "lora": "1e9"}
 
 
 def args(kind: str, out, data_dir, **extra) -> list[str]:
@@ -88,7 +91,7 @@ def assert_same_training(one, two) -> None:
 
 
 
-@pytest.mark.parametrize("kind, strategy", [("offline", "fsdp"), ("dpo", "fsdp"), ("online", "fsdp"),
+@pytest.mark.parametrize("kind, strategy", [("offline", "fsdp"), ("dpo", "fsdp"), ("kto", "fsdp"), ("online", "fsdp"),
                                             ("dpo", "ddp"), ("lora", "fsdp"), ("sft", "fsdp"), ("sft", "ddp")])
 def test_two_ranks_train_like_one(kind, strategy, one_rank, data_dir, tmp_path):
     out = tmp_path / "run"
@@ -108,6 +111,13 @@ def test_two_ranks_train_like_one(kind, strategy, one_rank, data_dir, tmp_path):
 
         model_bytes = (MODEL / "model.safetensors").stat().st_size  # a full checkpoint: 3x (weights, 2 moments)
         assert sum(v["size"] for k, v in files.items() if k.startswith("shards/")) < model_bytes / 2
+    if kind == "kto":  # z over the global batch, and partial means that add up over the ranks
+        for ra, rb in zip(metric_rows(one_rank(kind)), metric_rows(out)):
+            keys = {k for k in ra if k == "kl" or k.startswith(("rewards/", "logps/"))}
+            assert keys == {k for k in rb if k == "kl" or k.startswith(("rewards/", "logps/"))} and "kl" in keys
+            for key in keys:
+                assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-6), (ra["step"], key)
+        assert any(r["kl"] > 0 for r in metric_rows(out))
     if kind == "online":  # groups were dropped and resampled, so ranks held unequal rows (idle passes)
         assert any(r["dynamic_sampling/dropped_groups"] for r in metric_rows(out))
     assert " rank 1 INFO rank 1 of 2" in ranks.text(1)  # each rank's log lines carry its rank

@@ -148,3 +148,88 @@ def test_unequal_groups_equal_each_group_alone():
     assert nanmean(flat) == pytest.approx(valid.mean().item()) and math.isnan(nanmean(torch.tensor([float("nan")])))
     with pytest.raises(ValueError, match="do not cover"):
         group_advantages(flat, [3, 3])
+
+
+# ---------------------------------------------------------------- estimators: rloo, reinforce_plus_plus_baseline
+
+
+def test_rloo_hand_values():
+    # Group [1, 0, 0, 1]: baselines are the others' means [1/3, 2/3, 2/3, 1/3] -> A = [2/3, -2/3, -2/3, 2/3]
+    # (= 4/3 (r - 0.5)). Group [3, NaN, 6]: valid [3, 6], baselines [6, 3] -> A = [-3, 0, 3].
+    # Group [5, NaN, NaN]: a lone reward is its own baseline -> 0.
+    r = torch.tensor([1.0, 0, 0, 1, 3, NAN, 6, NAN, 5, NAN, NAN, NAN], dtype=F64)
+    adv = group_advantages(r, [4, 3, 3, 2], estimator="rloo")
+    expected = torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, -3, 0, 3, 0, 0, 0, 0, 0], dtype=F64)
+    torch.testing.assert_close(adv, expected, rtol=0, atol=1e-12)
+    for scale in ("group", "batch", "none"):  # the grpo estimator's divisor only
+        torch.testing.assert_close(group_advantages(r, [4, 3, 3, 2], estimator="rloo", scale_rewards=scale), adv)
+
+
+def test_reinforce_plus_plus_baseline_hand_values():
+    # Groups [0, 2] and [4, 8]: centred c = [-1, 1, -2, 2], batch mean 0, Bessel std sqrt(10/3);
+    # the lone 7 (group [7, NaN]) is its own baseline: A = 0 and it is left out of the whitening.
+    r = torch.tensor([0.0, 2, 4, 8, 7, NAN], dtype=F64)
+    adv = group_advantages(r, 2, estimator="reinforce_plus_plus_baseline")
+    c = torch.tensor([-1.0, 1, -2, 2], dtype=F64)
+    torch.testing.assert_close(adv[:4], c / (math.sqrt(10 / 3) + 1e-4), rtol=0, atol=1e-12)
+    assert adv[4:].tolist() == [0.0, 0.0]
+    # unequal groups: the whitening subtracts the batch mean of c, which is 0 here only by symmetry;
+    # [1, 2, 6] centres to [-2, -1, 3] and [0, 1] to [-0.5, 0.5]: mean 0, so A = c / (std(c) + eps)
+    r2 = torch.tensor([1.0, 2, 6, 0, 1], dtype=F64)
+    c2 = torch.tensor([-2.0, -1, 3, -0.5, 0.5], dtype=F64)
+    torch.testing.assert_close(group_advantages(r2, [3, 2], estimator="reinforce_plus_plus_baseline"),
+                               (c2 - c2.mean()) / (c2.std() + 1e-4), rtol=0, atol=1e-12)
+
+
+def test_reinforce_plus_plus_baseline_subtracts_the_batch_mean():
+    # one valid reward dropped from a group of 3: centred [-1.5, 1.5] and [-1, 0, 1], batch mean 0;
+    # shifting one group's rewards changes nothing (each is centred by its own mean first)
+    r = torch.tensor([1.0, 4, NAN, 0, 1, 2], dtype=F64)
+    a = group_advantages(r, 3, estimator="reinforce_plus_plus_baseline")
+    b = group_advantages(r + torch.tensor([0, 0, 0, 10, 10, 10], dtype=F64), 3,
+                         estimator="reinforce_plus_plus_baseline")
+    torch.testing.assert_close(a, b)
+    valid = a[[0, 1, 3, 4, 5]]
+    assert valid.mean().item() == pytest.approx(0.0, abs=1e-12)
+    assert valid.std().item() == pytest.approx(1.0, abs=1e-3)  # whitened (up to eps)
+
+
+def test_unknown_estimator_raises():
+    with pytest.raises(ValueError, match="grpo, rloo, reinforce_plus_plus_baseline"):
+        group_advantages(torch.zeros(4), 2, estimator="ppo")
+
+
+def _trl_rloo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """Run RLOOTrainer._generate_and_score_completions (TRL 1.16, normalize_advantages=False) on a
+    stand-in trainer: generation and log-probs are faked, the one reward function returns `rewards`."""
+    from trl import RLOOTrainer
+
+    n = rewards.numel()
+    metrics = defaultdict(lambda: defaultdict(list))
+    stub = SimpleNamespace(
+        accelerator=SimpleNamespace(device="cpu", process_index=0), pad_to_multiple_of=None,
+        model=SimpleNamespace(training=True, is_gradient_checkpointing=False), mask_truncated_completions=False,
+        beta=0.0, _tokenizer=SimpleNamespace(pad_token_id=0), reward_clip_range=None, normalize_advantages=False,
+        args=SimpleNamespace(per_device_train_batch_size=n, gradient_checkpointing_kwargs=None),
+        _generate=lambda prompts: ([[1]] * n, [[2, 3]] * n, ["c"] * n),
+        _get_per_token_logps_and_entropies=lambda *a, **k: (torch.zeros(n, 2, dtype=rewards.dtype), None, None),
+        _calculate_rewards=lambda *a: rewards.unsqueeze(1).clone(),  # (N, 1)
+        num_generations=num_generations, reward_weights=torch.ones(1, dtype=rewards.dtype), reward_func_names=["r"],
+        _metrics=metrics, _pending_extra_logs={}, _pending_metrics={}, log_multimodal=False,
+        _logs={"prompt": [], "completion": [], "advantages": [], "rewards": defaultdict(list),
+               "extra": defaultdict(list)},
+    )
+    return RLOOTrainer._generate_and_score_completions(stub, [{"prompt": "p"}] * n)["advantages"]
+
+
+def test_rloo_matches_trl():
+    pytest.importorskip("trl")
+    g = torch.Generator().manual_seed(1)
+    rewards = torch.randn(24, generator=g, dtype=F64)  # 6 groups of 4
+    rewards[4:8] = 0.5  # a zero-spread group
+    rewards[[1, 9, 10]] = NAN  # unscorable rows, two in one group
+    rewards[13:16] = NAN  # a group with one valid reward
+    ours = group_advantages(rewards, 4, estimator="rloo")
+    theirs = _trl_rloo_advantages(rewards, 4)
+    torch.testing.assert_close(ours, theirs.to(F64), rtol=0, atol=1e-12)
+    assert (ours != 0).sum() >= 12  # the comparison is not vacuous

@@ -1,6 +1,6 @@
 """Exact resume, in process: a run stopped by a real SIGTERM (sent by the process to itself during a
 chosen step) and resumed ends with bitwise-identical weights and identical metrics records as the
-uninterrupted run, for online GRPO (with sampling), offline GRPO and DPO, at several points.
+uninterrupted run, for online GRPO (with sampling), offline GRPO, DPO and KTO, at several points.
 Also: a damaged newest checkpoint, resume=PATH, resume=never, and the config-difference refusal."""
 from __future__ import annotations
 
@@ -59,6 +59,9 @@ def overrides(kind: str, out: Path, data_dir: Path, **extra) -> list[str]:
     if kind == "dpo":
         o |= {"algorithm": "dpo", "data.train": small_traces(data_dir), "dpo.batch_size": 4,
               "dpo.micro_batch_size": 2, "dpo.max_length": 24}
+    elif kind == "kto":
+        o |= {"algorithm": "kto", "data.train": small_traces(data_dir), "kto.batch_size": 4,
+              "kto.micro_batch_size": 2, "kto.max_length": 24}
     elif kind == "sft":
         o |= {"algorithm": "sft", "data.train": small_traces(data_dir), "sft.min_reward": 0.2, "sft.batch_size": 4,
               "sft.micro_batch_size": 2, "sft.max_length": 24}
@@ -178,6 +181,8 @@ EXACT_CASES = {
                             [(2, "after"), (4, "scramble")]),
     "offline": ("offline", {}, [(2, "after"), (4, "after")]),
     "dpo": ("dpo", {"save_steps": 3}, [(1, "after"), (4, "before")]),
+    # the checkpoint carries the reference log-probs (matched and mismatched) and the batch order
+    "kto": ("kto", {"save_steps": 3}, [(1, "after"), (4, "before")]),
 }
 
 

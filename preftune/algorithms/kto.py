@@ -1,0 +1,191 @@
+"""The KTO task: labeled responses from traces, fixed batches with TRL's mismatched pairs, cached
+reference log-probs, one step (the loss: `losses/kto.py`).
+
+Batches are fixed at setup: one seeded order of the examples (data.shuffle) cut into kto.batch_size,
+the last filled up from the next order, so every batch is full; each epoch visits the batches in a
+new seeded order. In batch [e_0, ..., e_{B-1}] slot k's mismatched pair is (x_k, y_{k-1}) and slot
+0's (x_0, y_{B-1}): TRL's rotation of the completions within a batch. Fixed batches fix the
+mismatched pairs, so their reference log-probs are computed once with the matched ones
+(`algorithms/reference.py`, cached in OUTPUT_DIR/ref_logps.pt); TRL fixes them the same way, and
+does not shuffle at all (its train_sampling_strategy='sequential').
+
+A step: (1) the policy's log-probs of this rank's mismatched pairs, without gradients; their
+log-ratios summed over the ranks give z over the whole batch; (2) forward/backward of this rank's
+examples in micro-batches, each loss divided by the whole batch's size. So micro-batches and ranks
+add up to the whole batch's update (tested: 2 ranks = 1 rank).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from preftune.algorithms.reference import cached_reference
+from preftune.config import Config
+from preftune.data.pipeline import load_labeled
+from preftune.data.stream import IndexStream
+from preftune.data.tensors import left_pad, read_once, right_pad
+from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response, fit_prompt
+from preftune.distributed import Parallel
+from preftune.errors import UserError
+from preftune.losses.kto import kto_loss, kto_metrics, kto_reference_point, weight_advice
+from preftune.model.load import to_device
+from preftune.model.logps import Rows, completion_logps, microbatches
+
+log = logging.getLogger("preftune")
+
+
+@dataclass
+class EncodedExample:
+    prompt: list[int]
+    completion: list[int]
+    desirable: bool
+
+
+def encode_labeled(examples, tokenizer, cfg: Config) -> tuple[list[EncodedExample], dict]:
+    """Prompt and response form one sequence; over kto.max_length, the response is cut (prompt kept)."""
+    trunc = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
+    out, cut = [], 0
+    for i, e in enumerate(examples):
+        prompt = fit_prompt(trunc, encode_prompt(tokenizer, e.prompt), cfg.kto.max_length, where=f"example {i}")
+        if prompt is None:
+            continue
+        room = cfg.kto.max_length - len(prompt)
+        completion = encode_response(tokenizer, e.completion)
+        cut += len(completion) > room
+        out.append(EncodedExample(prompt, completion[:room], e.desirable))
+    desirable = sum(e.desirable for e in out)
+    return out, {"examples": len(out), "desirable": desirable, "undesirable": len(out) - desirable,
+                 "prompts_truncated": trunc.truncated, "prompts_dropped": trunc.dropped, "responses_truncated": cut}
+
+
+def fixed_batches(n: int, batch_size: int, seed: int, shuffle: bool) -> list[tuple[int, int]]:
+    """Slots (example, its mismatched partner), batch after batch: slots [b B, (b + 1) B) are batch b."""
+    n_batches = -(-n // batch_size)
+    order = IndexStream(n, seed, shuffle).take(n_batches * batch_size)  # the filler comes from the next order
+    slots = []
+    for b in range(n_batches):
+        batch = order[b * batch_size:(b + 1) * batch_size]
+        slots += [(e, batch[k - 1]) for k, e in enumerate(batch)]  # k = 0 takes the batch's last completion
+    return slots
+
+
+def summed_logps(model, rows: list[tuple[list[int], list[int]]], pad_id: int, device) -> torch.Tensor:
+    """Summed completion log-probs (n,) of (prompt, completion) token lists: one pass of the packer
+    (consecutive rows with one prompt share it, `model/logps.py`)."""
+    p_ids, p_mask = left_pad([p for p, _ in rows], pad_id)  # (n, P)
+    c_ids, c_mask = right_pad([c for _, c in rows], pad_id)  # (n, T)
+    sizes = Rows.of([p for p, _ in rows], [len(c) for _, c in rows])  # from the host lists: no read
+    p_ids, p_mask, c_ids, c_mask = (to_device(t, device) for t in (p_ids, p_mask, c_ids, c_mask))
+    logps, _ = completion_logps(model, p_ids, p_mask, c_ids, c_mask, rows=sizes)  # (n, T), 0 at padding
+    return logps.sum(-1)
+
+
+class KTOTask:
+    """Builds everything; the loop writes `data_report` once setup has succeeded."""
+
+    def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp=None):
+        self.cfg, self.k, self.device, self.dp = cfg, cfg.kto, device, dp or Parallel()
+        self.with_kl = self.k.loss_type == "kto"  # apo_zero_unpaired has no reference point
+        if self.with_kl and self.k.batch_size < 2:
+            raise UserError("must be >= 2 for loss_type kto: z comes from the batch's other completions "
+                            "(TRL: the batch size must be > 1)", where="kto.batch_size")
+        examples, report = load_labeled(cfg)
+        self.encoded, stats = encode_labeled(examples, tokenizer, cfg)
+        self.data_report = report | {"encoded": stats}
+        if not self.encoded:
+            raise UserError(f"no KTO example to train on: {stats['prompts_dropped']} dropped by "
+                            "data.prompt_truncation", where=cfg.data.train)
+        advice = weight_advice(stats["desirable"], stats["undesirable"], self.k.desirable_weight,
+                               self.k.undesirable_weight)
+        if advice:
+            log.warning(advice)
+        self.pad_id = tokenizer.pad_token_id
+        self.slots = fixed_batches(len(self.encoded), self.k.batch_size, cfg.seed, cfg.data.shuffle)
+        self.stream = IndexStream(len(self.slots) // self.k.batch_size, cfg.seed, cfg.data.shuffle)
+        self.ref = None  # (n_slots, 2) [matched, mismatched], or (n_slots, 1): from a checkpoint, else prepare()
+
+    def rows(self, slots: list[int], mismatched: bool = False) -> list[tuple[list[int], list[int]]]:
+        """(prompt, completion) of each slot, or of its mismatched pair (the partner's completion, cut
+        to fit kto.max_length beside this prompt)."""
+        out = []
+        for s in slots:
+            e, partner = (self.encoded[i] for i in self.slots[s])
+            completion = partner.completion[:self.k.max_length - len(e.prompt)] if mismatched else e.completion
+            out.append((e.prompt, completion))
+        return out
+
+    def prepare(self, model) -> None:
+        """The reference log-probs, with `model` still holding the initial (reference) weights,
+        unless the restored checkpoint brought them."""
+        if self.ref is not None:
+            return
+
+        def slot_logps(slots: list[int]) -> torch.Tensor:
+            if not self.with_kl:
+                return summed_logps(model, self.rows(slots), self.pad_id, self.device)[:, None]  # (b, 1)
+            pairs = [r for s in zip(self.rows(slots), self.rows(slots, mismatched=True)) for r in s]
+            return summed_logps(model, pairs, self.pad_id, self.device).view(-1, 2)  # (b, 2): one prompt each
+
+        every = list(range(len(self.slots)))
+
+        def key_rows():  # (prompt, completion, mismatched completion) of every slot
+            kl = self.rows(every, mismatched=True) if self.with_kl else [(None, None)] * len(every)
+            return ((p, c, k) for (p, c), (_, k) in zip(self.rows(every), kl))
+
+        with self.dp.gathered(model):  # each rank its share of the slots, on gathered parameters
+            self.ref = cached_reference(model, every, slot_logps, self.cfg,
+                                        key_rows=key_rows, micro_batch_size=self.k.micro_batch_size,
+                                        what="KTO examples", width=2 if self.with_kl else 1, dp=self.dp)
+
+    @torch.no_grad()
+    def reference_point(self, model, mine: list[int], B: int, stop) -> torch.Tensor | None:
+        """z over the whole batch: this rank's mismatched log-ratios, summed over the ranks."""
+        if not self.with_kl:
+            return None
+        total = torch.zeros((), dtype=torch.float64)
+        for sl in microbatches(len(mine), self.k.micro_batch_size):
+            stop.check()
+            lp = summed_logps(model, self.rows(mine[sl], mismatched=True), self.pad_id, self.device)  # (b,)
+            total += (lp.double().cpu() - self.ref[mine[sl], 1].double()).sum()
+        return kto_reference_point(torch.tensor(self.dp.sum(total.item())[0]), B)
+
+    def step(self, model, step: int, stop) -> dict:
+        B = self.k.batch_size
+        first = self.stream.take(1)[0] * B
+        batch = list(range(first, first + B))  # the global batch's slots; this rank trains on its share
+        desirable = sum(self.encoded[self.slots[s][0]].desirable for s in batch)
+        mine = batch[self.dp.split(B, "kto.batch_size")]
+        z = self.reference_point(model, mine, B, stop)
+        kw = dict(beta=self.k.beta, desirable_weight=self.k.desirable_weight,
+                  undesirable_weight=self.k.undesirable_weight, loss_type=self.k.loss_type)
+        parts, seen = [], []
+        for sl in microbatches(len(mine), self.k.micro_batch_size):
+            stop.check()
+            part = mine[sl]
+            lp = summed_logps(model, self.rows(part), self.pad_id, self.device)  # (b,)
+            ref = to_device(self.ref[part, 0], lp.device)  # (b,)
+            labels = torch.tensor([self.encoded[self.slots[s][0]].desirable for s in part], device=lp.device)
+            loss, _ = kto_loss(lp, ref, labels, None, None, kl=z, normaliser=B, sync_metrics=False, **kw)
+            loss.backward()  # each part's summed losses over the whole batch's B: the parts add up
+            parts.append({"loss": loss.detach()})
+            seen.append((lp.detach(), ref, labels))
+        logps, ref, labels = (torch.cat(x) for x in zip(*seen))
+        zero = logps.new_zeros(())
+        m = kto_metrics(logps, ref, labels, zero if z is None else z.to(logps), beta=self.k.beta,
+                        counts=(desirable, B - desirable), sync=False)
+        totals = read_once([m | {"loss": sum(p["loss"] for p in parts)}])[0]
+        totals["kl"] *= len(mine) / B  # z is the same on every rank: shares that add up to it
+        rows = self.rows(mine) + (self.rows(mine, mismatched=True) if self.with_kl else [])
+        totals["num_tokens"] = sum(len(p) + len(c) for p, c in rows)
+        return self.dp.reduce_metrics(totals)
+
+    def state_dict(self) -> dict:
+        # the reference log-probs too: a resume on a fresh node then needs no reference pass
+        return {"stream": self.stream.state_dict(), "ref": self.ref}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state["stream"])
+        if state.get("ref") is not None and len(state["ref"]) == len(self.slots):
+            self.ref = state["ref"]
