@@ -5,8 +5,8 @@
 it installs the SIGTERM/SIGINT handler (exit 75, never 143) before torch or anything heavy is imported,
 so this module imports nothing heavy at its top (tests/run/test_completion.py checks it).
 
-Exit codes: 0 finished · 75 preempted, checkpoint saved, resume me · 78 config or data error
-(one line, no traceback) · 1 anything else.
+Exit codes (preftune/errors.py): 0 finished · 75 stopped with nothing lost, run again · 69 checkpoint
+storage or a tracker unreachable · 78 config or data error (one line, no traceback) · 1 anything else.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import typing
 from preftune.cli import export, launch
 from preftune.cli.evaluate import add_parser as add_eval_parsers
 from preftune.cli.report import add_parser as add_report_parser
-from preftune.errors import EXIT_CRASH, EXIT_OK, EXIT_PREEMPTED, EXIT_USER, Preempted, UserError
+from preftune.errors import EXIT_CRASH, EXIT_OK, EXIT_USER, TryAgain, Unavailable, UserError
 from preftune.run.preemption import install_process_handler, process_handler
 
 
@@ -174,9 +174,9 @@ def _main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"preftune: error: {e}", file=sys.stderr)
         return EXIT_USER
-    except Preempted as e:
+    except (TryAgain, Unavailable) as e:  # 75: run again; 69: a service is unreachable
         print(f"preftune: {e}", file=sys.stderr)
-        return EXIT_PREEMPTED
+        return e.exit_code
     except KeyboardInterrupt:
         print("preftune: interrupted", file=sys.stderr)
         return EXIT_CRASH

@@ -6,7 +6,8 @@ or from flags, checks the config (exit 78 before anything starts), runs
 restarts, not torchrun), forwards SIGTERM to its workers, and exits with the workers' real code:
 torchrun reports 1 for any failed worker, so each worker writes its code to a status folder.
 
-  0 every worker finished · 75 preempted (checkpoint saved) · 78 config/data error · 1 anything else
+  0 every worker finished · 75 stopped, nothing lost (preempted and saved, ...) · 69 checkpoint storage
+  or a tracker unreachable · 78 config/data error · 1 anything else (preftune/errors.py)
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from preftune.errors import EXIT_CRASH, EXIT_OK, EXIT_PREEMPTED, EXIT_USER, UserError
+from preftune.errors import EXIT_CRASH, EXIT_OK, EXIT_PREEMPTED, EXIT_UNAVAILABLE, EXIT_USER, UserError
 
 log = logging.getLogger("preftune")
 STATUS_ENV = "PREFTUNE_STATUS_DIR"
@@ -117,9 +118,12 @@ def combine(codes: list[int | None]) -> int:
         return EXIT_CRASH
     if EXIT_USER in codes:
         return EXIT_USER
-    if any(c not in (EXIT_OK, EXIT_PREEMPTED) for c in codes):
+    if any(c not in (EXIT_OK, EXIT_PREEMPTED, EXIT_UNAVAILABLE) for c in codes):
         return EXIT_CRASH
-    return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else EXIT_OK
+    for code in (EXIT_UNAVAILABLE, EXIT_PREEMPTED):
+        if code in codes:
+            return code
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------- the command

@@ -19,12 +19,13 @@ import yaml
 
 from preftune.config import Config, to_dict
 from preftune.data import memory
-from preftune.errors import UserError
+from preftune.errors import UserError, one_line
 from preftune.rewards import CALLABLE_PREFIX
 from preftune.run import checkpoint as ckpt
 
 log = logging.getLogger("preftune")
 CONFIG_FILE = "preftune.yaml"  # the run config, inside each checkpoint
+STEP_FILES = (*ckpt.state_files(), CONFIG_FILE)  # what every step checkpoint holds
 
 # What a resume may not change: the model, the algorithm, the batch shape, and what the data is
 # and its order (a data position means nothing against another data set). Anything else may change
@@ -77,8 +78,8 @@ def config_differences(saved: dict, cfg: Config) -> list[str]:
 def check_compatible(folder: Path, cfg: Config) -> None:
     try:
         saved = yaml.safe_load((folder / CONFIG_FILE).read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise UserError(f"checkpoint has no readable {CONFIG_FILE}: {e}", where=str(folder)) from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise UserError(f"checkpoint has no readable {CONFIG_FILE}: {one_line(e)}", where=str(folder)) from None
     diffs = config_differences(saved if isinstance(saved, dict) else {}, cfg)
     if diffs:
         raise UserError(f"refusing to resume from {folder}: the config differs in what matters: " + "; ".join(diffs)
@@ -90,14 +91,19 @@ def newest_valid(ckpt_root: Path) -> Path | None:
     damaged-step-N (kept for inspection, never listed again) so retention and later resumes
     only ever see checkpoints of the timeline being continued."""
     for _, path in ckpt.list_checkpoints(ckpt_root):
-        problem = ckpt.verify(path)
+        problem = ckpt.verify(path, STEP_FILES) or _config_problem(path)
         if problem is None:
             return path
-        aside = path.with_name(f"damaged-{path.name}")
-        log.warning("skipping damaged checkpoint %s: %s (moved to %s)", path, problem, aside.name)
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(path, aside)
+        ckpt.set_aside(path, problem)
     return None
+
+
+def _config_problem(folder: Path) -> str | None:
+    try:
+        saved = yaml.safe_load((folder / CONFIG_FILE).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        return f"{CONFIG_FILE} is not readable YAML ({type(e).__name__})"
+    return None if isinstance(saved, dict) else f"{CONFIG_FILE} is not a config"
 
 
 def _non_empty(out: Path) -> bool:
@@ -126,14 +132,14 @@ def find_resume_point(cfg: Config, out: Path, ckpt_root: Path, mirror) -> Path |
         return None
     if cfg.resume != "auto":
         found = Path(cfg.resume)
-        problem = ckpt.verify(found)
+        problem = ckpt.verify(found, STEP_FILES)
         if problem:
             raise UserError(f"cannot resume from {found}: {problem}", where="resume")
     else:
         found = newest_valid(ckpt_root)
         if found is None and mirror is not None:
             ckpt_root.mkdir(parents=True, exist_ok=True)
-            found = mirror.download_newest(ckpt_root)
+            found = mirror.download_newest(ckpt_root, STEP_FILES)
             if found is not None:
                 log.info("fetched checkpoint %s from %s", found.name, cfg.checkpoint_uri)
     if found is not None:

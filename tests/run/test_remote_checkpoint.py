@@ -23,7 +23,7 @@ from tests.run.test_resume import (  # noqa: F401 - fixtures used by name
 
 def fake_checkpoint(writer_root: Path, step: int, payload: bytes, keep: int | None = None) -> Path:
     def write(tmp: Path) -> None:
-        (tmp / "model.safetensors").write_bytes(payload)
+        (tmp / "weights.bin").write_bytes(payload)  # opaque bytes: verify checks only their hash
         (tmp / "sub").mkdir()
         (tmp / "sub" / "state.pt").write_bytes(payload[::-1])
 
@@ -137,7 +137,7 @@ def test_download_skips_incomplete_and_damaged_remote_checkpoints(tmp_path):
     (local / "step-1" / "junk").write_text("a damaged local copy of the same step")
     got = mirror.download_newest(local)
     assert got == local / "step-1" and ckpt.verify(got) is None
-    assert (got / "model.safetensors").read_bytes() == b"weights-1" and not (got / "junk").exists()
+    assert (got / "weights.bin").read_bytes() == b"weights-1" and not (got / "junk").exists()
     assert not [p for p in local.iterdir() if p.name.startswith(ckpt.TMP_PREFIX)]
 
 
