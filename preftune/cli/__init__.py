@@ -89,6 +89,26 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _data_overrides(ap, args, extra: list[str]) -> None:
+    """data.KEY=VALUE after a data command: the same keys as its flags, typed as in a config file."""
+    import yaml
+
+    from preftune.config import DataConfig, from_dict
+
+    for item in extra:
+        key, raw = item.split("=", 1)
+        name = key.removeprefix("data.")
+        if name not in DATA_FLAGS.values():
+            ap.error(f"{key} is not an option of `preftune data` (those are: "
+                     f"{', '.join('data.' + n for n in DATA_FLAGS.values())})")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        setattr(args, name, getattr(from_dict(DataConfig, {name: value}, "data."), name))
+        args.dotted = {*getattr(args, "dotted", ()), name}  # errors name what the user typed
+
+
 def _data_section(args):
     """The `data` flags as a checked DataConfig (the same ranges as in a config file)."""
     from preftune.config import DataConfig, check_section
@@ -98,7 +118,7 @@ def _data_section(args):
     try:
         check_section(d, "data.")
     except UserError as e:  # name the flag the user typed
-        flags = {f"data.{name}": flag for flag, name in DATA_FLAGS.items()}
+        flags = {f"data.{name}": flag for flag, name in DATA_FLAGS.items() if name not in getattr(args, "dotted", ())}
         key = (e.where or "").split("[")[0]
         raise UserError(e.message, where=flags.get(key, key)) from None
     return d
@@ -159,6 +179,8 @@ def _main(argv: list[str] | None = None) -> int:
     # KEY=VALUE overrides may follow options (`render CONFIG -o DIR KEY=VALUE`)
     if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
         args.overrides = [*args.overrides, *extra]
+    elif extra and args.command == "data" and all(e.startswith("data.") and "=" in e for e in extra):
+        _data_overrides(ap, args, extra)  # `preftune data inspect F data.invalid=drop`, as train takes them
     elif extra:
         ap.error(f"unrecognized arguments: {' '.join(extra)}")
     rank = f" rank {os.environ['RANK']}" if "LOCAL_RANK" in os.environ and "RANK" in os.environ else ""

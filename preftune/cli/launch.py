@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from preftune.errors import EXIT_CRASH, EXIT_OK, EXIT_PREEMPTED, EXIT_UNAVAILABLE, EXIT_USER, UserError
+from preftune.run.preemption import SIGNALS
 
 log = logging.getLogger("preftune")
 STATUS_ENV = "PREFTUNE_STATUS_DIR"
@@ -175,8 +176,9 @@ def run(args) -> int:
 
 
 class forward_signals:
-    """SIGTERM/SIGINT to the launcher go to the workers themselves (their handlers coordinate the
-    stop and the save); torchrun only gets them if no worker has registered yet."""
+    """SIGTERM, SIGINT, SIGHUP, SIGUSR1 (run/preemption.py's SIGNALS) to the launcher go to the workers
+    themselves (their handlers coordinate the stop and the save); torchrun gets a SIGTERM only if no
+    worker has registered yet."""
 
     def __init__(self, proc: subprocess.Popen, status: Path):
         self.proc, self.status, self.old = proc, status, {}
@@ -185,14 +187,15 @@ class forward_signals:
         pids = read_status(self.status, "pid")
         log.warning("launch: %s, forwarding to %s", signal.Signals(signum).name,
                     f"workers {sorted(pids.values())}" if pids else "torchrun")
-        for pid in pids.values() or [self.proc.pid]:
+        targets = [(pid, signum) for pid in pids.values()] or [(self.proc.pid, signal.SIGTERM)]
+        for pid, sig in targets:
             try:
-                os.kill(pid, signum)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
 
     def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in SIGNALS:
             self.old[sig] = signal.signal(sig, self._handle)
         return self
 

@@ -22,16 +22,16 @@ import os
 import re
 import shutil
 import struct
-import threading
 from pathlib import Path
 
 from preftune.atomic import atomic_write
-from preftune.errors import CheckpointDamaged, UserError
+from preftune.errors import CheckpointDamaged
 
 log = logging.getLogger("preftune")
 MANIFEST = "MANIFEST.json"
 STATE = "trainer_state"  # trainer_state.json + trainer_state.safetensors
 STEP_RE = re.compile(r"^step-(\d+)$")
+ANNOTATIONS = ("eval.json",)  # written beside a published checkpoint by `preftune eval`; never read by a restore
 TMP_PREFIX = ".tmp-"  # everything under checkpoints/ with this prefix is scratch, removed at start-up
 _counter = itertools.count()
 
@@ -73,7 +73,8 @@ def file_entries(folder: Path, names: list[str] | None = None) -> dict:
 
 
 def content_files(folder: Path) -> list[str]:
-    return [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST]
+    return [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != MANIFEST and p.relative_to(folder).as_posix() not in ANNOTATIONS]
 
 
 def write_manifest(folder: Path, step: int, files: dict | None = None) -> None:
@@ -113,7 +114,7 @@ def verify(folder: Path, required: tuple[str, ...] = ()) -> str | None:
         rel = p.relative_to(folder).as_posix()
         if p.is_symlink():
             return f"{rel} is a symbolic link"
-        if p.is_file() and rel != MANIFEST and rel not in listed:
+        if p.is_file() and rel != MANIFEST and rel not in listed and rel not in ANNOTATIONS:
             return f"{rel} is not listed in the manifest"
     for name, meta in listed.items():
         p = folder / name
@@ -277,156 +278,3 @@ def snapshot(folder: Path, dest: Path) -> Path:
         except OSError:
             shutil.copy2(p, target)
     return dest
-
-
-class RemoteMirror:
-    """Copies each completed local checkpoint to an fsspec URL (s3://, gs://, file://, ...).
-
-    `upload()` only takes a hard-link snapshot of the folder and returns; one background thread
-    uploads snapshots in order, the manifest last, so a remote folder with a manifest is complete.
-    When saves outpace the upload, a queued snapshot is replaced by the newer one. After an upload,
-    remote checkpoints beyond the newest `keep` are deleted (manifest first).
-    """
-
-    def __init__(self, uri: str, keep: int | None = None):
-        try:
-            import fsspec
-
-            self.fs, self.root = fsspec.core.url_to_fs(uri.rstrip("/"))
-        except (ImportError, ValueError) as e:
-            raise UserError(f"cannot use {uri}: {e}", where="checkpoint_uri") from None
-        self.uri, self.keep = uri.rstrip("/"), keep
-        self.root = self.root.rstrip("/")
-        self._cond = threading.Condition()
-        self._queued: tuple[Path, str] | None = None
-        self._running = False
-        self.failures = 0
-
-    # ---------------------------------------------------------------- upload
-
-    def upload(self, folder: Path, *, scratch_root: Path | None = None) -> None:
-        """Queue `folder` for upload as URL/<folder name>; the snapshot goes under `scratch_root`
-        (default: beside the folder; it must be on the same filesystem for hard links)."""
-        name = folder.name
-        snap = snapshot(folder, scratch(scratch_root or folder.parent, f"upload-{name}"))
-        with self._cond:
-            if self._queued is not None:
-                log.info("upload of %s superseded by %s", self._queued[1], name)
-                shutil.rmtree(self._queued[0], ignore_errors=True)
-            self._queued = (snap, name)
-            if not self._running:
-                self._running = True
-                threading.Thread(target=self._work, name="preftune-upload", daemon=True).start()
-
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                item, self._queued = self._queued, None
-                if item is None:
-                    self._running = False
-                    self._cond.notify_all()
-                    return
-            snap, name = item
-            try:
-                self._put(snap, name)
-                if STEP_RE.match(name):
-                    self._prune()
-                log.info("mirrored %s to %s/%s", name, self.uri, name)
-            except Exception as e:  # noqa: BLE001 - an upload failure must not stop training
-                self.failures += 1
-                log.warning("checkpoint upload of %s to %s failed: %s", name, self.uri, e)
-            finally:
-                shutil.rmtree(snap, ignore_errors=True)
-
-    def _put(self, snap: Path, name: str) -> None:
-        dest = f"{self.root}/{name}"
-        if self.fs.exists(f"{dest}/{MANIFEST}"):  # an older copy of this step: incomplete until re-finished
-            self.fs.rm_file(f"{dest}/{MANIFEST}")
-        files = sorted(p for p in snap.rglob("*") if p.is_file() and p.name != MANIFEST)
-        if (snap / MANIFEST).is_file():
-            files.append(snap / MANIFEST)
-        for p in files:
-            rel = p.relative_to(snap).as_posix()
-            self.fs.makedirs(f"{dest}/{rel}".rsplit("/", 1)[0], exist_ok=True)
-            self.fs.put_file(str(p), f"{dest}/{rel}")
-
-    def _prune(self) -> None:
-        """Keep the newest `keep` complete remote checkpoints; delete older complete ones and the
-        incomplete leftovers (failed uploads) older than the newest complete one."""
-        if not self.keep:
-            return
-        steps = self.remote_steps()
-        complete = [s for s, name in steps if self.fs.exists(f"{self.root}/{name}/{MANIFEST}")]
-        if not complete:
-            return
-        kept = set(complete[:self.keep])
-        for step, name in steps:
-            if step not in kept and step < complete[0]:
-                self._rm(f"{self.root}/{name}")
-
-    def _rm(self, path: str) -> None:
-        if self.fs.exists(f"{path}/{MANIFEST}"):
-            self.fs.rm_file(f"{path}/{MANIFEST}")
-        if self.fs.exists(path):
-            self.fs.rm(path, recursive=True)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until every snapshot is uploaded (or `timeout` seconds pass); True when done."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._running, timeout)
-
-    # ---------------------------------------------------------------- listing, download
-
-    def remote_steps(self) -> list[tuple[int, str]]:
-        """step-N folders under the URL (complete or not), newest first."""
-        self.fs.invalidate_cache(self.root)
-        try:
-            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
-        except FileNotFoundError:
-            return []
-        except PermissionError as e:
-            raise UserError(f"cannot list {self.uri}: {e}", where="checkpoint_uri") from None
-        return sorted(((int(m.group(1)), n) for n in names if (m := STEP_RE.match(n))), reverse=True)
-
-    def clear(self) -> None:
-        """Delete every remote checkpoint (resume=never with overwrite_output_dir)."""
-        for _, name in self.remote_steps():
-            self._rm(f"{self.root}/{name}")
-
-    def download_newest(self, ckpt_root: Path, required: tuple[str, ...] = ()) -> Path | None:
-        """Fetch the newest remote checkpoint that has a manifest listing every file it holds and
-        verifies locally (`verify`); others are skipped with a line saying why."""
-        for _, name in self.remote_steps():
-            src = f"{self.root}/{name}"
-            try:
-                manifest = read_manifest(self.fs.cat_file(f"{src}/{MANIFEST}").decode())
-            except (FileNotFoundError, ValueError, UnicodeDecodeError):
-                continue  # an upload that never finished
-            extra = sorted(set(self._remote_files(src)) - set(manifest["files"]) - {MANIFEST})
-            if extra:
-                log.warning("skipping remote checkpoint %s: %s is not listed in its manifest", src, extra[0])
-                continue
-            tmp = scratch(ckpt_root, f"download-{name}")
-            tmp.mkdir(parents=True)
-            try:
-                for rel in manifest["files"]:
-                    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                    self.fs.get_file(f"{src}/{rel}", str(tmp / rel))
-            except FileNotFoundError as e:
-                log.warning("skipping incomplete remote checkpoint %s: %s", src, e)
-                shutil.rmtree(tmp, ignore_errors=True)
-                continue
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-            problem = verify(tmp, required)
-            if problem is None:
-                fsync_tree(tmp)
-                publish(tmp, ckpt_root / name)
-                return ckpt_root / name
-            log.warning("skipping damaged remote checkpoint %s: %s", src, problem)
-            shutil.rmtree(tmp, ignore_errors=True)
-        return None
-
-    def _remote_files(self, src: str) -> list[str]:
-        """Every file under a remote folder, relative to it."""
-        self.fs.invalidate_cache(src)
-        return [p[len(src.rstrip("/")) + 1:] for p in self.fs.find(src)]

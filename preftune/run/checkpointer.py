@@ -21,6 +21,7 @@ nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import shutil
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from preftune import distributed as dist
-from preftune.errors import CheckpointDamaged, UserError
+from preftune.errors import CheckpointDamaged, Unavailable, UserError, one_line
 from preftune.tensorfile import TensorFileError
 from preftune.model.llama import weight_files
 from preftune.model.load import load_model, save_pretrained
@@ -80,8 +81,8 @@ def rank_file(rank: int) -> str:
 
 
 class Checkpointer:
-    def __init__(self, cfg, dp: dist.Parallel, *, model, tokenizer, optimizer, task, mirror=None):
-        self.cfg, self.dp, self.mirror = cfg, dp, mirror
+    def __init__(self, cfg, dp: dist.Parallel, *, model, tokenizer, optimizer, task, mirror=None, lock=None):
+        self.cfg, self.dp, self.mirror, self.lock = cfg, dp, mirror, lock
         self.model, self.tokenizer, self.optimizer, self.task = model, tokenizer, optimizer, task
         self.out = Path(cfg.output_dir)
         self.root = self.out / "checkpoints"
@@ -92,8 +93,12 @@ class Checkpointer:
         """Every rank calls this at the same step; returns the published folder. `extra`: more plain
         state for rank 0's trainer_state (e.g. the trackers' run ids)."""
         if not self.dp.active:
-            folder = ckpt.save(self.root, step, lambda tmp: self._write(tmp, step, metrics_path, extra),
-                               keep=self.cfg.save_total_limit)
+            def write(tmp: Path) -> None:
+                self._write(tmp, step, metrics_path, extra)
+                self._check_lock()
+
+            with storage(f"checkpoint step-{step}", self.root):
+                folder = ckpt.save(self.root, step, write, keep=self.cfg.save_total_limit)
         else:
             folder = self._save_together(step, metrics_path, extra)
         if self.mirror is not None:
@@ -104,20 +109,34 @@ class Checkpointer:
         """All ranks write into one scratch folder; each hashes and fsyncs a share of the files; rank 0
         writes the manifest from those hashes after a barrier, then renames."""
         dp = self.dp
-        tmp = Path(dp.on_main(lambda: str(ckpt.begin(self.root, step))))
-        self._write(tmp, step, metrics_path, extra)
-        dp.barrier()  # every rank's files are complete before anyone hashes or publishes
+        what = f"checkpoint step-{step}"
+        with storage(what, self.root):
+            tmp = Path(dp.on_main(lambda: str(ckpt.begin(self.root, step))))
+
+        def write() -> dict:  # every rank's files are complete (together) before anyone hashes or publishes
+            with storage(what, self.root):
+                self._write(tmp, step, metrics_path, extra)
+            return {}
+
+        dp.together(write)
         names = ckpt.content_files(tmp)[dp.rank::dp.world]
         entries = ckpt.file_entries(tmp, names)
         ckpt.fsync_files(tmp / n for n in names)
         shares = {k: v for part in dp.gather(entries) for k, v in part.items()}
 
         def publish() -> str:
-            ckpt.write_manifest(tmp, step, files=shares)
-            ckpt.fsync_tree(tmp, files=False)
-            return str(ckpt.finish(self.root, tmp, step, keep=self.cfg.save_total_limit))
+            self._check_lock()
+            with storage(what, self.root):
+                ckpt.write_manifest(tmp, step, files=shares)
+                ckpt.fsync_tree(tmp, files=False)
+                return str(ckpt.finish(self.root, tmp, step, keep=self.cfg.save_total_limit))
 
         return Path(dp.on_main(publish))
+
+    def _check_lock(self) -> None:
+        """Rank 0, before each publish: output_dir is still this run's (78 when another took it)."""
+        if self.lock is not None:
+            self.lock.check()
 
     def _write(self, tmp: Path, step: int, metrics_path: Path | None, extra: dict | None) -> None:
         dp, model = self.dp, self.model
@@ -191,17 +210,32 @@ class Checkpointer:
             tmp = self.out / ".tmp-final"
             shutil.rmtree(tmp, ignore_errors=True)
             model = self.model if full is None else fresh_model(self.cfg, full)
-            save_pretrained(model, self.tokenizer, tmp, dtype=self.cfg.model.dtype)
-            (tmp / CONFIG_FILE).write_text(checkpoint_config(self.cfg))  # with the manifest's step: "complete"
-            ckpt.write_manifest(tmp, step)
-            ckpt.fsync_tree(tmp)
-            ckpt.publish(tmp, final)
+            with storage("final/", self.out):
+                save_pretrained(model, self.tokenizer, tmp, dtype=self.cfg.model.dtype)
+                (tmp / CONFIG_FILE).write_text(checkpoint_config(self.cfg))  # with the manifest's step: "complete"
+                ckpt.write_manifest(tmp, step)
+                ckpt.fsync_tree(tmp)
+                self._check_lock()
+                ckpt.publish(tmp, final)
             if self.mirror is not None:  # the remote also gets the final model, as URL/final
                 self.root.mkdir(parents=True, exist_ok=True)
                 self.mirror.upload(final, scratch_root=self.root)
             return str(final)
 
         return Path(self.dp.on_main(write))
+
+
+@contextlib.contextmanager
+def storage(what: str, where: Path):
+    """A failed write (a full disk, a read-only or lost volume) as one line with its errno: exit 69
+    (storage unavailable; the checkpoints published before are whole, a restart resumes from them)."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        raise Unavailable(f"cannot write {what} in {where}: {one_line(e)}; the checkpoints before it are "
+                          "intact") from None
 
 
 def fresh_model(cfg, weights: dict):
