@@ -19,10 +19,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
-# `make bench` runs the full table (preftune vs TRL); `make bench BENCH=quick` a small version
+# `make bench` runs the full table (preftune vs TRL), then 2 torchrun ranks against 1 process
+# (bench_ranks.py); `make bench BENCH=quick` a small version of both
 BENCH ?= full
 bench: $(STAMP)
 	$(PY) bench/suite.py --size $(BENCH) --json bench-$(BENCH).json
+	$(PY) bench/bench_ranks.py $(if $(filter quick,$(BENCH)),--steps 3 --warmup 1) --json bench-ranks-$(BENCH).json
 
 clean:
 	rm -rf runs .pytest_cache

@@ -215,21 +215,30 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> float:
-    """Mean `accuracy` reward of greedy completions on held-out rows (one HF generate for both frameworks)."""
+    """Mean `accuracy` reward of greedy completions on held-out rows: HF generate for a Hugging Face
+    module (TRL's), preftune's sampler for its own module (greedy: the same tokens either way)."""
     import torch
 
+    from preftune.model.load import base_module
     from preftune.rewards.builtin import accuracy
+    from preftune.rollout.sampler import sample
 
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    enc = tokenizer([r["input"] for r in rows], return_tensors="pt", padding=True).to(model.device)
+    device = next(model.parameters()).device
+    enc = tokenizer([r["input"] for r in rows], return_tensors="pt", padding=True).to(device)
     tokenizer.padding_side = side
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # (B, P+T)
+        if hasattr(base_module(model), "generate"):
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            new = out[:, enc["input_ids"].shape[1]:]  # (B, T)
+        else:
+            new = sample(model, enc["input_ids"], enc["attention_mask"], num_generations=1,
+                         max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_token_id,
+                         pad_id=tokenizer.pad_token_id, greedy=True).completion_ids  # (B, T)
     model.train(was_training)
-    new = out[:, enc["input_ids"].shape[1]:]  # (B, T)
     texts = tokenizer.batch_decode(new, skip_special_tokens=True)
     rewards = accuracy([r["input"] for r in rows], texts, answer=[r["answer"] for r in rows])
     return sum(rewards) / len(rewards)

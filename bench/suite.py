@@ -240,7 +240,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list, int, int, i
 
 
 def machine() -> dict:
-    """Versions and the GPU, for the record (the README's tables name them)."""
+    """Versions and the GPU, for the record (docs/benchmarks.md's tables name them)."""
     import importlib.metadata as md
 
     import torch

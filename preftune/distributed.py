@@ -192,7 +192,7 @@ class Parallel:
         weights, into host memory: every rank builds the module on the meta device and shards it,
         then rank 0 sends each rank its shards and the buffers outside the state dict (rotary
         tables). So no other rank ever holds a whole weight, and no device the whole model (the
-        32B sizing in the README: 131 GB of fp32 weights per rank otherwise)."""
+        32B sizing in docs/distributed.md: 131 GB of fp32 weights per rank otherwise)."""
         def wrap(model):  # bf16 mixed precision where load_model chose float32 masters under bf16 autocast
             return self.wrap(model, mixed_bf16=loader.compute_dtype(model) is not None,
                              reshard_after_forward=reshard_after_forward)

@@ -1,7 +1,7 @@
 """SIGTERM/SIGINT handling for spot nodes: stop at the next safe point, save, exit 75.
 
 One `Preemption` object follows a run through its phases, and a signal means something different
-in each (README, "A spot notice, moment by moment"):
+in each (docs/checkpoints.md, "A spot notice, moment by moment"):
 
 - start-up, before anything is touched (imports, argument and config parsing; the `preftune`
   process only): the process writes one line and exits 75 at once (`os._exit`: nothing to save,

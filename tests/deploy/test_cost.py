@@ -100,11 +100,11 @@ def test_parse_range():
         cost.parse_range("5-1", "x")
 
 
-def test_readme_shows_what_the_seed_example_prints(capsys):
+def test_the_docs_show_what_the_seed_example_prints(capsys):
     from tests.conftest import ROOT
 
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("$ preftune cost --nodes 3 --gpus-per-node 8", 1)[1].split("```", 1)[0]
+    page = (ROOT / "docs" / "kubernetes.md").read_text()
+    block = page.split("$ preftune cost --nodes 3 --gpus-per-node 8", 1)[1].split("```", 1)[0]
     command, shown = block.split("\n", 1)
     assert cli.main(["cost", "--nodes", "3", "--gpus-per-node", "8", *command.split()]) == 0
     assert capsys.readouterr().out.strip() == shown.strip()

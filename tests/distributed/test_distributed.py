@@ -83,7 +83,7 @@ def assert_same_training(one, two) -> None:
     worst = max(wa, key=lambda k: (wa[k] - wb[k]).abs().max().item())
     assert (wa[worst] - wb[worst]).abs().max().item() < 1e-5, f"largest weight difference in {worst}"
     assert all(r["grad_norm"] > 1e-3 for r in a)  # real gradients: Adam would turn rounding noise on a
-    # zero gradient (e.g. all advantages 0) into full-size steps in random directions, see README
+    # zero gradient (e.g. all advantages 0) into full-size steps in random directions, see docs/ARCHITECTURE.md
 
 
 

@@ -93,7 +93,10 @@ def test_sigterm_to_one_rank_stops_both_and_resume_is_exact(two_rank_run, data_d
     ranks.until(lambda: (out / "checkpoints" / "step-2").is_dir(), "the step-2 checkpoint")
     os.kill(ranks.procs[1].pid, signal.SIGTERM)  # a spot notice reaches only one node
     assert ranks.wait() == [EXIT_PREEMPTED, EXIT_PREEMPTED], ranks.text(0)[-2000:]
-    assert saved_steps(out) == [3, 2] and "checkpoint step-3 saved" in ranks.text(0)
+    # the notice stops both ranks at the next step boundary: step 3 normally, step 2 when it lands
+    # before step 3 starts (a busy machine), whose checkpoint is then the one already written
+    saved = saved_steps(out)
+    assert saved in ([3, 2], [2]) and (saved == [2] or "checkpoint step-3 saved" in ranks.text(0))
     again = launch(tmp_path, out, data_dir, "second")
     assert again.wait() == [EXIT_OK, EXIT_OK], again.text(0)[-3000:]
     assert "resumed from" in again.text(0) and "resumed from" in again.text(1)

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from preftune.config import load_config, to_dict
+from preftune.model.load import base_module
 from preftune.errors import UserError
 from preftune.run.loop import Run, train
 from tests.conftest import EVAL_PROMPTS, MODEL_DIR, write_jsonl
@@ -92,7 +93,8 @@ def test_lora_run_saves_a_merged_model(make_config, tokenizer):
     assert not any("lora" in k for k in merged.state_dict())
     ids = torch.tensor([tokenizer("12+7=").input_ids])
     with torch.no_grad():
-        want = run.model(input_ids=ids).logits
+        own = base_module(run.model)  # preftune's module under PEFT's adapters: hidden states, then its head
+        want = own.logits(run.model(ids, torch.arange(ids.size(1))[None]))
         got = merged(input_ids=ids).logits
         base = AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32)(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)  # merge is exact (up to float error)
