@@ -7,6 +7,7 @@ import inspect
 import json
 import logging
 import os
+import pickle
 import weakref
 from pathlib import Path
 
@@ -25,8 +26,6 @@ _MIXED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # What a broken model folder raises inside transformers / tokenizers / safetensors: a user error.
 def _load_errors() -> tuple[type[BaseException], ...]:
-    import pickle
-
     from safetensors import SafetensorError
 
     # UnpicklingError: a pytorch_model.bin that torch.load(weights_only=True) refuses (arbitrary objects)
