@@ -19,16 +19,22 @@ import contextlib
 import datetime
 import logging
 import os
-import warnings
 import weakref
 from pathlib import Path
 
 import torch
 
-from preftune.errors import UserError
+from preftune import tensorfile
+from preftune.errors import KNOWN, UserError, same_error
 from preftune.model import load as loader
 
 log = logging.getLogger("preftune")
+
+
+def _kind(e: BaseException) -> str:
+    """The name of the known error class `e` is (a subclass travels as its known base)."""
+    names = ("Preempted", "CheckpointDamaged", *(k.__name__ for k in KNOWN))
+    return next(c.__name__ for c in type(e).__mro__ if c.__name__ in names)
 
 
 def torchrun_env(env=os.environ) -> bool:
@@ -94,36 +100,38 @@ class Parallel:
 
     def on_main(self, fn, *, share: bool = True):
         """Run `fn` on rank 0 only and hand its result to every rank (`share` False: to rank 0 only,
-        None elsewhere); a UserError there is raised on every rank (so all exit 78 together instead
-        of the others waiting for it)."""
+        None elsewhere); a known error there (UserError, TryAgain, Unavailable) is raised on every
+        rank (so all exit with its code together instead of the others waiting for it)."""
         result, error = None, None
         if self.is_main:
             try:
                 result = fn()
-            except UserError as e:
-                error = str(e)
+            except KNOWN as e:
+                if not self.active:
+                    raise
+                error = (_kind(e), str(e))
         if share:
             result, error = self.broadcast((result, error))
         else:
             error = self.broadcast(error)
         if error is not None:
-            raise UserError(error)
+            raise same_error(*error)
         return result
 
     def together(self, fn):
-        """Run `fn` on every rank; a UserError on any rank is raised on every rank (the lowest such
-        rank's message), so all exit 78 together instead of the others waiting at their next
+        """Run `fn` on every rank; a known error on any rank is raised on every rank (the lowest such
+        rank's), so all exit with its code together instead of the others waiting at their next
         collective for a rank that has left (work split over ranks: each sees only its share)."""
         if not self.active:
             return fn()
         result, error = None, None
         try:
             result = fn()
-        except UserError as e:
-            error = str(e)
+        except KNOWN as e:
+            error = (_kind(e), str(e))
         errors = [e for e in self.gather(error) if e is not None]
         if errors:
-            raise UserError(errors[0])
+            raise same_error(*errors[0])
         return result
 
     def _comm_device(self) -> torch.device:
@@ -375,26 +383,89 @@ def load_full_state(model, optimizer, weights: dict, optim: dict | None):
     return keys.missing_keys, keys.unexpected_keys
 
 
-def save_sharded(model, optimizer, folder: Path, *, trainable_only: bool = False) -> None:
-    """Each rank writes its shards of weights and optimizer state (torch.distributed.checkpoint)."""
-    import torch.distributed.checkpoint as dcp
+def save_sharded(model, optimizer, folder: Path, rank: int, *, trainable_only: bool = False) -> None:
+    """Each rank writes its pieces of the weights and optimizer state, data only (tensorfile.py):
+    shards/rank-R.json (the structure; for each sharded tensor its global shape and this rank's
+    offset in it) and shards/rank-R.safetensors (the pieces). Nothing is unpickled on reading them
+    (torch.distributed.checkpoint's files are pickles, so they are not used)."""
+    from safetensors.torch import save_file
 
     state = {"model": model_state(model, trainable_only=trainable_only), "optim": optimizer_state(model, optimizer)}
-    dcp.save(state, checkpoint_id=str(folder))
+    pieces: dict[str, torch.Tensor] = {}
+
+    def leaf(name: str, t: torch.Tensor) -> dict:
+        local, offset = _local_piece(t)
+        pieces[name] = local.detach().cpu().contiguous()
+        return {"$shard": name, "shape": list(t.shape), "offset": offset}
+
+    folder.mkdir(parents=True, exist_ok=True)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    doc = {"tree": tensorfile.encode(state, leaf), "rank": rank, "world": world}
+    tensorfile.write_pair(folder / f"rank-{rank}", doc, pieces, save_file)
+
+
+def _local_piece(t: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """This rank's piece of a (possibly distributed) tensor and its offset in the whole tensor."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(t, DTensor):
+        return t, [0] * t.dim()
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return t.to_local(), list(offset)
+
+
+def shard_files(folder: Path) -> list[str]:
+    """The file names of a shards/ folder, from rank-0.json's world size (never a glob)."""
+    world = tensorfile.read_doc(folder / "rank-0").get("world")
+    if not isinstance(world, int) or world < 1:
+        raise tensorfile.TensorFileError("shards/rank-0.json has no world size")
+    return [f"rank-{r}{ext}" for r in range(world) for ext in (tensorfile.JSON, tensorfile.TENSORS)]
 
 
 def load_sharded(model, optimizer, folder: Path, *, trainable_only: bool = False, weights_only: bool = False) -> None:
-    """Shards written at any world size, resharded to this one by torch.distributed.checkpoint
-    (also into one plain process: a 2 -> 1 resume, `preftune export`)."""
-    import torch.distributed.checkpoint as dcp
+    """Pieces written at any world size, cut to this rank's (or one plain process's) layout: each
+    tensor of this rank's state dict is filled from the saved pieces that overlap it. A piece
+    missing, or a shape that does not fit, raises TensorFileError."""
+    from safetensors import SafetensorError
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     state = {"model": model_state(model, trainable_only=trainable_only)}
     if not weights_only:
         state["optim"] = optimizer_state(model, optimizer)
-    with warnings.catch_warnings():  # one process reading shards is intended
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(state, checkpoint_id=str(folder))
-    set_model_state_dict(model, state["model"], options=_options(trainable_only=trainable_only))
+    targets: dict[str, torch.Tensor] = {}
+    tensorfile.encode(state, lambda name, t: targets.setdefault(name, t) is None)
+    try:
+        saved = _read_pieces(folder, targets, list(state))
+    except (SafetensorError, OSError, KeyError, TypeError) as e:
+        raise tensorfile.TensorFileError(f"shards are not readable: {type(e).__name__}: {e}") from None
+    set_model_state_dict(model, saved["model"], options=_options(trainable_only=trainable_only))
     if not weights_only:
-        set_optimizer_state_dict(model, optimizer, state["optim"])
+        set_optimizer_state_dict(model, optimizer, saved["optim"])
+
+
+def _read_pieces(folder: Path, targets: dict[str, torch.Tensor], parts: list[str]) -> dict:
+    """The saved tree's `parts` (model, optim), each sharded tensor filled into its target."""
+    from safetensors import safe_open
+
+    names = shard_files(folder)
+    docs = [tensorfile.read_doc(folder / n.removesuffix(tensorfile.JSON)) for n in names[::2]]
+    found: dict[str, dict] = {}
+    for r, doc in enumerate(docs):
+        tensorfile.decode(doc["tree"], lambda m, r=r: found.setdefault(m.get("$shard"), {}).setdefault(r, m))
+    with contextlib.ExitStack() as stack:
+        files = [stack.enter_context(safe_open(str(folder / n), framework="pt")) for n in names[1::2]]
+
+        def tensor(marker: dict) -> torch.Tensor:
+            name = marker.get("$shard")
+            target = targets.get(name)
+            if target is None or marker.get("shape") != list(target.shape):
+                want = None if target is None else list(target.shape)
+                raise tensorfile.TensorFileError(f"shards: {name} does not fit the model "
+                                                 f"({marker.get('shape')} vs {want})")
+            local, offset = _local_piece(target)
+            pieces = [(m.get("offset"), files[r], name) for r, m in found.get(name, {}).items()]
+            tensorfile.fill(local, offset, pieces, f"shards: {name}")
+            return target
+
+        return {k: tensorfile.decode(docs[0]["tree"][k], tensor) for k in parts}

@@ -1,13 +1,23 @@
 """User-facing errors and the exit-code table.
 
-A `UserError` is a problem with the user's config or data: the CLI prints its one-line message
-(no traceback) and exits 78. Anything else is a crash (exit 1). A preempted run that saved a
-checkpoint exits 75 so an orchestrator knows to resume it.
+Each error the CLI knows prints one line (no traceback) and exits with its code; anything else
+is a crash (exit 1). What a restart policy should do with each (docs/reliability.md):
+
+  0   done                                       nothing
+  75  stopped, nothing lost: run again           restart (preempted and saved; a damaged checkpoint
+                                                 set aside; another process's lock went stale)
+  69  a service the run needs is unreachable     restart, counted against a retry limit (checkpoint
+      (checkpoint_uri, a tracker)                storage at start with nothing local, uploads of
+                                                 the last checkpoint or final/, a tracker)
+  78  config or data error, or the output_dir    abort: a restart meets the same problem
+      is another live process's
+  1   crash                                      restart, counted
 """
 from __future__ import annotations
 
 EXIT_OK = 0
 EXIT_CRASH = 1
+EXIT_UNAVAILABLE = 69  # BSD EX_UNAVAILABLE: checkpoint storage or a tracker unreachable; retry later
 EXIT_PREEMPTED = 75  # BSD EX_TEMPFAIL: interrupted, checkpoint saved, resume me
 EXIT_USER = 78  # BSD EX_CONFIG: config or data error
 
@@ -22,10 +32,35 @@ class UserError(Exception):
         super().__init__(f"{where}: {message}" if where else message)
 
 
-class Preempted(Exception):
-    """Raised by the training loop after a signal-triggered checkpoint was saved."""
+class TryAgain(Exception):
+    """Stopped with nothing lost; running the same command again continues (exit 75)."""
 
     exit_code = EXIT_PREEMPTED
+
+
+class Preempted(TryAgain):
+    """Raised by the training loop after a signal-triggered checkpoint was saved."""
+
+
+class CheckpointDamaged(TryAgain):
+    """A checkpoint that passed its manifest but whose contents do not read as preftune's: it is
+    set aside, and a restart resumes from the one before (exit 75)."""
+
+
+class Unavailable(Exception):
+    """A service the run needs (checkpoint storage, a tracker) could not be reached (exit 69)."""
+
+    exit_code = EXIT_UNAVAILABLE
+
+
+KNOWN = (UserError, TryAgain, Unavailable)  # the errors that end a run with one line and their own code
+
+
+def same_error(kind: str, message: str) -> Exception:
+    """The error named `kind` (a class in KNOWN, by name) with `message`: raised on every rank when
+    one rank met it, so all of them exit with its code."""
+    classes = {c.__name__: c for c in (UserError, TryAgain, Preempted, CheckpointDamaged, Unavailable)}
+    return classes.get(kind, UserError)(message)
 
 
 def one_line(exc: BaseException, *, with_type: bool = False, limit: int = 300) -> str:

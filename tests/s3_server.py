@@ -73,3 +73,80 @@ def s3_server(bucket: str = "test-bucket") -> Iterator[S3Endpoint]:
             else:
                 os.environ[k] = v
         server.stop()
+
+
+class Proxy:
+    """A TCP proxy in front of an endpoint that a test can break: `mode` "pass" forwards, "hang"
+    accepts connections and never answers (a hung S3), "down" refuses them (port closed).
+
+        with s3_server() as s3, Proxy(s3.endpoint_url) as proxy:
+            env["AWS_ENDPOINT_URL"] = proxy.url; ...; proxy.mode = "down"
+    """
+
+    def __init__(self, target_url: str):
+        from urllib.parse import urlparse
+
+        u = urlparse(target_url)
+        self.target = (u.hostname, u.port)
+        self.mode = "pass"
+        self.held: list = []  # hung connections, kept open
+        self._closing = False
+
+    def __enter__(self) -> Proxy:
+        import socket
+        import threading
+
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._closing = True
+        with contextlib.suppress(OSError):
+            self.server.close()
+        for s in self.held:
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self._closing:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            if self.mode == "down":
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                conn.close()  # a reset: as good as refused for a client
+            elif self.mode == "hang":
+                self.held.append(conn)
+            else:
+                threading.Thread(target=self._forward, args=(conn,), daemon=True).start()
+
+    def _forward(self, conn) -> None:
+        import socket
+        import threading
+
+        try:
+            up = socket.create_connection(self.target)
+        except OSError:
+            conn.close()
+            return
+
+        def pipe(a, b):
+            try:
+                while self.mode == "pass" and (data := a.recv(65536)):
+                    b.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for s in (a, b):
+                    with contextlib.suppress(OSError):
+                        s.shutdown(socket.SHUT_RDWR)
+
+        threading.Thread(target=pipe, args=(up, conn), daemon=True).start()
+        pipe(conn, up)

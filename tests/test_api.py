@@ -60,7 +60,7 @@ def own_handlers():
 def test_import_is_light_and_the_surface_is_named():
     code = ("import sys, preftune\n"
             "names = [preftune.train, preftune.load_config, preftune.Config, preftune.GRPOConfig, preftune.UserError,"
-            " preftune.Preempted, preftune.TrainResult]\n"
+            " preftune.Preempted, preftune.TryAgain, preftune.Unavailable, preftune.TrainResult]\n"
             "import preftune.cli\n"
             "heavy = [m for m in ('torch', 'transformers', 'pandas', 'datasets', 'wandb', 'mlflow') if m in sys.modules]\n"
             "assert not heavy, heavy\n"

@@ -306,12 +306,12 @@ def test_resume_from_a_damaged_checkpoint(capsys, config, out, tmp_path):
     assert main(["train", str(config), *TINY, f"output_dir={first}", "save_steps=1"]) == 0
     capsys.readouterr()
     (ckpt,) = (first / "checkpoints").iterdir()
-    state = ckpt / "trainer_state.pt"
+    state = ckpt / "trainer_state.safetensors"
     data = bytearray(state.read_bytes())
     data[-1] ^= 0xFF
     state.write_bytes(bytes(data))
     line = train_fails(capsys, config, out, f"resume={ckpt}")
-    assert str(ckpt) in line and "trainer_state.pt" in line
+    assert str(ckpt) in line and "trainer_state.safetensors" in line
 
 
 @pytest.mark.parametrize("content, expect", [

@@ -9,7 +9,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "preftune"
 # bottom to top: a module imports only from its own layer or a lower one
 LAYERS = [
-    {"errors", "atomic"},
+    {"errors", "atomic", "tensorfile"},  # tensorfile: data-only state files
     {"losses"},  # pure tensor functions (and, torch-free, the names they accept)
     {"config"},  # every key declared once; no torch
     {"data"},  # traces, pairs, groups, prompts, examples, tensor helpers
@@ -26,6 +26,7 @@ LAYERS = [
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 # third-party imports a function may defer: heavy or optional (FSDP's import alone takes ~0.7 s)
 DEFERRED = ("transformers", "peft", "safetensors", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+            "torch.distributed.tensor",
             "torch.utils.tensorboard", "wandb", "mlflow", "matplotlib", "fsspec", "jsonschema", "kubernetes_validate",
             "tqdm", "pyarrow", "yaml", "torch")
 LIGHT_ONLY = ("torch", "yaml", "pyarrow")  # deferred only by a module that does not already import them

@@ -5,8 +5,8 @@
 it installs the SIGTERM/SIGINT handler (exit 75, never 143) before torch or anything heavy is imported,
 so this module imports nothing heavy at its top (tests/run/test_completion.py checks it).
 
-Exit codes: 0 finished · 75 preempted, checkpoint saved, resume me · 78 config or data error
-(one line, no traceback) · 1 anything else.
+Exit codes (preftune/errors.py): 0 finished · 75 stopped with nothing lost, run again · 69 checkpoint
+storage or a tracker unreachable · 78 config or data error (one line, no traceback) · 1 anything else.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import typing
 from preftune.cli import export, launch
 from preftune.cli.evaluate import add_parser as add_eval_parsers
 from preftune.cli.report import add_parser as add_report_parser
-from preftune.errors import EXIT_CRASH, EXIT_OK, EXIT_PREEMPTED, EXIT_USER, Preempted, UserError
+from preftune.errors import EXIT_CRASH, EXIT_OK, EXIT_USER, TryAgain, Unavailable, UserError
 from preftune.run.preemption import install_process_handler, process_handler
 
 
@@ -89,6 +89,26 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _data_overrides(ap, args, extra: list[str]) -> None:
+    """data.KEY=VALUE after a data command: the same keys as its flags, typed as in a config file."""
+    import yaml
+
+    from preftune.config import DataConfig, from_dict
+
+    for item in extra:
+        key, raw = item.split("=", 1)
+        name = key.removeprefix("data.")
+        if name not in DATA_FLAGS.values():
+            ap.error(f"{key} is not an option of `preftune data` (those are: "
+                     f"{', '.join('data.' + n for n in DATA_FLAGS.values())})")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        setattr(args, name, getattr(from_dict(DataConfig, {name: value}, "data."), name))
+        args.dotted = {*getattr(args, "dotted", ()), name}  # errors name what the user typed
+
+
 def _data_section(args):
     """The `data` flags as a checked DataConfig (the same ranges as in a config file)."""
     from preftune.config import DataConfig, check_section
@@ -98,7 +118,7 @@ def _data_section(args):
     try:
         check_section(d, "data.")
     except UserError as e:  # name the flag the user typed
-        flags = {f"data.{name}": flag for flag, name in DATA_FLAGS.items()}
+        flags = {f"data.{name}": flag for flag, name in DATA_FLAGS.items() if name not in getattr(args, "dotted", ())}
         key = (e.where or "").split("[")[0]
         raise UserError(e.message, where=flags.get(key, key)) from None
     return d
@@ -159,6 +179,8 @@ def _main(argv: list[str] | None = None) -> int:
     # KEY=VALUE overrides may follow options (`render CONFIG -o DIR KEY=VALUE`)
     if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
         args.overrides = [*args.overrides, *extra]
+    elif extra and args.command == "data" and all(e.startswith("data.") and "=" in e for e in extra):
+        _data_overrides(ap, args, extra)  # `preftune data inspect F data.invalid=drop`, as train takes them
     elif extra:
         ap.error(f"unrecognized arguments: {' '.join(extra)}")
     rank = f" rank {os.environ['RANK']}" if "LOCAL_RANK" in os.environ and "RANK" in os.environ else ""
@@ -174,9 +196,9 @@ def _main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"preftune: error: {e}", file=sys.stderr)
         return EXIT_USER
-    except Preempted as e:
+    except (TryAgain, Unavailable) as e:  # 75: run again; 69: a service is unreachable
         print(f"preftune: {e}", file=sys.stderr)
-        return EXIT_PREEMPTED
+        return e.exit_code
     except KeyboardInterrupt:
         print("preftune: interrupted", file=sys.stderr)
         return EXIT_CRASH

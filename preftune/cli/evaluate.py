@@ -19,6 +19,7 @@ from preftune.atomic import atomic_write
 from preftune.data.tokenize import PromptTruncation
 from preftune.errors import EXIT_OK, UserError
 from preftune.evaluation.registry import append, format_table, read
+from preftune.run.preemption import process_handler
 import preftune
 
 EXIT_FAILED = 1  # the checkpoint did not pass the gate
@@ -88,6 +89,9 @@ def run_eval(args) -> int:
     from preftune.evaluation.evaluate import eval_prompt_set, eval_reward_funcs
 
     cfg = load_config(args.config, args.overrides)
+    stop = process_handler()
+    if stop is not None:  # from here a signal stops the evaluation (exit 75) with a line that says so
+        stop.setup(cfg.preemption_grace_seconds, "evaluation", f"{EVAL_FILE} was not written")
     check_gate(cfg.gate, args.baseline is not None)
     prompt_set = eval_prompt_set(cfg)
     if prompt_set is None:

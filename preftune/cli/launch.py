@@ -6,7 +6,8 @@ or from flags, checks the config (exit 78 before anything starts), runs
 restarts, not torchrun), forwards SIGTERM to its workers, and exits with the workers' real code:
 torchrun reports 1 for any failed worker, so each worker writes its code to a status folder.
 
-  0 every worker finished · 75 preempted (checkpoint saved) · 78 config/data error · 1 anything else
+  0 every worker finished · 75 stopped, nothing lost (preempted and saved, ...) · 69 checkpoint storage
+  or a tracker unreachable · 78 config/data error · 1 anything else (preftune/errors.py)
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from preftune.errors import EXIT_CRASH, EXIT_OK, EXIT_PREEMPTED, EXIT_USER, UserError
+from preftune.errors import EXIT_CRASH, EXIT_OK, EXIT_PREEMPTED, EXIT_UNAVAILABLE, EXIT_USER, UserError
+from preftune.run.preemption import SIGNALS
 
 log = logging.getLogger("preftune")
 STATUS_ENV = "PREFTUNE_STATUS_DIR"
@@ -117,9 +119,12 @@ def combine(codes: list[int | None]) -> int:
         return EXIT_CRASH
     if EXIT_USER in codes:
         return EXIT_USER
-    if any(c not in (EXIT_OK, EXIT_PREEMPTED) for c in codes):
+    if any(c not in (EXIT_OK, EXIT_PREEMPTED, EXIT_UNAVAILABLE) for c in codes):
         return EXIT_CRASH
-    return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else EXIT_OK
+    for code in (EXIT_UNAVAILABLE, EXIT_PREEMPTED):
+        if code in codes:
+            return code
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------- the command
@@ -171,8 +176,9 @@ def run(args) -> int:
 
 
 class forward_signals:
-    """SIGTERM/SIGINT to the launcher go to the workers themselves (their handlers coordinate the
-    stop and the save); torchrun only gets them if no worker has registered yet."""
+    """SIGTERM, SIGINT, SIGHUP, SIGUSR1 (run/preemption.py's SIGNALS) to the launcher go to the workers
+    themselves (their handlers coordinate the stop and the save); torchrun gets a SIGTERM only if no
+    worker has registered yet."""
 
     def __init__(self, proc: subprocess.Popen, status: Path):
         self.proc, self.status, self.old = proc, status, {}
@@ -181,14 +187,15 @@ class forward_signals:
         pids = read_status(self.status, "pid")
         log.warning("launch: %s, forwarding to %s", signal.Signals(signum).name,
                     f"workers {sorted(pids.values())}" if pids else "torchrun")
-        for pid in pids.values() or [self.proc.pid]:
+        targets = [(pid, signum) for pid in pids.values()] or [(self.proc.pid, signal.SIGTERM)]
+        for pid, sig in targets:
             try:
-                os.kill(pid, signum)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
 
     def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in SIGNALS:
             self.old[sig] = signal.signal(sig, self._handle)
         return self
 

@@ -10,6 +10,8 @@ from preftune.errors import UserError
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # RFC 1123 label, at most 63 characters
 QUANTITY = re.compile(r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|[mkMGTPE])?$")
 DURATION = re.compile(r"^(([0-9]+(s|m|h))+|Never)$")  # Karpenter's duration format
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
@@ -47,9 +49,13 @@ def check_deploy(deploy: DeployConfig, preemption_grace_seconds: float, checkpoi
     if not re.match(r"^[a-zA-Z0-9]+@.+$", deploy.ami_alias) or deploy.ami_alias.split("@")[0] not in EC2_ALIAS_FAMILIES:
         raise bad("ami_alias", f"'{deploy.ami_alias}' is not family@version with a family of "
                   f"{', '.join(EC2_ALIAS_FAMILIES)}")
-    for env_key in deploy.env:
+    for env_key, value in deploy.env.items():
         if not ENV_NAME.match(env_key):
             raise bad(f"env.{env_key}", "not a valid environment variable name")
+        if isinstance(value, dict) and (set(value) != {"secret", "key"} or not DNS_SUBDOMAIN.match(value["secret"])
+                                        or not SECRET_KEY.match(value["key"])):
+            raise bad(f"env.{env_key}", f"{value} is not a Secret reference {{secret: NAME, key: KEY}} (NAME a "
+                      "Kubernetes name, KEY letters, digits, '-', '_', '.')")
     for key, value in deploy.labels.items():
         if not LABEL_KEY.match(key) or not LABEL_VALUE.match(value) or len(value) > 63:
             raise bad(f"labels.{key}", f"'{key}: {value}' is not a valid Kubernetes label")

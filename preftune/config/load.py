@@ -3,18 +3,21 @@ that tie keys together. `load_config(path, overrides)` is the entry point."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import yaml
 
 from preftune.config.deploy import check_deploy
 from preftune.config.fields import check_section, check_value, from_dict, keys, to_dict
+from preftune.config.redact import redact
 from preftune.config.schema import TRACKERS, Config
 from preftune.errors import UserError
 
 
 def to_yaml(cfg) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    """The config as YAML, credentials redacted (config/redact.py): every copy written down."""
+    return yaml.safe_dump(redact(to_dict(cfg)), sort_keys=False)
 
 
 def check_key(key: str, value) -> None:
@@ -33,6 +36,12 @@ def check_report_to(names: list[str]) -> None:
         module, extra = TRACKERS[name]
         if importlib.util.find_spec(module) is None:
             raise UserError(f"{name} is not installed: pip install 'preftune[{extra}]'", where="log.report_to")
+        uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+        if name == "mlflow" and (not uri or uri.startswith("sqlite:")) and not all(
+                importlib.util.find_spec(m) for m in ("sqlalchemy", "alembic")):
+            raise UserError("mlflow's default store (a sqlite file) needs sqlalchemy and alembic: "
+                            "pip install 'preftune[mlflow]', or set MLFLOW_TRACKING_URI to a tracking server",
+                            where="log.report_to")
 
 
 def apply_override(data: dict, assignment: str) -> None:

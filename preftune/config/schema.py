@@ -271,6 +271,9 @@ class LogConfig:
         peer="W&B project")
     run_name: str | None = knob(
         None, "W&B / MLflow run name (null = the output_dir folder's name)", peer="TRL run_name")
+    on_tracker_outage: str = knob(
+        "fail", "a tracker unreachable at the start: fail (exit 69, retryable) or local (go on with metrics.jsonl)",
+        choices=("fail", "local"))
 
 
 @dataclass
@@ -322,7 +325,10 @@ class DeployConfig:
     storage_class: str | None = knob(
         None, "an RWX-capable StorageClass (FSx for Lustre, EFS); null = the cluster default")
     storage_size: str = knob("1200Gi", "PVC size (FSx for Lustre's smallest)")
-    env: dict[str, str | int | float] = knob(help="extra environment, e.g. {NCCL_DEBUG: INFO}", factory=dict)
+    env: dict[str, str | int | float | dict[str, str]] = knob(
+        help="extra environment, e.g. {NCCL_DEBUG: INFO}; a credential by reference to a Kubernetes Secret: "
+        "{WANDB_API_KEY: {secret: wandb, key: api-key}} (a secretKeyRef; the value never enters the config)",
+        factory=dict)
     service_account: str | None = knob(None, "service account of the pods (S3 access through IRSA or Pod Identity)")
     labels: dict[str, str] = knob(help="labels added to every object and pod", factory=dict)
     max_retry: int = knob(
@@ -370,6 +376,12 @@ class Config:
         60.0, "time from SIGTERM to the kill: finish the step if it fits, else abandon it, save, exit 75",
         range="[0, inf)")
     checkpoint_uri: str | None = knob(None, "fsspec URL (s3://bucket/prefix) mirroring every completed checkpoint")
+    checkpoint_uri_timeout_seconds: float = knob(
+        300.0, "the longest wait on checkpoint_uri: a listing or read at start, the uploads after the last step; "
+        "longer (or no connection) is exit 69, retryable", range="(0, inf)")
+    lock_stale_seconds: float = knob(
+        60.0, "output_dir's lock (one writer per run) from another node with no heartbeat for this long is "
+        "taken over; its holder touches it every sixth of this", range="(0, inf)")
     model: ModelConfig = section(ModelConfig)
     data: DataConfig = section(DataConfig)
     grpo: GRPOConfig = section(GRPOConfig)

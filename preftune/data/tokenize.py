@@ -1,10 +1,13 @@
 """Prompt and response tokenisation shared by every algorithm (one rule for train, eval and rollout)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from preftune.data.messages import is_messages
 from preftune.errors import UserError
+
+log = logging.getLogger("preftune")
 
 
 def prompt_text(tokenizer, prompt) -> str:
@@ -32,6 +35,13 @@ class PromptTruncation:
     truncated: int = 0
     dropped: int = 0
     seen: set = field(default_factory=set)
+
+    def drop_empty(self, where: str) -> None:
+        """A prompt that renders to no token at all (nothing to sample from): dropped, counted once."""
+        if where not in self.seen:
+            self.seen.add(where)
+            self.dropped += 1
+            log.warning("%s renders to 0 tokens: dropped (counted in prompts_dropped)", where)
 
     def apply(self, ids: list[int], where: str) -> list[int] | None:
         if len(ids) <= self.max_length:

@@ -11,6 +11,7 @@ from pathlib import PurePosixPath
 import yaml
 
 from preftune.config import DeployConfig
+from preftune.config.redact import is_reference, redact
 from preftune.deploy.settings import termination_grace
 from preftune.errors import EXIT_PREEMPTED, EXIT_USER
 
@@ -48,14 +49,19 @@ def pod_config(data: dict, deploy: DeployConfig) -> dict:
 
 
 def config_map(deploy: DeployConfig, data: dict) -> dict:
+    """The config as written, credentials redacted: a ConfigMap is not a secret (the pods take
+    deploy.env from the Job, and render refuses credentials anywhere else in the config)."""
+    data = redact(data)
     text = yaml.safe_dump(pod_config(data, deploy), sort_keys=False)
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata(deploy, f"{deploy.name}-config"),
             "data": {CONFIG_FILE: text}}
 
 
 def _env(deploy: DeployConfig) -> list[dict]:
-    env = {**(EFA_ENV if deploy.efa else {}), **{k: str(v) for k, v in deploy.env.items()}}
-    return [{"name": k, "value": v} for k, v in env.items()]
+    """deploy.env; a {secret, key} entry becomes a secretKeyRef (the pod reads the Secret)."""
+    env = {**(EFA_ENV if deploy.efa else {}), **deploy.env}
+    return [{"name": k, "valueFrom": {"secretKeyRef": {"name": v["secret"], "key": v["key"]}}} if is_reference(v)
+            else {"name": k, "value": str(v)} for k, v in env.items()]
 
 
 def _node_affinity(deploy: DeployConfig) -> dict:

@@ -1,6 +1,7 @@
 """The set of objects `preftune render` writes, checked before anything is written."""
 from __future__ import annotations
 
+from preftune.config.redact import credentials
 from preftune.deploy import manifests, nodes
 from preftune.deploy.settings import SPOT_NOTICE_SECONDS, termination_grace
 from preftune.deploy.validate import admission_problems
@@ -14,6 +15,11 @@ def render_objects(cfg, data: dict) -> tuple[dict[str, dict], list[str]]:
     as written, which the pods get in the ConfigMap."""
     d = cfg.deploy
     grace = cfg.preemption_grace_seconds
+    leaks = [k for k in credentials(data) if not k.startswith("deploy.env.")]
+    if leaks:  # the pods need these values, and a ConfigMap is not a secret
+        raise UserError("holds a credential, which would be written to the ConfigMap: give it to the pods as "
+                        "deploy.env: {NAME: {secret: SECRET, key: KEY}} and read it from the environment",
+                        where=leaks[0])
     # numbered in apply order (`kubectl apply -f DIR` goes by file name): Volcano refuses a job
     # whose queue does not exist yet
     objects = {"1-ec2nodeclass.yaml": nodes.ec2_node_class(d), "2-nodepool.yaml": nodes.node_pool(d)}
@@ -46,6 +52,9 @@ def container_notes(cfg, data: dict) -> list[str]:
             target = str(spec).rpartition(":")[0]
             if target.endswith(".py") and not target.startswith("/"):
                 notes.append(f"{section}.reward_funcs '{spec}': the container needs {target} (bake it into the image)")
+    for key in credentials({"env": dict(cfg.deploy.env)}):
+        notes.append(f"deploy.{key} looks like a credential and is in the Job in plain text (redacted in the "
+                     "ConfigMap): give it as {secret: NAME, key: KEY}, a Kubernetes Secret's key")
     grace = termination_grace(cfg.deploy, cfg.preemption_grace_seconds)
     if cfg.deploy.capacity_type == "spot" and grace > SPOT_NOTICE_SECONDS:
         notes.append(f"the pods' termination grace ({grace} s) exceeds EC2's {SPOT_NOTICE_SECONDS} s spot notice: "

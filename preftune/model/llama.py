@@ -234,7 +234,7 @@ class Llama(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, config, *, dtype: torch.dtype, autocast_dtype=None,
                         weights: bool = True) -> "Llama":
-        """The model of a Hugging Face folder (its *.safetensors by parameter name); without
+        """The model of a Hugging Face folder (the safetensors files `weight_files` names); without
         `weights`, on the meta device (shapes only: FSDP2 ranks receive their shards)."""
         with _default_dtype(dtype), torch.device("meta") if not weights else contextlib.nullcontext():
             model = cls(config, autocast_dtype=autocast_dtype)  # parameters in `dtype`, rotary tables float32
@@ -243,10 +243,10 @@ class Llama(nn.Module):
         from safetensors.torch import load_file
 
         state = {}
-        for f in sorted(Path(path).glob("*.safetensors")):
+        for f in weight_files(Path(path)):
             state.update(load_file(str(f)))
         if not state:
-            raise OSError(f"no *.safetensors weights in {path}")
+            raise OSError(f"no model.safetensors (or model.safetensors.index.json) in {path}")
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [k for k in missing if not (model.tied and k == "lm_head.weight")]
         if missing or unexpected:
@@ -272,6 +272,21 @@ class Llama(nn.Module):
 
     def get_output_embeddings(self):
         return self.lm_head
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The weight files of a Hugging Face folder: those model.safetensors.index.json names when it
+    is there, else model.safetensors. Never a glob: a file planted beside them is never read."""
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return [folder / "model.safetensors"] if (folder / "model.safetensors").is_file() else []
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index.name} is not a weight index ({type(e).__name__})") from None
+    if not all(isinstance(n, str) and "/" not in n and n.endswith(".safetensors") for n in names):
+        raise ValueError(f"{index.name} names files outside the folder or not safetensors")
+    return [folder / n for n in names]
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ import inspect
 import json
 import logging
 import os
+import pickle
 import weakref
 from pathlib import Path
 
@@ -27,7 +28,8 @@ _MIXED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _load_errors() -> tuple[type[BaseException], ...]:
     from safetensors import SafetensorError
 
-    return (OSError, ValueError, KeyError, EnvironmentError, SafetensorError)
+    # UnpicklingError: a pytorch_model.bin that torch.load(weights_only=True) refuses (arbitrary objects)
+    return (OSError, ValueError, KeyError, EnvironmentError, SafetensorError, pickle.UnpicklingError)
 
 
 def check_model_path(path: str) -> str:
@@ -63,18 +65,27 @@ def import_model_libraries(cfg: ModelConfig) -> None:
 
     if cfg.trust_remote_code:
         return
-    try:
-        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(cfg.name_or_path))]
+    try:  # the flag, always: without it transformers may ask on a terminal whether to run a folder's code
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=False))]
     except Exception:  # noqa: BLE001 - an unknown or missing model: load_model says what is wrong
         pass
 
 
+def _refuse_remote_code(e: BaseException, path: str, what: str) -> None:
+    if "contains custom code" in str(e):
+        raise UserError(f"the {what} in {path} maps to its own code (auto_map), which runs only with "
+                        "model.trust_remote_code: true", where="model.trust_remote_code") from None
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """`trust_remote_code` is passed as a bool on every load (config, tokenizer, model): None would
+    let transformers prompt on a terminal and run a folder's `auto_map` code on a "y"."""
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=bool(trust_remote_code))
     except _load_errors() as e:
+        _refuse_remote_code(e, path, "tokenizer")
         raise UserError(f"cannot load tokenizer: {one_line(e)}", where=path) from None
     if tok.pad_token_id is None:
         if tok.eos_token_id is None:
@@ -93,7 +104,7 @@ def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True, weights: 
     # Full fine-tuning in bfloat16 keeps float32 master weights and computes under autocast: AdamW
     # steps on bf16 weights round most updates away. Frozen models and LoRA bases load as bf16.
     mixed = trainable and cfg.dtype == "bfloat16" and not cfg.lora.enabled
-    dtype, remote = torch.float32 if mixed else DTYPES[cfg.dtype], cfg.trust_remote_code
+    dtype, remote = torch.float32 if mixed else DTYPES[cfg.dtype], bool(cfg.trust_remote_code)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
         if cfg.lean_forward and unsupported(config) is None:
@@ -105,6 +116,7 @@ def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True, weights: 
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=remote)
     except _load_errors() as e:  # corrupt or truncated weights, bad config.json
+        _refuse_remote_code(e, path, "model")
         raise UserError(f"cannot load model: {one_line(e, with_type=True)}", where=path) from None
     if mixed and not isinstance(model, Llama):
         _MIXED[model] = torch.bfloat16

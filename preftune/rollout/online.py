@@ -23,11 +23,16 @@ def completion_texts(tokenizer, rollout: Rollout, prompts: list) -> tuple[list, 
 
 
 def encode_prompts(tokenizer, prompt_set, indices: list[int], truncation: PromptTruncation):
-    """Tokenise prompts[indices]; prompts the truncation policy drops are left out (and counted there)."""
+    """Tokenise prompts[indices]; prompts the truncation policy drops, and prompts of no token at all
+    (nothing to sample from), are left out (and counted there)."""
     prompts, columns = prompt_set.select(indices)
     keep, ids = [], []
     for j, (i, p) in enumerate(zip(indices, prompts)):
-        enc = truncation.apply(encode_prompt(tokenizer, p), where=f"prompt {i}")
+        enc = encode_prompt(tokenizer, p)
+        if not enc:
+            truncation.drop_empty(f"prompt {i}")
+            continue
+        enc = truncation.apply(enc, where=f"prompt {i}")
         if enc is not None:
             keep.append(j)
             ids.append(enc)

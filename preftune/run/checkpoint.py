@@ -1,10 +1,16 @@
 """Atomic checkpoints with a manifest, retention, verification, and an optional remote (fsspec) mirror.
 
 A checkpoint folder `checkpoints/step-N/` holds the model in Hugging Face format (loadable by
-`from_pretrained`), `trainer_state.pt` (plain tensors/containers only, read with weights_only=True),
-the run config, the metrics so far, and `MANIFEST.json` (every file's size and sha256), written
-last. The folder is built under a temporary name, fsync'd, then renamed, so a SIGKILL at any moment
-leaves only complete checkpoints; a folder that does not match its manifest is never resumed from.
+`from_pretrained`), `trainer_state.json` + `.safetensors` (data only: preftune/tensorfile.py), the
+run config, the metrics so far, and `MANIFEST.json` (every file's size and sha256), written last.
+The folder is built under a temporary name, fsync'd, then renamed, so a SIGKILL at any moment
+leaves only complete checkpoints.
+
+Checkpoints are data only: nothing in one is unpickled or imported. A folder is used only when every
+file in it is listed in its manifest with that size and hash, its JSON parses and its safetensors
+headers fit their files (`verify`); anything else sets it aside with a line saying why. The
+manifest detects damage and foreign files, not a writer who rewrites it too: such a writer can
+change the weights (data), never run code.
 """
 from __future__ import annotations
 
@@ -13,19 +19,19 @@ import itertools
 import json
 import logging
 import os
-import pickle
 import re
 import shutil
-import threading
+import struct
 from pathlib import Path
 
 from preftune.atomic import atomic_write
-from preftune.errors import UserError, one_line
+from preftune.errors import CheckpointDamaged
 
 log = logging.getLogger("preftune")
 MANIFEST = "MANIFEST.json"
-STATE = "trainer_state.pt"
+STATE = "trainer_state"  # trainer_state.json + trainer_state.safetensors
 STEP_RE = re.compile(r"^step-(\d+)$")
+ANNOTATIONS = ("eval.json",)  # written beside a published checkpoint by `preftune eval`; never read by a restore
 TMP_PREFIX = ".tmp-"  # everything under checkpoints/ with this prefix is scratch, removed at start-up
 _counter = itertools.count()
 
@@ -67,7 +73,8 @@ def file_entries(folder: Path, names: list[str] | None = None) -> dict:
 
 
 def content_files(folder: Path) -> list[str]:
-    return [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST]
+    return [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != MANIFEST and p.relative_to(folder).as_posix() not in ANNOTATIONS]
 
 
 def write_manifest(folder: Path, step: int, files: dict | None = None) -> None:
@@ -91,13 +98,25 @@ def read_manifest(text: str) -> dict:
     return m
 
 
-def verify(folder: Path) -> str | None:
-    """None when the folder matches its manifest, else what is wrong (one line)."""
+def verify(folder: Path, required: tuple[str, ...] = ()) -> str | None:
+    """None when the folder matches its manifest, else what is wrong (one line): a file missing,
+    not listed, a link, of another size or hash, JSON that does not parse, a safetensors file whose
+    header does not fit it. `required`: names the manifest must list."""
     try:
         manifest = read_manifest((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, UnicodeDecodeError):
         return "no readable MANIFEST.json"
-    for name, meta in manifest["files"].items():
+    listed = manifest["files"]
+    for name in required:
+        if name not in listed:
+            return f"no {name} (not a checkpoint of this preftune version)"
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder).as_posix()
+        if p.is_symlink():
+            return f"{rel} is a symbolic link"
+        if p.is_file() and rel != MANIFEST and rel not in listed and rel not in ANNOTATIONS:
+            return f"{rel} is not listed in the manifest"
+    for name, meta in listed.items():
         p = folder / name
         if not p.is_file():
             return f"{name} is missing"
@@ -105,6 +124,51 @@ def verify(folder: Path) -> str | None:
             return f"{name} has {p.stat().st_size} bytes, manifest says {meta.get('size')}"
         if _sha256(p) != meta.get("sha256"):
             return f"{name} checksum does not match the manifest"
+        problem = readable(p)
+        if problem:
+            return f"{name}: {problem}"
+    return None
+
+
+def readable(path: Path) -> str | None:
+    """For the formats preftune reads: None when `path` parses, else why not (JSON; JSON lines of
+    objects with a step; safetensors headers, checked against the file without reading the tensors)."""
+    try:
+        if path.suffix == ".json":
+            json.loads(path.read_text())
+        elif path.suffix == ".jsonl":
+            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            if not all(isinstance(r, dict) and isinstance(r.get("step"), int) for r in rows):
+                return "not JSON lines of metrics records"
+    except (UnicodeDecodeError, ValueError) as e:
+        return f"not valid JSON ({type(e).__name__})"
+    return _check_safetensors(path) if path.suffix == ".safetensors" else None
+
+
+SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
+                      "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def _check_safetensors(path: Path) -> str | None:
+    """The header parses and every tensor's bytes lie inside the file and fit its shape and dtype."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > 100_000_000:
+                return "not a safetensors file (its header is implausibly large)"
+            header = json.loads(f.read(n))
+        body = path.stat().st_size - 8 - n
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            lo, hi = meta["data_offsets"]
+            size = SAFETENSORS_DTYPES[meta["dtype"]]
+            for d in meta["shape"]:
+                size *= d
+            if not (0 <= lo <= hi <= body) or hi - lo != size:
+                return f"tensor {name!r} does not fit the file"
+    except (OSError, struct.error, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"not a safetensors file ({type(e).__name__})"
     return None
 
 
@@ -170,21 +234,34 @@ def finish(ckpt_root: Path, tmp: Path, step: int, *, keep: int | None = None) ->
     return final
 
 
-def save_state(folder: Path, state: dict, name: str = STATE) -> None:
-    import torch  # here, not at the top: the completion check reads manifests without torch
+def state_files(name: str = STATE) -> tuple[str, str]:
+    return f"{name}.json", f"{name}.safetensors"
 
-    torch.save(state, folder / name)
+
+def save_state(folder: Path, state: dict, name: str = STATE) -> None:
+    from preftune import tensorfile  # here, not at the top: the completion check reads manifests without torch
+
+    tensorfile.save(folder / name, state)
 
 
 def load_state(folder: Path, name: str = STATE) -> dict:
-    """Trainer state, read with weights_only=True: tensors and plain containers, never arbitrary objects."""
-    import torch
+    """Trainer state: data only (JSON and safetensors), nothing unpickled."""
+    from preftune import tensorfile
 
     try:
-        return torch.load(folder / name, weights_only=True, map_location="cpu")
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
-        raise UserError(f"{name} is not plain trainer state (refusing to unpickle it): {one_line(e, limit=200)}",
-                        where=str(folder)) from None
+        return tensorfile.load(folder / name)
+    except tensorfile.TensorFileError as e:
+        raise CheckpointDamaged(f"{folder}: {e}") from None
+
+
+def set_aside(path: Path, problem: str) -> Path:
+    """Rename a damaged checkpoint damaged-step-N (kept for inspection, never listed again), so
+    retention and later resumes only see checkpoints of the timeline being continued."""
+    aside = path.with_name(f"damaged-{path.name}")
+    log.warning("skipping damaged checkpoint %s: %s (moved to %s)", path, problem, aside.name)
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(path, aside)
+    return aside
 
 
 def snapshot(folder: Path, dest: Path) -> Path:
@@ -201,146 +278,3 @@ def snapshot(folder: Path, dest: Path) -> Path:
         except OSError:
             shutil.copy2(p, target)
     return dest
-
-
-class RemoteMirror:
-    """Copies each completed local checkpoint to an fsspec URL (s3://, gs://, file://, ...).
-
-    `upload()` only takes a hard-link snapshot of the folder and returns; one background thread
-    uploads snapshots in order, the manifest last, so a remote folder with a manifest is complete.
-    When saves outpace the upload, a queued snapshot is replaced by the newer one. After an upload,
-    remote checkpoints beyond the newest `keep` are deleted (manifest first).
-    """
-
-    def __init__(self, uri: str, keep: int | None = None):
-        try:
-            import fsspec
-
-            self.fs, self.root = fsspec.core.url_to_fs(uri.rstrip("/"))
-        except (ImportError, ValueError) as e:
-            raise UserError(f"cannot use {uri}: {e}", where="checkpoint_uri") from None
-        self.uri, self.keep = uri.rstrip("/"), keep
-        self.root = self.root.rstrip("/")
-        self._cond = threading.Condition()
-        self._queued: tuple[Path, str] | None = None
-        self._running = False
-        self.failures = 0
-
-    # ---------------------------------------------------------------- upload
-
-    def upload(self, folder: Path, *, scratch_root: Path | None = None) -> None:
-        """Queue `folder` for upload as URL/<folder name>; the snapshot goes under `scratch_root`
-        (default: beside the folder; it must be on the same filesystem for hard links)."""
-        name = folder.name
-        snap = snapshot(folder, scratch(scratch_root or folder.parent, f"upload-{name}"))
-        with self._cond:
-            if self._queued is not None:
-                log.info("upload of %s superseded by %s", self._queued[1], name)
-                shutil.rmtree(self._queued[0], ignore_errors=True)
-            self._queued = (snap, name)
-            if not self._running:
-                self._running = True
-                threading.Thread(target=self._work, name="preftune-upload", daemon=True).start()
-
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                item, self._queued = self._queued, None
-                if item is None:
-                    self._running = False
-                    self._cond.notify_all()
-                    return
-            snap, name = item
-            try:
-                self._put(snap, name)
-                if STEP_RE.match(name):
-                    self._prune()
-                log.info("mirrored %s to %s/%s", name, self.uri, name)
-            except Exception as e:  # noqa: BLE001 - an upload failure must not stop training
-                self.failures += 1
-                log.warning("checkpoint upload of %s to %s failed: %s", name, self.uri, e)
-            finally:
-                shutil.rmtree(snap, ignore_errors=True)
-
-    def _put(self, snap: Path, name: str) -> None:
-        dest = f"{self.root}/{name}"
-        if self.fs.exists(f"{dest}/{MANIFEST}"):  # an older copy of this step: incomplete until re-finished
-            self.fs.rm_file(f"{dest}/{MANIFEST}")
-        files = sorted(p for p in snap.rglob("*") if p.is_file() and p.name != MANIFEST)
-        if (snap / MANIFEST).is_file():
-            files.append(snap / MANIFEST)
-        for p in files:
-            rel = p.relative_to(snap).as_posix()
-            self.fs.makedirs(f"{dest}/{rel}".rsplit("/", 1)[0], exist_ok=True)
-            self.fs.put_file(str(p), f"{dest}/{rel}")
-
-    def _prune(self) -> None:
-        """Keep the newest `keep` complete remote checkpoints; delete older complete ones and the
-        incomplete leftovers (failed uploads) older than the newest complete one."""
-        if not self.keep:
-            return
-        steps = self.remote_steps()
-        complete = [s for s, name in steps if self.fs.exists(f"{self.root}/{name}/{MANIFEST}")]
-        if not complete:
-            return
-        kept = set(complete[:self.keep])
-        for step, name in steps:
-            if step not in kept and step < complete[0]:
-                self._rm(f"{self.root}/{name}")
-
-    def _rm(self, path: str) -> None:
-        if self.fs.exists(f"{path}/{MANIFEST}"):
-            self.fs.rm_file(f"{path}/{MANIFEST}")
-        if self.fs.exists(path):
-            self.fs.rm(path, recursive=True)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until every snapshot is uploaded (or `timeout` seconds pass); True when done."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._running, timeout)
-
-    # ---------------------------------------------------------------- listing, download
-
-    def remote_steps(self) -> list[tuple[int, str]]:
-        """step-N folders under the URL (complete or not), newest first."""
-        self.fs.invalidate_cache(self.root)
-        try:
-            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
-        except FileNotFoundError:
-            return []
-        except PermissionError as e:
-            raise UserError(f"cannot list {self.uri}: {e}", where="checkpoint_uri") from None
-        return sorted(((int(m.group(1)), n) for n in names if (m := STEP_RE.match(n))), reverse=True)
-
-    def clear(self) -> None:
-        """Delete every remote checkpoint (resume=never with overwrite_output_dir)."""
-        for _, name in self.remote_steps():
-            self._rm(f"{self.root}/{name}")
-
-    def download_newest(self, ckpt_root: Path) -> Path | None:
-        """Fetch the newest remote checkpoint that has a manifest and verifies locally."""
-        for _, name in self.remote_steps():
-            src = f"{self.root}/{name}"
-            try:
-                manifest = read_manifest(self.fs.cat_file(f"{src}/{MANIFEST}").decode())
-            except (FileNotFoundError, ValueError, UnicodeDecodeError):
-                continue  # an upload that never finished
-            tmp = scratch(ckpt_root, f"download-{name}")
-            tmp.mkdir(parents=True)
-            try:
-                for rel in manifest["files"]:
-                    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                    self.fs.get_file(f"{src}/{rel}", str(tmp / rel))
-            except FileNotFoundError as e:
-                log.warning("skipping incomplete remote checkpoint %s: %s", src, e)
-                shutil.rmtree(tmp, ignore_errors=True)
-                continue
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-            problem = verify(tmp)
-            if problem is None:
-                fsync_tree(tmp)
-                publish(tmp, ckpt_root / name)
-                return ckpt_root / name
-            log.warning("skipping damaged remote checkpoint %s: %s", src, problem)
-            shutil.rmtree(tmp, ignore_errors=True)
-        return None

@@ -7,16 +7,21 @@ folder, manifest last, fsync, atomic rename, retention, remote mirror):
 full     (one process, or ddp where every rank holds the same weights; rank 0 writes)
          full fine-tuning: the model in Hugging Face format (loadable by from_pretrained);
          LoRA: only `adapter/` (peft format) - no merged copy per save.
-sharded  (fsdp) `shards/`: torch.distributed.checkpoint files, each rank writing its own shards of
-         the weights (LoRA: the adapter only) and of the optimizer state.
-Both: `trainer_state.pt` (rank 0: step, optimizer state keyed by parameter name in the full layout,
-the task's state, RNGs), `rank-R.pt` for each other rank (its task state and RNGs), the tokenizer,
+sharded  (fsdp) `shards/rank-R.json` + `.safetensors`: each rank writes its pieces of the weights
+         (LoRA: the adapter only) and of the optimizer state (distributed.save_sharded).
+Both: `trainer_state.json` + `.safetensors` (rank 0: step, optimizer state keyed by parameter name
+in the full layout, the task's state, RNGs), `rank-R.*` for each other rank (its task state and
+RNGs), the tokenizer,
 the model's config.json, preftune.yaml, metrics.jsonl and MANIFEST.json - written last, by rank 0,
 from the file hashes every rank computed for its share of the files, after a barrier.
 `final/` is always one consolidated Hugging Face model (LoRA merged once, at the end).
+Every file is data (JSON, safetensors; preftune/tensorfile.py): a restore or an export reads only
+the files the layout names (weights through the Hugging Face index, never a glob) and unpickles
+nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import shutil
@@ -26,7 +31,9 @@ import numpy as np
 import torch
 
 from preftune import distributed as dist
-from preftune.errors import UserError
+from preftune.errors import CheckpointDamaged, Unavailable, UserError, one_line
+from preftune.tensorfile import TensorFileError
+from preftune.model.llama import weight_files
 from preftune.model.load import load_model, save_pretrained
 from preftune.run import checkpoint as ckpt
 from preftune.run.resume import CONFIG_FILE, checkpoint_config
@@ -38,7 +45,7 @@ ADAPTER = "adapter"
 
 
 def rng_state() -> dict:
-    """Every global RNG as plain tensors/ints/floats (loadable with weights_only=True)."""
+    """Every global RNG as plain tensors/ints/floats (data only: tensorfile.py writes and reads them)."""
     _, py_state, py_gauss = random.getstate()
     _, mt, pos, has_gauss, gauss = np.random.get_state()
     state = {"python": list(py_state), "python_gauss": py_gauss,
@@ -70,12 +77,12 @@ def is_lora(model) -> bool:
 
 
 def rank_file(rank: int) -> str:
-    return f"rank-{rank}.pt"
+    return f"rank-{rank}"  # rank-R.json + rank-R.safetensors
 
 
 class Checkpointer:
-    def __init__(self, cfg, dp: dist.Parallel, *, model, tokenizer, optimizer, task, mirror=None):
-        self.cfg, self.dp, self.mirror = cfg, dp, mirror
+    def __init__(self, cfg, dp: dist.Parallel, *, model, tokenizer, optimizer, task, mirror=None, lock=None):
+        self.cfg, self.dp, self.mirror, self.lock = cfg, dp, mirror, lock
         self.model, self.tokenizer, self.optimizer, self.task = model, tokenizer, optimizer, task
         self.out = Path(cfg.output_dir)
         self.root = self.out / "checkpoints"
@@ -84,10 +91,14 @@ class Checkpointer:
 
     def save(self, step: int, metrics_path: Path | None = None, extra: dict | None = None) -> Path:
         """Every rank calls this at the same step; returns the published folder. `extra`: more plain
-        state for rank 0's trainer_state.pt (e.g. the trackers' run ids)."""
+        state for rank 0's trainer_state (e.g. the trackers' run ids)."""
         if not self.dp.active:
-            folder = ckpt.save(self.root, step, lambda tmp: self._write(tmp, step, metrics_path, extra),
-                               keep=self.cfg.save_total_limit)
+            def write(tmp: Path) -> None:
+                self._write(tmp, step, metrics_path, extra)
+                self._check_lock()
+
+            with storage(f"checkpoint step-{step}", self.root):
+                folder = ckpt.save(self.root, step, write, keep=self.cfg.save_total_limit)
         else:
             folder = self._save_together(step, metrics_path, extra)
         if self.mirror is not None:
@@ -98,25 +109,39 @@ class Checkpointer:
         """All ranks write into one scratch folder; each hashes and fsyncs a share of the files; rank 0
         writes the manifest from those hashes after a barrier, then renames."""
         dp = self.dp
-        tmp = Path(dp.on_main(lambda: str(ckpt.begin(self.root, step))))
-        self._write(tmp, step, metrics_path, extra)
-        dp.barrier()  # every rank's files are complete before anyone hashes or publishes
+        what = f"checkpoint step-{step}"
+        with storage(what, self.root):
+            tmp = Path(dp.on_main(lambda: str(ckpt.begin(self.root, step))))
+
+        def write() -> dict:  # every rank's files are complete (together) before anyone hashes or publishes
+            with storage(what, self.root):
+                self._write(tmp, step, metrics_path, extra)
+            return {}
+
+        dp.together(write)
         names = ckpt.content_files(tmp)[dp.rank::dp.world]
         entries = ckpt.file_entries(tmp, names)
         ckpt.fsync_files(tmp / n for n in names)
         shares = {k: v for part in dp.gather(entries) for k, v in part.items()}
 
         def publish() -> str:
-            ckpt.write_manifest(tmp, step, files=shares)
-            ckpt.fsync_tree(tmp, files=False)
-            return str(ckpt.finish(self.root, tmp, step, keep=self.cfg.save_total_limit))
+            self._check_lock()
+            with storage(what, self.root):
+                ckpt.write_manifest(tmp, step, files=shares)
+                ckpt.fsync_tree(tmp, files=False)
+                return str(ckpt.finish(self.root, tmp, step, keep=self.cfg.save_total_limit))
 
         return Path(dp.on_main(publish))
+
+    def _check_lock(self) -> None:
+        """Rank 0, before each publish: output_dir is still this run's (78 when another took it)."""
+        if self.lock is not None:
+            self.lock.check()
 
     def _write(self, tmp: Path, step: int, metrics_path: Path | None, extra: dict | None) -> None:
         dp, model = self.dp, self.model
         if dp.sharded:
-            dist.save_sharded(model, self.optimizer, tmp / SHARDS, trainable_only=is_lora(model))
+            dist.save_sharded(model, self.optimizer, tmp / SHARDS, dp.rank, trainable_only=is_lora(model))
         own = {"task": self.task.state_dict(), "rng": rng_state()}
         if not dp.is_main:
             ckpt.save_state(tmp, own, rank_file(dp.rank))
@@ -138,7 +163,24 @@ class Checkpointer:
 
     def restore(self, folder: Path) -> dict:
         """Weights, optimizer state, task state and RNGs from `folder` (any layout, any world size);
-        returns rank 0's trainer state (step, trackers, ...). Every rank calls this."""
+        returns rank 0's trainer state (step, trackers, ...). Every rank calls this. Contents that
+        do not read as a checkpoint (past its manifest) set the folder aside on rank 0 and raise
+        CheckpointDamaged on every rank: a restart resumes from the checkpoint before."""
+        def restore() -> dict:
+            try:
+                return self._restore(folder)
+            except (TensorFileError, KeyError, TypeError) as e:  # a state file without what it must hold
+                raise CheckpointDamaged(f"{folder}: {type(e).__name__}: {e}") from None
+
+        try:
+            return self.dp.together(restore)
+        except CheckpointDamaged as e:
+            if self.dp.is_main and folder.parent == self.root and folder.is_dir():
+                ckpt.set_aside(folder, str(e))
+            raise CheckpointDamaged(f"cannot resume from {folder}: {e}; it is set aside, run again to resume "
+                                    "from the checkpoint before") from None
+
+    def _restore(self, folder: Path) -> dict:
         state = ckpt.load_state(folder)
         saved_world = int(state.get("world_size", 1))
         if self.dp.world != saved_world:
@@ -168,17 +210,32 @@ class Checkpointer:
             tmp = self.out / ".tmp-final"
             shutil.rmtree(tmp, ignore_errors=True)
             model = self.model if full is None else fresh_model(self.cfg, full)
-            save_pretrained(model, self.tokenizer, tmp, dtype=self.cfg.model.dtype)
-            (tmp / CONFIG_FILE).write_text(checkpoint_config(self.cfg))  # with the manifest's step: "complete"
-            ckpt.write_manifest(tmp, step)
-            ckpt.fsync_tree(tmp)
-            ckpt.publish(tmp, final)
+            with storage("final/", self.out):
+                save_pretrained(model, self.tokenizer, tmp, dtype=self.cfg.model.dtype)
+                (tmp / CONFIG_FILE).write_text(checkpoint_config(self.cfg))  # with the manifest's step: "complete"
+                ckpt.write_manifest(tmp, step)
+                ckpt.fsync_tree(tmp)
+                self._check_lock()
+                ckpt.publish(tmp, final)
             if self.mirror is not None:  # the remote also gets the final model, as URL/final
                 self.root.mkdir(parents=True, exist_ok=True)
                 self.mirror.upload(final, scratch_root=self.root)
             return str(final)
 
         return Path(self.dp.on_main(write))
+
+
+@contextlib.contextmanager
+def storage(what: str, where: Path):
+    """A failed write (a full disk, a read-only or lost volume) as one line with its errno: exit 69
+    (storage unavailable; the checkpoints published before are whole, a restart resumes from them)."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        raise Unavailable(f"cannot write {what} in {where}: {one_line(e)}; the checkpoints before it are "
+                          "intact") from None
 
 
 def fresh_model(cfg, weights: dict):
@@ -197,7 +254,8 @@ def check_fit(model, missing, unexpected, *, where: str) -> None:
 
 def read_weights(model, folder: Path) -> dict:
     """Whole-tensor weights of a full-layout checkpoint, keyed by the model's parameter names: the
-    LoRA adapter when there is one, else the full model."""
+    LoRA adapter when there is one, else the full model. Damage raises TensorFileError."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     if is_lora(model):
@@ -206,14 +264,21 @@ def read_weights(model, folder: Path) -> dict:
         f = folder / ADAPTER / "adapter_model.safetensors"
         if not f.is_file():
             raise UserError("checkpoint has no LoRA adapter", where=str(folder))
-        return _insert_adapter_name_into_state_dict(load_file(str(f)), "default", "lora_")
-    files = sorted(folder.glob("model*.safetensors"))
-    if not files:
-        raise UserError("checkpoint has no model weights", where=str(folder))
+        files = [f]
+    else:
+        try:
+            files = weight_files(folder)
+        except ValueError as e:
+            raise TensorFileError(str(e)) from None
+        if not files:
+            raise UserError("checkpoint has no model weights", where=str(folder))
     state = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
+    try:
+        for f in files:
+            state.update(load_file(str(f)))
+    except (OSError, SafetensorError) as e:
+        raise TensorFileError(f"{f.name} is not readable: {e}") from None
+    return _insert_adapter_name_into_state_dict(state, "default", "lora_") if is_lora(model) else state
 
 
 def load_weights(model, folder: Path, optimizer=None, optim_state: dict | None = None) -> None:

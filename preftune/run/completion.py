@@ -15,7 +15,9 @@ from pathlib import Path
 import yaml
 
 from preftune.config import Config
+from preftune.errors import Unavailable
 from preftune.run import checkpoint as ckpt
+from preftune.run.mirror import RemoteMirror
 from preftune.run.resume import CONFIG_FILE, config_differences
 
 log = logging.getLogger("preftune")
@@ -40,12 +42,12 @@ def _local(final: Path, cfg: Config) -> bool:
 
 
 def _remote(cfg: Config) -> bool:
-    mirror = ckpt.RemoteMirror(cfg.checkpoint_uri)
-    base = f"{mirror.root}/{FINAL}"
+    mirror = RemoteMirror(cfg.checkpoint_uri, timeout=cfg.checkpoint_uri_timeout_seconds)
     try:
-        return _is_complete(mirror.fs.cat_file(f"{base}/{ckpt.MANIFEST}").decode(),
-                            mirror.fs.cat_file(f"{base}/{CONFIG_FILE}").decode(), cfg)
-    except (OSError, UnicodeDecodeError):  # FileNotFoundError, or an unreachable remote: not known complete
+        return _is_complete(mirror.read_text(FINAL, ckpt.MANIFEST), mirror.read_text(FINAL, CONFIG_FILE), cfg)
+    except (OSError, UnicodeDecodeError, Unavailable) as e:  # not there, or an unreachable remote: not known complete
+        if isinstance(e, Unavailable):
+            log.warning("%s; going on as if the run were not complete", e)
         return False
 
 

@@ -1,10 +1,15 @@
 """Experiment trackers behind `log.report_to`: TensorBoard, Weights & Biases, MLflow.
 
 Each gets the records of metrics.jsonl under the same names (eval records included), and W&B and
-MLflow get the resolved config as run parameters. Their packages are optional extras, checked when
-the config is validated (exit 78 naming the extra). A tracker's run id is part of the checkpoint
-(`state()`), so a resumed run continues the same W&B / MLflow run instead of starting a new one.
-No package is imported until a tracker is built.
+MLflow get the resolved config as run parameters, credentials redacted. Their packages are optional
+extras, checked when the config is validated (exit 78 naming the extra). A tracker's run id is part
+of the checkpoint (`state()`), so a resumed run continues the same W&B / MLflow run instead of
+starting a new one. No package is imported until a tracker is built.
+
+A tracker that cannot be reached at the start (an outage: no connection, a timeout, a 5xx) is not
+a config error: with `log.on_tracker_outage: fail` the run exits 69 (retryable), with `local` it
+goes on with metrics.jsonl (and the other trackers) and keeps the unreachable one's run id for the
+next resume. Errors while logging never stop a run (run/metrics.py).
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from preftune.errors import UserError, one_line
+from preftune.errors import Unavailable, UserError, one_line
 
 log = logging.getLogger("preftune")
 
@@ -41,20 +46,61 @@ def flat_params(config: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+class TrackerOutage(Exception):
+    """A tracker's server could not be reached (not a config error)."""
+
+
+_OUTAGE = re.compile(r"Max retries exceeded|Failed to establish|Connection (refused|reset|aborted)|timed out|"
+                     r"Temporary failure in name resolution|Name or service not known|\b50[234]\b", re.I)
+
+
+def is_outage(e: BaseException) -> bool:
+    """No connection, a timeout or a server error (5xx), through the exception's chain."""
+    while e is not None:
+        if isinstance(e, (ConnectionError, TimeoutError)) or _OUTAGE.search(str(e)) \
+                or getattr(e, "error_code", None) in ("TEMPORARILY_UNAVAILABLE", "SERVICE_UNDER_MAINTENANCE"):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+class Unreached:
+    """Stands in for a tracker that was unreachable at the start (log.on_tracker_outage: local):
+    logs nothing and keeps the run id of the checkpoint for the next resume."""
+
+    def __init__(self, key: str, state: dict | None):
+        self.key, self._state = key, state
+
+    def log(self, step: int, metrics: dict) -> None:
+        pass
+
+    def state(self) -> dict | None:
+        return self._state
+
+    def close(self, status: str) -> None:
+        pass
+
+
 def build_trackers(names: list[str], out_dir: Path, *, config: dict, project: str | None, run_name: str | None,
-                   start_step: int, state: dict | None) -> list:
+                   start_step: int, state: dict | None, on_outage: str = "fail") -> list:
     """The trackers named in log.report_to, continuing the runs recorded in `state` (from a checkpoint)."""
     state = state or {}
     name = run_name or Path(out_dir).resolve().name
     built = []
     try:
         for tracker in dict.fromkeys(names):
-            if tracker == "tensorboard":
-                built.append(TensorBoard(out_dir, start_step))
-            elif tracker == "wandb":
-                built.append(WandB(out_dir, config, project, name, state.get("wandb")))
-            elif tracker == "mlflow":
-                built.append(MLflow(config, project, name, state.get("mlflow")))
+            try:
+                if tracker == "tensorboard":
+                    built.append(TensorBoard(out_dir, start_step))
+                elif tracker == "wandb":
+                    built.append(WandB(out_dir, config, project, name, state.get("wandb")))
+                elif tracker == "mlflow":
+                    built.append(MLflow(config, project, name, state.get("mlflow")))
+            except TrackerOutage as e:
+                if on_outage != "local":
+                    raise Unavailable(f"{e} (log.on_tracker_outage: local goes on without it)") from None
+                log.warning("%s: going on with metrics.jsonl only (log.on_tracker_outage: local)", e)
+                built.append(Unreached(tracker, state.get(tracker)))
     except BaseException:
         for t in built:  # the ones already open must not outlive the failed start
             t.close("failed")
@@ -103,6 +149,8 @@ class WandB:
                                   dir=os.environ.get("WANDB_DIR") or str(out_dir))
         except wandb.errors.Error as e:
             sys.excepthook = self.excepthook
+            if isinstance(e, wandb.errors.CommError) or is_outage(e):
+                raise TrackerOutage(f"wandb is unreachable: {one_line(e)}") from None
             raise UserError(f"wandb: {one_line(e)}", where="log.report_to") from None
         log.info("wandb run %s%s", self.run.id, " (resumed)" if state else "")
 
@@ -124,7 +172,8 @@ _MLFLOW_BAD = re.compile(r"[^\w\-. /:]")  # characters MLflow refuses in a metri
 
 class MLflow:
     """An MLflow run through `MlflowClient` (no global active run that could leak out of train());
-    the tracking store is MLflow's own setting (MLFLOW_TRACKING_URI).
+    the tracking store is MLflow's own setting: MLFLOW_TRACKING_URI, else MLflow's default, a
+    sqlite file (./mlflow.db; the `mlflow` extra brings sqlalchemy and alembic for it).
 
     MLflow's local file store keeps each metric in a file named by its key, so it cannot hold both
     `reward` and `reward/accuracy`: there `/` is written as `.`; other stores get the names as they are.
@@ -144,9 +193,13 @@ class MLflow:
             if self.run_id is None:
                 self.run_id = self._create(project or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_PROJECT, name)
             self._log_params(flat_params(config))
-        except MlflowException as e:
-            raise UserError(f"mlflow: {one_line(e)} (tracking store: MLFLOW_TRACKING_URI="
-                            f"{os.environ.get('MLFLOW_TRACKING_URI', 'unset')})", where="log.report_to") from None
+        except Exception as e:  # noqa: BLE001 - MlflowException, or the HTTP client's own errors
+            store = f"MLFLOW_TRACKING_URI={os.environ.get('MLFLOW_TRACKING_URI', 'unset')}"
+            if is_outage(e):
+                raise TrackerOutage(f"mlflow is unreachable ({store}): {one_line(e, limit=200)}") from None
+            if not isinstance(e, MlflowException):
+                raise
+            raise UserError(f"mlflow: {one_line(e)} (tracking store: {store})", where="log.report_to") from None
         log.info("mlflow run %s%s", self.run_id, " (resumed)" if state else "")
 
     def _resume(self, run_id: str | None) -> str | None:

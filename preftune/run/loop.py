@@ -21,8 +21,9 @@ import torch
 from preftune import distributed
 from preftune.atomic import atomic_write, copy_atomic
 from preftune.config import Config, to_dict, to_yaml
+from preftune.config.redact import redact
 from preftune.data.report import write_data_report
-from preftune.errors import Preempted
+from preftune.errors import Preempted, Unavailable
 from preftune.model.load import check_model_path, import_model_libraries, load_tokenizer
 from preftune.run import checkpoint as ckpt, optim
 from preftune.run.checkpointer import (  # noqa: F401 - load_weights, rng_state: used by tests and tools
@@ -39,6 +40,8 @@ from preftune.run.host_memory import keep_freed_memory
 from preftune.run.loggers import build_trackers
 from preftune.run.metrics import MetricsLog
 from preftune.run.optim import build_optimizer, lr_at, set_lr
+from preftune.run.lock import RunLock
+from preftune.run.mirror import RemoteMirror
 from preftune.run.outdir import OutputGuard
 from preftune.run.preemption import Preemption, SharedStop, StepAbandoned, process_handler
 from preftune.run.resume import find_resume_point
@@ -73,8 +76,9 @@ class Run:
     on_first_step = None  # called once the first optimizer step has been taken
     startup: dict = {}  # startup_seconds by phase, until the first training record carries them
 
-    def __init__(self, cfg: Config, dp: Parallel | None = None, *, callbacks=(), clock: StartupClock | None = None):
-        self.cfg = cfg
+    def __init__(self, cfg: Config, dp: Parallel | None = None, *, callbacks=(), clock: StartupClock | None = None,
+                 lock: RunLock | None = None):
+        self.cfg, self.lock = cfg, lock  # lock: rank 0's hold on output_dir (run/lock.py), else None
         self.dp = dp = dp or Parallel()
         self.clock = clock = clock or StartupClock()
         # called as cb(step, record) after each logged record; returning True stops the run at this step
@@ -87,7 +91,7 @@ class Run:
         self.device = dp.device
         if self.device.type == "cpu":  # activations live in host memory: reuse it from step to step
             keep_freed_memory()
-        self.mirror = ckpt.RemoteMirror(cfg.checkpoint_uri, cfg.save_total_limit) \
+        self.mirror = RemoteMirror(cfg.checkpoint_uri, cfg.save_total_limit, cfg.checkpoint_uri_timeout_seconds) \
             if cfg.checkpoint_uri and dp.is_main else None
         # rank 0 decides (it may set damaged checkpoints aside or download one) and tells the others
         found = dp.on_main(lambda: find_resume_point(cfg, self.out, self.ckpt_root, self.mirror))
@@ -101,8 +105,8 @@ class Run:
         self.task = build_task(cfg, self.model, self.tokenizer, self.device, dp)
         self.evaluator = build_evaluator(cfg, self.tokenizer, dp)
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optim)
-        self.checkpointer = Checkpointer(cfg, dp, model=self.model, tokenizer=self.tokenizer,
-                                         optimizer=self.optimizer, task=self.task, mirror=self.mirror)
+        self.checkpointer = Checkpointer(cfg, dp, model=self.model, tokenizer=self.tokenizer, optimizer=self.optimizer,
+                                         task=self.task, mirror=self.mirror, lock=lock)
         if dp.is_main:
             self.out.mkdir(parents=True, exist_ok=True)  # everything above is validated: now write
             ckpt.clean_stale(self.ckpt_root)
@@ -121,8 +125,9 @@ class Run:
         atomic_write(self.out / "config.yaml", to_yaml(cfg))
         # a fresh start drops every old record; a resume keeps those up to its checkpoint
         start = self.step if self.step else -1
-        trackers = build_trackers(cfg.log.report_to, self.out, config=to_dict(cfg), project=cfg.log.project,
-                                  run_name=cfg.log.run_name, start_step=start, state=self.tracker_state)
+        trackers = build_trackers(cfg.log.report_to, self.out, config=redact(to_dict(cfg)), project=cfg.log.project,
+                                  run_name=cfg.log.run_name, start_step=start, state=self.tracker_state,
+                                  on_outage=cfg.log.on_tracker_outage)
         self.metrics = MetricsLog(self.out, total_steps=cfg.max_steps, start_step=start,
                                   progress=cfg.log.progress_bar, trackers=trackers)
 
@@ -199,7 +204,8 @@ class Run:
         try:
             return self._run(stop)
         except BaseException:
-            self._close_metrics("failed")  # no-op after a preemption closed it
+            if self.lock is None or self.lock.held:  # else the trackers' run is another process's now
+                self._close_metrics("failed")  # no-op after a preemption closed it
             raise
 
     def _close_metrics(self, status: str | None = None) -> None:
@@ -207,8 +213,10 @@ class Run:
             self.metrics.close(status) if status else self.metrics.close()
 
     def _callback_stop(self) -> bool:
-        """A callback (rank 0's) asked to stop: every rank stops at the same step."""
-        return self.dp.any(self.stop_asked) if self.dp.active else self.stop_asked
+        """A callback (rank 0's) asked to stop, or rank 0 lost its lock on output_dir (the save that
+        follows refuses to publish, exit 78): every rank stops at the same step."""
+        asked = self.stop_asked or (self.lock is not None and not self.lock.held)
+        return self.dp.any(asked) if self.dp.active else asked
 
     def _everywhere(self, ok: bool) -> bool:
         """True on every rank when true on all of them (a decision that leads to a collective)."""
@@ -244,19 +252,60 @@ class Run:
         """The end checkpoint (the complete trainer state, even with save_steps 0: a larger max_steps,
         or a resume after a callback's early stop, continues from it), the final evaluation, final/,
         the uploads; then the run is complete and a signal changes nothing. A signal in between lets
-        this finish (bounded work; the end checkpoint makes a kill cost only the final evaluation)."""
+        this finish (bounded work; the end checkpoint makes a kill cost only the final evaluation).
+        With checkpoint_uri the run is done only when the end checkpoint and final/ are there: else
+        exit 75 after a signal (the grace ran out), 69 when the remote failed or did not answer."""
         stop.saving = True
         if self.step != self.saved_step:
             self._save()
+        else:
+            self.dp.on_main(self._upload_if_missing)  # a rerun after a failed upload: send it again
         self._eval()  # while the end checkpoint uploads; final/ must not supersede it in the mirror's queue
-        final = self._write_final() if self._everywhere(self._finish_uploads(self._upload_wait(stop))) else None
-        if final is None or not self._everywhere(self._finish_uploads(self._upload_wait(stop))):
+        problem = self._wait_uploads(stop)
+        final = self._write_final() if problem != "preempted" else None
+        if problem is None:
+            problem = self._wait_uploads(stop)
+        if problem == "preempted":
             self._close_metrics("preempted")
             raise Preempted(f"preempted at step {self.step} while uploading to {self.cfg.checkpoint_uri}; "
                             "run again to finish")
+        missing = self.dp.on_main(lambda: self._not_uploaded(problem))
+        if missing:
+            self._close_metrics("failed")
+            raise Unavailable(f"the run finished at step {self.step} (model in {final}), but {missing}; "
+                              "run again to upload (the run resumes from its end checkpoint)")
         stop.complete()
         self._close_metrics()
         return final
+
+    def _upload_if_missing(self) -> None:
+        """Rank 0: the end checkpoint, saved by an earlier process, sent again if the remote lacks it."""
+        folder = self.ckpt_root / f"step-{self.step}"
+        if self.mirror is None or not folder.is_dir() or self.mirror.reached(folder.name) != "never uploaded":
+            return
+        try:
+            there = self.mirror.has(folder.name)
+        except Unavailable as e:  # the end of the run says what did not reach the remote
+            log.warning("%s", e)
+            there = False
+        if there:
+            self.mirror.outcome[folder.name] = None  # already there: nothing to send
+        else:
+            log.info("%s is not at %s: uploading it again", folder.name, self.cfg.checkpoint_uri)
+            self.mirror.upload(folder)
+
+    def _not_uploaded(self, problem: str | None) -> str | None:
+        """Rank 0: what of the end checkpoint and final/ did not reach checkpoint_uri, or None."""
+        if self.mirror is None:
+            return None
+        if problem is not None:
+            bound = self.cfg.checkpoint_uri_timeout_seconds
+            return f"the uploads to {self.cfg.checkpoint_uri} did not finish in {bound:.0f} s"
+        for name in (f"step-{self.step}", "final"):
+            why = self.mirror.reached(name)
+            if why is not None:
+                return f"{name} did not reach {self.cfg.checkpoint_uri} ({why})"
+        return None
 
     def _stop(self, stop: Preemption) -> None:
         """Save (unless the newest checkpoint already is this state), flush uploads, raise Preempted."""
@@ -266,25 +315,40 @@ class Run:
             what = f"checkpoint {folder.name} saved"
         else:
             what = "nothing new since the last checkpoint" if self.step else "nothing trained yet"
-        self._finish_uploads(self._upload_wait(stop))
+        self._wait_uploads(stop)
         self._close_metrics("preempted")
         raise Preempted(f"preempted at step {self.step}; {what}; resume to continue")
 
     def _write_final(self) -> Path:
         return self.checkpointer.write_final(self.step)
 
-    @staticmethod
-    def _upload_wait(stop: Preemption) -> float | None:
-        """How long the uploads may still take: unbounded, or after a notice what the grace leaves."""
-        return max(0.0, stop.remaining() - UPLOAD_MARGIN_S) if stop.requested else None
-
-    def _finish_uploads(self, timeout: float | None) -> bool:
-        """Wait for the uploads (at most `timeout` s); True when none is left."""
-        if self.mirror is not None and not self.mirror.wait(timeout):
-            log.warning("checkpoint upload to %s still running after %.0f s; stopping anyway (the remote "
-                        "keeps its previous complete checkpoint)", self.cfg.checkpoint_uri, timeout or 0)
-            return False
-        return True
+    def _wait_uploads(self, stop: Preemption) -> str | None:
+        """Wait for rank 0's uploads, every rank in step (one small all-reduce a second): None when
+        done; "preempted" when a signal came (to any rank) and the grace leaves no more time;
+        "timeout" after checkpoint_uri_timeout_seconds. No wait is unbounded."""
+        if not self.cfg.checkpoint_uri:
+            return None
+        local = getattr(stop, "stop", stop)  # this rank's handler (under SharedStop: its inner one)
+        start = time.monotonic()
+        logged = False
+        while True:
+            done = self.mirror.wait(1.0) if self.mirror is not None else True
+            timed_out = time.monotonic() - start > self.cfg.checkpoint_uri_timeout_seconds
+            flags = [float(not done), float(local.requested), local.elapsed(), float(timed_out)]
+            left, requested, elapsed, timed_out = self.dp.max(*flags) if self.dp.active else flags
+            if not left:
+                return None
+            if requested and elapsed > local.grace - UPLOAD_MARGIN_S:
+                log.warning("uploads to %s still running, and the grace period is spent: stopping (the remote "
+                            "keeps its previous complete checkpoint)", self.cfg.checkpoint_uri)
+                return "preempted"
+            if timed_out:
+                log.warning("uploads to %s still running after %.0f s: giving up", self.cfg.checkpoint_uri,
+                            self.cfg.checkpoint_uri_timeout_seconds)
+                return "timeout"
+            if not logged:
+                log.info("waiting for the uploads to %s", self.cfg.checkpoint_uri)
+                logged = True
 
 
 def train(cfg: Config, *, callbacks=()) -> Path:
@@ -312,11 +376,19 @@ def _train(cfg: Config, stop: Preemption, clock: StartupClock, callbacks) -> Pat
     clock.mark("imports")
     stop.setup(cfg.preemption_grace_seconds)
     dp = distributed.init(cfg.distributed)  # one plain process without torchrun's environment
+    lock = None
     try:
         check_parallel(cfg, dp)
-        # rank 0 owns output_dir: only it guards (and may roll back) the folder
-        with OutputGuard(Path(cfg.output_dir)) if dp.is_main else contextlib.nullcontext() as guard:
-            run = Run(cfg, dp, callbacks=callbacks, clock=clock)
+        # rank 0 owns output_dir: only it locks, guards (and may roll back) the folder
+        guard = OutputGuard(Path(cfg.output_dir), lambda: lock is None or lock.held) if dp.is_main else None
+        try:
+            lock = dp.on_main(lambda: RunLock(Path(cfg.output_dir), cfg.lock_stale_seconds).acquire(), share=False)
+        except BaseException:
+            if guard is not None:
+                guard.commit()  # nothing was touched: only drop the snapshot
+            raise
+        with guard or contextlib.nullcontext():
+            run = Run(cfg, dp, callbacks=callbacks, clock=clock, lock=lock)
             run.on_first_step = getattr(guard, "commit", None)
             final = run.run(stop)
         dp.barrier()  # no rank tears the process group down while another still uses it
@@ -326,6 +398,8 @@ def _train(cfg: Config, stop: Preemption, clock: StartupClock, callbacks) -> Pat
             dp.barrier()  # a signal during setup stops only its rank (the others fail at a collective)
         raise
     finally:
+        if lock is not None:
+            lock.release()
         dp.close()
 
 

@@ -7,6 +7,9 @@ DPO reference cache may exist, and `resume: never` would refuse the folder. The 
 folder before setup and, on any exception before the first step, removes what the run created and
 puts back the top-level files it replaced. Two things it does not undo: `overwrite_output_dir`
 (the user asked for the deletion) and moves inside `checkpoints/` (damaged checkpoints set aside).
+It never removes `final/` (a run that stops before its first step has not written one), and it
+undoes nothing when `may_roll_back()` says no: the run lock (run/lock.py) went to another process,
+so what is new in the folder may be that process's.
 """
 from __future__ import annotations
 
@@ -18,12 +21,12 @@ import tempfile
 from pathlib import Path
 
 log = logging.getLogger("preftune")
-KEEP = "checkpoints"  # managed by train/checkpoint.py and resume.py; never rolled back
+KEEP = ("checkpoints", "final")  # managed by run/checkpoint.py and resume.py; never rolled back
 
 
 class OutputGuard:
-    def __init__(self, out: Path):
-        self.out = Path(out)
+    def __init__(self, out: Path, may_roll_back=lambda: True):
+        self.out, self.may_roll_back = Path(out), may_roll_back
         self.existed = self.out.is_dir()
         self.committed = False
         self.before: set[Path] = set()
@@ -39,7 +42,7 @@ class OutputGuard:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None and not self.committed:
+        if exc_type is not None and not self.committed and self.may_roll_back():
             with contextlib.suppress(OSError):  # never hide the error that stopped the run
                 self.rollback()
         self.commit()
@@ -59,7 +62,7 @@ class OutputGuard:
             log.info("removed %s: the run stopped before its first step", self.out)
             return
         new = [p for p in self.out.rglob("*") if p.relative_to(self.out) not in self.before
-               and p.relative_to(self.out).parts[0] != KEEP]
+               and p.relative_to(self.out).parts[0] not in KEEP]
         for p in sorted(new, key=lambda p: len(p.parts), reverse=True):  # children before parents
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)

@@ -28,7 +28,10 @@ import time
 from preftune.errors import EXIT_PREEMPTED, Preempted
 
 log = logging.getLogger("preftune")
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGHUP (a hangup, a container runtime's stop) and SIGUSR1 (Slurm's --signal warning, some runtimes)
+# mean the same as SIGTERM: stop at the next safe point and save; without a handler they end the
+# process with 129 / 138 and nothing saved
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 
 
 class StepAbandoned(Exception):
@@ -44,6 +47,7 @@ class Preemption:
         self.saving = False
         self.finished = False  # the run's outputs are complete: a signal changes nothing
         self.since: float | None = None
+        self.doing, self.unsaved = "setup", "nothing was trained yet"  # for the line a signal in setup prints
         self._old = {}
 
     def _handle(self, signum, frame) -> None:
@@ -58,13 +62,15 @@ class Preemption:
                 os.write(2, f"preftune: {name} during start-up; nothing was written, run again to continue\n".encode())
                 os._exit(EXIT_PREEMPTED)
             if self.immediate:
-                log.warning("received %s during setup: stopping (nothing to save yet)", name)
-                raise Preempted(f"{name} during setup; nothing was trained yet, run again to continue")
+                log.warning("received %s during %s: stopping (nothing to save yet)", name, self.doing)
+                raise Preempted(f"{name} during {self.doing}; {self.unsaved}, run again to continue")
             log.warning("received %s: saving a checkpoint at the next safe point", name)
 
-    def setup(self, grace_seconds: float) -> None:
-        """Setup begins (files may be touched from here on): a signal raises Preempted."""
+    def setup(self, grace_seconds: float, doing: str = "setup", unsaved: str = "nothing was trained yet") -> None:
+        """Setup begins (files may be touched from here on): a signal raises Preempted, whose line
+        says what was being done and what is not saved."""
         self.grace, self.exit_at_once = grace_seconds, False
+        self.doing, self.unsaved = doing, unsaved
         if self.requested and not self.finished:  # a notice that library code swallowed
             raise Preempted("stopped during start-up; nothing was trained yet, run again to continue")
 

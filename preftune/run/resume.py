@@ -18,13 +18,16 @@ from pathlib import Path
 import yaml
 
 from preftune.config import Config, to_dict
+from preftune.config.redact import redact
 from preftune.data import memory
-from preftune.errors import UserError
+from preftune.errors import Unavailable, UserError, one_line
 from preftune.rewards import CALLABLE_PREFIX
 from preftune.run import checkpoint as ckpt
+from preftune.run.lock import LOCK
 
 log = logging.getLogger("preftune")
 CONFIG_FILE = "preftune.yaml"  # the run config, inside each checkpoint
+STEP_FILES = (*ckpt.state_files(), CONFIG_FILE)  # what every step checkpoint holds
 
 # What a resume may not change: the model, the algorithm, the batch shape, and what the data is
 # and its order (a data position means nothing against another data set). Anything else may change
@@ -47,8 +50,10 @@ def _get(d: dict, dotted: str):
 
 
 def comparable(d: dict) -> dict:
-    """The config dict with local model/data paths made absolute, so a run started from another
-    working directory (paths resolve beside the config file) still matches."""
+    """The config dict as checkpoints hold it: credentials redacted (config/redact.py), local
+    model/data paths made absolute, so a run started from another working directory (paths
+    resolve beside the config file) still matches."""
+    d = redact(d)
     for section, key in _PATH_KEYS:
         v = d.get(section, {}).get(key)
         if isinstance(v, str) and v and "://" not in v and not memory.is_memory(v):
@@ -78,8 +83,8 @@ def config_differences(saved: dict, cfg: Config) -> list[str]:
 def check_compatible(folder: Path, cfg: Config) -> None:
     try:
         saved = yaml.safe_load((folder / CONFIG_FILE).read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise UserError(f"checkpoint has no readable {CONFIG_FILE}: {e}", where=str(folder)) from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise UserError(f"checkpoint has no readable {CONFIG_FILE}: {one_line(e)}", where=str(folder)) from None
     diffs = config_differences(saved if isinstance(saved, dict) else {}, cfg)
     if diffs:
         raise UserError(f"refusing to resume from {folder}: the config differs in what matters: " + "; ".join(diffs)
@@ -91,18 +96,28 @@ def newest_valid(ckpt_root: Path) -> Path | None:
     damaged-step-N (kept for inspection, never listed again) so retention and later resumes
     only ever see checkpoints of the timeline being continued."""
     for _, path in ckpt.list_checkpoints(ckpt_root):
-        problem = ckpt.verify(path)
+        problem = ckpt.verify(path, STEP_FILES) or _config_problem(path)
         if problem is None:
             return path
-        aside = path.with_name(f"damaged-{path.name}")
-        log.warning("skipping damaged checkpoint %s: %s (moved to %s)", path, problem, aside.name)
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(path, aside)
+        ckpt.set_aside(path, problem)
     return None
 
 
+def _config_problem(folder: Path) -> str | None:
+    try:
+        saved = yaml.safe_load((folder / CONFIG_FILE).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        return f"{CONFIG_FILE} is not readable YAML ({type(e).__name__})"
+    return None if isinstance(saved, dict) else f"{CONFIG_FILE} is not a config"
+
+
+def _contents(out: Path) -> list[Path]:
+    """What is in output_dir besides this run's own lock file."""
+    return [p for p in out.iterdir() if p.name != LOCK] if out.is_dir() else []
+
+
 def _non_empty(out: Path) -> bool:
-    return out.is_dir() and any(out.iterdir())
+    return bool(_contents(out))
 
 
 def _start_fresh(cfg: Config, out: Path, mirror) -> None:
@@ -115,7 +130,10 @@ def _start_fresh(cfg: Config, out: Path, mirror) -> None:
                         "(or resume=auto to continue)", where="resume")
     log.warning("resume=never with overwrite_output_dir: deleting %s%s", out,
                 f" and the checkpoints at {cfg.checkpoint_uri}" if remote else "")
-    shutil.rmtree(out, ignore_errors=True)
+    if not (out / LOCK).exists():
+        shutil.rmtree(out, ignore_errors=True)
+    for p in _contents(out):  # all but this run's lock
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
     if remote:
         mirror.clear()
 
@@ -127,14 +145,18 @@ def find_resume_point(cfg: Config, out: Path, ckpt_root: Path, mirror) -> Path |
         return None
     if cfg.resume != "auto":
         found = Path(cfg.resume)
-        problem = ckpt.verify(found)
+        problem = ckpt.verify(found, STEP_FILES)
         if problem:
             raise UserError(f"cannot resume from {found}: {problem}", where="resume")
     else:
-        found = newest_valid(ckpt_root)
+        found = newest_valid(ckpt_root)  # local first: an unreachable remote does not stop a resume
         if found is None and mirror is not None:
             ckpt_root.mkdir(parents=True, exist_ok=True)
-            found = mirror.download_newest(ckpt_root)
+            try:
+                found = mirror.download_newest(ckpt_root, STEP_FILES)
+            except Unavailable as e:
+                raise Unavailable(f"no local checkpoint to resume from, and {e}; run again when "
+                                  f"{cfg.checkpoint_uri} is reachable") from None
             if found is not None:
                 log.info("fetched checkpoint %s from %s", found.name, cfg.checkpoint_uri)
     if found is not None:

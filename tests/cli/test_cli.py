@@ -129,6 +129,17 @@ def test_data_inspect_json(capsys, traces):
     assert json.loads(out)["dpo"]["pairs_made"] == 9  # 1 chosen x 3 rejected per prompt
 
 
+def test_data_commands_take_dotted_data_overrides_as_train_does(capsys, traces):
+    code, out, _ = run_main(capsys, "data", "inspect", traces, "--json", "data.pair_strategy=all_pairs",
+                            "data.invalid=drop")
+    assert code == EXIT_OK and json.loads(out)["dpo"]["pairs_made"] == 9
+    code, _, err = run_main(capsys, "data", "inspect", traces, "data.pair_strategy=nope")
+    assert code == 78 and "data.pair_strategy" in err and "nope" in err
+    with pytest.raises(SystemExit) as e:  # a usage error, as argparse's own (one line, 78)
+        run_main(capsys, "data", "inspect", traces, "data.train=x.jsonl")
+    assert e.value.code == 78 and "data.train is not an option of `preftune data`" in capsys.readouterr().err
+
+
 def test_data_inspect_text(capsys, traces):
     code, out, _ = run_main(capsys, "data", "inspect", traces)
     assert code == EXIT_OK and "distinct prompts: 3" in out
@@ -151,3 +162,14 @@ def test_data_pairs_failure_writes_nothing(capsys, traces, tmp_path):
     jsonl = write_jsonl(tmp_path / "t.jsonl", [{"input": "p", "output": "r", "final_reward": "high"}])
     line = user_error(capsys, "data", "pairs", jsonl, "-o", dest)
     assert "t.jsonl row 0 column final_reward" in line and not dest.exists()
+
+
+def test_the_console_script_is_the_process_entry():
+    """`preftune` runs `script` (the signal handler at its first line, exit without the interpreter's
+    teardown, whose C++ thread destructors could abort a finished rank), not plain `main`."""
+    import tomllib
+
+    from tests.conftest import ROOT
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"preftune": "preftune.cli:script"}

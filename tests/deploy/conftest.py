@@ -1,6 +1,7 @@
 """Deploy fixtures: a config to render and the upstream CRDs in ../shared/k8s-crds (not copied here)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,9 +11,19 @@ from tests.conftest import ROOT
 CRD_DIR = ROOT.parent / "shared" / "k8s-crds"
 
 
+def under_ci() -> bool:
+    """CI (env CI set; .ci/run sets it) has ../shared/: there the CRDs must be."""
+    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
 @pytest.fixture(scope="session")
 def crd_dir() -> Path:
-    assert (CRD_DIR / "batch.volcano.sh_jobs.yaml").exists(), f"the upstream CRDs are expected in {CRD_DIR}"
+    """A clone of the public repository has no ../shared/: the schema checks skip with one line;
+    under CI a missing CRD folder fails them."""
+    if not (CRD_DIR / "batch.volcano.sh_jobs.yaml").exists():
+        if under_ci():
+            pytest.fail(f"the upstream CRDs are expected in {CRD_DIR} (CI)")
+        pytest.skip(f"no upstream CRDs in {CRD_DIR}: the schema checks need ../shared/k8s-crds")
     return CRD_DIR
 
 

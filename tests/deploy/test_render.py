@@ -21,6 +21,8 @@ OPTION_SETS = [
     ["deploy.capacity_type=on-demand", "deploy.efa=false", "deploy.zones=[us-east-2a, us-east-2b]"],
     ["deploy.scheduler=kubernetes", "deploy.efa=false", "deploy.nodes=2", "deploy.service_account=trainer"],
     ["deploy.checkpoint_claim=null", "checkpoint_uri=s3://bucket/ckpt", "deploy.env={NCCL_DEBUG: INFO, NCCL_MIN_NCHANNELS: 16}"],
+    ["deploy.scheduler=kubernetes", "deploy.env={WANDB_API_KEY: {secret: wandb, key: api-key}, NCCL_DEBUG: WARN}"],
+    ["deploy.env={HF_TOKEN: {secret: hf.tokens, key: read_token}, AWS_SECRET_ACCESS_KEY: {secret: aws, key: sk}}"],
     ["deploy.name=grpo-glm5", "deploy.namespace=ml", "deploy.queue=gpu-queue", "deploy.labels={team: rl}",
      "deploy.image=123.dkr.ecr.us-east-2.amazonaws.com/preftune:0.1.0", "deploy.image_pull_policy=Always"],
     ["deploy.storage_class=fsx-sc", "deploy.storage_size=2400Gi", "deploy.checkpoint_mount=/ckpt",
@@ -158,6 +160,9 @@ def test_node_pool_matches_the_pods(job_config):
     ("deploy.name=GRPO_Job", "deploy.name"),
     ("deploy.checkpoint_claim=null", "deploy.checkpoint_claim"),
     ("deploy.env={'bad name': x}", "deploy.env.bad name"),
+    ("deploy.env={TOKEN: {secret: Bad_Name, key: k}}", "deploy.env.TOKEN"),
+    ("deploy.env={TOKEN: {secret: s}}", "deploy.env.TOKEN"),
+    ("data.train=https://me:hunter2@data.example.com/t.jsonl", "data.train"),
     ("deploy.max_gpus=8", "deploy.max_gpus"),
     ("deploy.memory=lots", "deploy.memory"),
     ("deploy.expire_after=1w", "deploy.expire_after"),
@@ -262,3 +267,16 @@ def test_a_failed_check_writes_nothing(job_config, crd_dir, tmp_path, capsys):
     assert not out.exists()
     assert cli.main(["render", str(job_config), "-o", str(out), "--check", "--crd-dir", str(crds),
                      "deploy.max_retry=5"]) == 0
+
+
+def test_secrets_by_reference_and_no_credential_in_the_configmap(job_config):
+    _, objects, notes = render(job_config, "deploy.env={WANDB_API_KEY: {secret: wandb, key: api-key}, "
+                                           "HF_TOKEN: hf_plainTextToken123, NCCL_DEBUG: INFO}")
+    env = {e["name"]: e for e in _pod(objects)["containers"][0]["env"]}
+    assert env["WANDB_API_KEY"] == {"name": "WANDB_API_KEY",
+                                    "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "api-key"}}}
+    assert env["NCCL_DEBUG"] == {"name": "NCCL_DEBUG", "value": "INFO"}
+    text = objects["5-configmap.yaml"]["data"][CONFIG_FILE]
+    assert "hf_plainTextToken123" not in text and "<redacted>" in text
+    assert yaml.safe_load(text)["deploy"]["env"]["WANDB_API_KEY"] == {"secret": "wandb", "key": "api-key"}
+    assert any("deploy.env.HF_TOKEN looks like a credential" in n for n in notes)

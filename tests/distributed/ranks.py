@@ -60,8 +60,8 @@ if pause:
         task.step = step
         return task
     loop.build_task = slow
-from preftune.cli import main
-sys.exit(main(sys.argv[1:]))
+from preftune.cli import finish, main
+finish(main(sys.argv[1:]))  # as `preftune` and `python -m preftune.cli` end: no interpreter teardown
 """
 
 

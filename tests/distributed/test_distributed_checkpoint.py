@@ -78,7 +78,8 @@ def test_sharded_checkpoint_layout(two_rank_run):
     folder = two_rank_run / "checkpoints" / "step-2"
     assert saved_steps(two_rank_run) == [4, 2] and ckpt.verify(folder) is None
     names = set(ckpt.read_manifest((folder / ckpt.MANIFEST).read_text())["files"])
-    assert {"shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp", "trainer_state.pt", "rank-1.pt",
+    assert {"shards/rank-0.json", "shards/rank-0.safetensors", "shards/rank-1.json", "shards/rank-1.safetensors",
+            "trainer_state.json", "trainer_state.safetensors", "rank-1.json", "rank-1.safetensors",
             "preftune.yaml", "metrics.jsonl", "config.json"} <= names
     assert not any(n.startswith("model") for n in names)  # no consolidated copy per save
     from transformers import AutoModelForCausalLM

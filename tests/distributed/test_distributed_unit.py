@@ -8,7 +8,7 @@ import torch
 
 from preftune import distributed as dist
 from preftune.config import DistributedConfig
-from preftune.errors import UserError
+from preftune.errors import Unavailable, UserError
 from tests.distributed.ranks import free_port
 
 
@@ -54,9 +54,13 @@ def test_a_user_error_on_one_rank_stops_every_rank(one_rank_group, monkeypatch):
     UserError here too, so no rank waits at a collective for one that has exited with 78."""
     dp = one_rank_group
     assert dp.together(lambda: 7) == 7
-    monkeypatch.setattr(dp, "gather", lambda obj: [obj, "eval.jsonl: reward 'exact': raised KeyError: 'answer'"])
+    failed = ("UserError", "eval.jsonl: reward 'exact': raised KeyError: 'answer'")  # rank 1's (kind, line)
+    monkeypatch.setattr(dp, "gather", lambda obj: [obj, failed])
     with pytest.raises(UserError, match="reward 'exact': raised KeyError"):
         dp.together(lambda: 7)  # fine here, failed on rank 1
+    monkeypatch.setattr(dp, "gather", lambda obj: [obj, ("Unavailable", "cannot write checkpoint step-2")])
+    with pytest.raises(Unavailable, match="step-2"):  # the error keeps its kind (and exit code) across ranks
+        dp.together(lambda: 7)
 
     def fails():
         raise UserError("row 3: bad", where="a.jsonl")

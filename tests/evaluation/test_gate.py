@@ -115,3 +115,35 @@ def test_config_and_data_errors_exit_78(tmp_path, models, capsys):
     assert main(["eval", cfg, "--checkpoint", str(ckpt), *no_eval]) == EXIT_USER
     assert "no held-out prompts" in capsys.readouterr().err
     assert not (ckpt / "eval.json").exists()
+
+
+def test_sigterm_during_eval_says_what_stopped_and_exits_75(tmp_path, models):
+    """Issue 25: it said "during start-up; nothing was written" while the evaluation was running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+
+    ckpt, _ = models
+    driver = tmp_path / "driver.py"
+    driver.write_text("import sys, time\nimport preftune.cli.evaluate as ev\nreal = ev.evaluate_model\n"
+                      "def slow(*a, **k):\n    print('TEST evaluating', flush=True)\n    time.sleep(60)\n"
+                      "    return real(*a, **k)\nev.evaluate_model = slow\nfrom preftune.cli import script\n"
+                      "script(sys.argv[1:])\n")
+    cfg, *ovr = _config(tmp_path)
+    log = tmp_path / "eval.log"
+    with open(log, "w") as f:
+        p = subprocess.Popen([sys.executable, str(driver), "eval", cfg, "--checkpoint", str(ckpt), *ovr], stdout=f,
+                             stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=tmp_path)
+    end = time.monotonic() + 240
+    while "TEST evaluating" not in log.read_text():
+        assert p.poll() is None and time.monotonic() < end, log.read_text()[-2000:]
+        time.sleep(0.1)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(60) == 75, log.read_text()[-2000:]
+    line = log.read_text().strip().splitlines()[-1]
+    assert "SIGTERM during evaluation; eval.json was not written" in line, line
+    assert not (ckpt / "eval.json").exists()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from preftune.errors import UserError
+from preftune.errors import CheckpointDamaged
 from preftune.run import checkpoint as ckpt
 from preftune.run.loop import rng_state, set_rng_state
 
@@ -90,15 +90,22 @@ def test_save_total_limit_keeps_the_newest_k(tmp_path):
     assert steps(tmp_path) == [12]
 
 
-def test_trainer_state_round_trips_with_weights_only(tmp_path):
+def test_trainer_state_round_trips_as_data(tmp_path):
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.randn(3))], lr=0.1)
     opt.param_groups[0]["params"][0].grad = torch.ones(3)
     opt.step()
-    state = {"step": 7, "optimizer": opt.state_dict(), "rng": rng_state(), "task": {"pos": [1, 2], "x": None}}
+    shared = torch.arange(6.0)
+    task = {"pos": [1, 2], "x": None, "t": (1, "a"), 3: float("inf"), "$odd": 1.5, "views": [shared[:3], shared]}
+    state = {"step": 7, "optimizer": opt.state_dict(), "rng": rng_state(), "task": task}
     ckpt.save_state(tmp_path, state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trainer_state.json", "trainer_state.safetensors"]
     back = ckpt.load_state(tmp_path)
-    assert back["step"] == 7 and back["task"] == {"pos": [1, 2], "x": None}
+    assert back["step"] == 7 and back["task"]["pos"] == [1, 2] and back["task"]["x"] is None
+    assert back["task"]["t"] == (1, "a") and back["task"][3] == float("inf") and back["task"]["$odd"] == 1.5
+    assert torch.equal(back["task"]["views"][1], shared) and torch.equal(back["task"]["views"][0], shared[:3])
     assert torch.equal(back["optimizer"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert back["optimizer"]["param_groups"] == opt.state_dict()["param_groups"]
+    assert torch.equal(back["rng"]["torch"], state["rng"]["torch"]) and back["rng"]["python"] == state["rng"]["python"]
 
 
 class Payload:
@@ -115,11 +122,15 @@ class Payload:
         return "pwned"
 
 
-def test_trainer_state_with_arbitrary_objects_is_refused(tmp_path):
-    torch.save({"step": 1, "evil": Payload()}, tmp_path / ckpt.STATE)
+def test_trainer_state_with_arbitrary_objects_is_never_written_or_read(tmp_path):
+    with pytest.raises(TypeError, match="Payload cannot be written"):
+        ckpt.save_state(tmp_path, {"step": 1, "evil": Payload()})
     Payload.ran = False
-    with pytest.raises(UserError, match="refusing to unpickle"):
-        ckpt.load_state(tmp_path)
+    for name in ckpt.state_files():  # a pickle in either file is refused without being unpickled
+        ckpt.save_state(tmp_path, {"step": 1})
+        torch.save({"step": 1, "evil": Payload()}, tmp_path / name)
+        with pytest.raises(CheckpointDamaged, match="trainer_state"):
+            ckpt.load_state(tmp_path)
     assert not Payload.ran
 
 

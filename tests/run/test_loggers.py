@@ -1,5 +1,8 @@
-"""log.report_to with the real libraries, offline: W&B in offline mode into the run folder, MLflow with a
-local file store, TensorBoard; what they got is read back. A resumed run continues the same runs."""
+"""log.report_to with the real libraries, offline: W&B in offline mode into the run folder, MLflow with
+what a fresh install gets (no MLFLOW_* variable: MLflow's default sqlite store in the working
+directory), TensorBoard; what they got is read back. A resumed run continues the same runs; a
+credential in the config reaches none of them. A tracker unreachable at the start: exit 69, or
+with log.on_tracker_outage: local, a run with metrics.jsonl only."""
 from __future__ import annotations
 
 import json
@@ -65,20 +68,24 @@ def wandb_history(run_file) -> tuple[list[dict], dict]:
     return rows, config
 
 
+SECRET = "hf_s3cr3tTokenValue0123456789"
+
+
 def test_wandb_mlflow_tensorboard_together_and_resumed(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_DIR", raising=False)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(var, raising=False)  # a fresh install: MLflow's own default store
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
     opts = {"output_dir": str(out), "model.name_or_path": str(MODEL_DIR), "max_steps": 3, "save_steps": 0,
             "log.progress_bar": False, "grpo.prompts_per_step": 2, "grpo.num_generations": 4,
             "grpo.max_completion_length": 3, "data.max_prompt_length": 16, "data.train": str(TRAIN_PROMPTS),
             "data.eval": str(TRAIN_PROMPTS), "eval.batch_size": 8, "log.report_to": ["tensorboard", "wandb", "mlflow"],
-            "log.project": "preftune-test", "grpo.beta": 0.04}
+            "log.project": "preftune-test", "grpo.beta": 0.04, "deploy.env": {"HF_TOKEN": SECRET}}
     before = (sys.excepthook, signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT), sys.stdout)
     first = preftune.train({}, overrides=opts, callbacks=[lambda step, m: step == 1 and "loss" in m])
     assert first.stopped_early and first.step == 1
@@ -108,11 +115,19 @@ def test_wandb_mlflow_tensorboard_together_and_resumed(tmp_path, monkeypatch):
     run_id = runs[0].info.run_id
     loss = client.get_metric_history(run_id, "loss")
     assert [(m.step, m.value) for m in loss] == [(r["step"], r["loss"]) for r in jsonl if "loss" in r]
-    evals = client.get_metric_history(run_id, "eval.reward.accuracy")  # the file store writes / as .
+    assert client.tracking_uri == f"sqlite:///{tmp_path / 'mlflow.db'}"  # MLflow's default, no variable set
+    evals = client.get_metric_history(run_id, "eval/reward/accuracy")
     assert [(m.step, m.value) for m in evals][-1] == (3, jsonl[-1]["eval/reward/accuracy"])
-    assert {k.replace("/", ".") for k in train_keys} <= set(client.get_run(run_id).data.metrics)
-    assert client.get_run(run_id).data.params["grpo.beta"] == "0.04"
+    assert train_keys <= set(client.get_run(run_id).data.metrics)
+    params = client.get_run(run_id).data.params
+    assert params["grpo.beta"] == "0.04" and params["deploy.env.HF_TOKEN"] == "<redacted>"
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    # the credential: in no tracker, no config copy, no checkpoint
+    assert config["deploy"]["env"]["HF_TOKEN"] == "<redacted>"
+    assert SECRET not in str(params)
+    written = [*run_files, *out.rglob("*.yaml"), *out.rglob("*.json"), tmp_path / "mlflow.db"]
+    assert all(SECRET.encode() not in f.read_bytes() for f in written), [f for f in written if SECRET.encode() in f.read_bytes()]
+    assert (out / "final" / "preftune.yaml").is_file() and (out / "config.yaml").is_file()
 
 
 def test_a_failing_tracker_does_not_stop_the_run(tmp_path, caplog):
@@ -140,3 +155,32 @@ def test_a_failing_tracker_does_not_stop_the_run(tmp_path, caplog):
     assert read_records(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": None}]
     assert Down.closed == "preempted"
     assert sum("logging to mlflow failed" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("policy, code", [("fail", 69), ("local", 0)])
+def test_an_unreachable_tracker_at_the_start(tmp_path, monkeypatch, capsys, caplog, policy, code):
+    """Issue 25: an unreachable MLflow server gave 78 (a config error), which the job policy aborts on."""
+    import socket
+
+    from preftune.cli import main
+    from preftune.run.metrics import read_records
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    out = tmp_path / "run"
+    args = [f"output_dir={out}", f"model.name_or_path={MODEL_DIR}", f"data.train={TRAIN_PROMPTS}", "max_steps=2",
+            "save_steps=0", "log.progress_bar=false", "grpo.prompts_per_step=2", "grpo.num_generations=4",
+            "grpo.max_completion_length=3", "data.max_prompt_length=16", "log.report_to=[mlflow]",
+            f"log.on_tracker_outage={policy}"]
+    (tmp_path / "c.yaml").write_text("algorithm: grpo\n")
+    with caplog.at_level("WARNING", logger="preftune"):
+        assert main(["train", str(tmp_path / "c.yaml"), *args]) == code
+    err = capsys.readouterr().err
+    if code:
+        assert "mlflow is unreachable" in err.strip().splitlines()[-1] and "Traceback" not in err
+    else:
+        assert "going on with metrics.jsonl only" in caplog.text
+        assert [r["step"] for r in read_records(out / "metrics.jsonl") if "loss" in r] == [1, 2]

@@ -52,3 +52,20 @@ def test_commit_keeps_what_the_run_wrote(tmp_path):
     with OutputGuard(out):  # no error: nothing undone
         (out / "final").mkdir()
     assert (out / "final").is_dir()
+
+
+def test_a_final_published_by_another_process_is_never_rolled_back(tmp_path):
+    """Issue 25: the folder as it was, but final/ (which a run before its first step never writes) stays;
+    with the lock lost to another process nothing is undone."""
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    with pytest.raises(KeyError), OutputGuard(out):
+        (out / "final").mkdir()
+        (out / "final" / "model.safetensors").write_text("another process's model")
+        (out / "config.yaml").write_text("mine")
+        raise KeyError("x")
+    assert (out / "final" / "model.safetensors").is_file() and not (out / "config.yaml").exists()
+    with pytest.raises(KeyError), OutputGuard(out, may_roll_back=lambda: False):
+        (out / "metrics.jsonl").write_text("theirs")
+        raise KeyError("x")
+    assert (out / "metrics.jsonl").is_file()

@@ -122,6 +122,17 @@ def test_sigterm_at_several_steps_then_resume_equals_uninterrupted(cli_reference
     assert_same_run(cli_reference, out)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGUSR1])
+def test_sighup_and_sigusr1_save_and_exit_75_like_sigterm(data_dir, tmp_path, sig):
+    """Issue 25: SIGHUP exited 129 and SIGUSR1 138, nothing saved (a container runtime may send either)."""
+    out = tmp_path / "run"
+    proc = Proc(tmp_path, out, data_dir, "run", save_steps=0)
+    proc.until(lambda: n_records(out) >= 2, "2 records")
+    proc.signal(sig)
+    assert proc.wait() == EXIT_PREEMPTED, proc.text()[-3000:]
+    assert f"received {signal.Signals(sig).name}" in proc.text() and saved_steps(out)
+
+
 def test_sigkill_during_a_save_leaves_only_complete_checkpoints(cli_reference, data_dir, tmp_path):
     out, marker = tmp_path / "run", tmp_path / "saving"
     hook = {"PREFTUNE_TEST_SAVE_MARKER": str(marker), "PREFTUNE_TEST_SAVE_STEPS": "4"}

@@ -14,6 +14,7 @@ import pytest
 from preftune.config import load_config
 from preftune.errors import Preempted, UserError
 from preftune.run import checkpoint as ckpt, loop
+from preftune.run.mirror import RemoteMirror
 from preftune.run.resume import find_resume_point
 from tests.s3_server import s3_server
 from tests.run.test_resume import (  # noqa: F401 - fixtures used by name
@@ -23,7 +24,7 @@ from tests.run.test_resume import (  # noqa: F401 - fixtures used by name
 
 def fake_checkpoint(writer_root: Path, step: int, payload: bytes, keep: int | None = None) -> Path:
     def write(tmp: Path) -> None:
-        (tmp / "model.safetensors").write_bytes(payload)
+        (tmp / "weights.bin").write_bytes(payload)  # opaque bytes: verify checks only their hash
         (tmp / "sub").mkdir()
         (tmp / "sub" / "state.pt").write_bytes(payload[::-1])
 
@@ -62,7 +63,7 @@ def test_s3_round_trip_with_the_local_folder_deleted(reference, data_dir, tmp_pa
 
 def test_upload_never_blocks_and_survives_retention(tmp_path, monkeypatch):
     root, remote = tmp_path / "checkpoints", tmp_path / "remote"
-    mirror = ckpt.RemoteMirror(f"file://{remote}")
+    mirror = RemoteMirror(f"file://{remote}")
     gate, started = threading.Event(), threading.Event()
     put = mirror.fs.put_file
 
@@ -88,7 +89,7 @@ def test_upload_never_blocks_and_survives_retention(tmp_path, monkeypatch):
 
 def test_a_queued_upload_is_superseded_by_a_newer_one(tmp_path, monkeypatch):
     root, remote = tmp_path / "checkpoints", tmp_path / "remote"
-    mirror = ckpt.RemoteMirror(str(remote))
+    mirror = RemoteMirror(str(remote))
     gate = threading.Event()
     put = mirror.fs.put_file
     monkeypatch.setattr(mirror.fs, "put_file", lambda src, dst, **kw: gate.wait(30) and put(src, dst, **kw))
@@ -101,7 +102,7 @@ def test_a_queued_upload_is_superseded_by_a_newer_one(tmp_path, monkeypatch):
 
 def test_remote_keeps_the_newest_k_and_failures_do_not_raise(tmp_path, caplog, monkeypatch):
     root, remote = tmp_path / "checkpoints", tmp_path / "remote"
-    mirror = ckpt.RemoteMirror(str(remote), keep=2)
+    mirror = RemoteMirror(str(remote), keep=2)
     for step in (1, 2, 3):
         mirror.upload(fake_checkpoint(root, step, b"w"))
         assert mirror.wait(timeout=30)
@@ -126,7 +127,7 @@ def test_remote_keeps_the_newest_k_and_failures_do_not_raise(tmp_path, caplog, m
 
 def test_download_skips_incomplete_and_damaged_remote_checkpoints(tmp_path):
     src_root, remote, local = tmp_path / "src", tmp_path / "remote", tmp_path / "local" / "checkpoints"
-    mirror = ckpt.RemoteMirror(str(remote))
+    mirror = RemoteMirror(str(remote))
     for step in (1, 2, 3):
         mirror.upload(fake_checkpoint(src_root, step, f"weights-{step}".encode()))
         assert mirror.wait(timeout=30)
@@ -137,7 +138,7 @@ def test_download_skips_incomplete_and_damaged_remote_checkpoints(tmp_path):
     (local / "step-1" / "junk").write_text("a damaged local copy of the same step")
     got = mirror.download_newest(local)
     assert got == local / "step-1" and ckpt.verify(got) is None
-    assert (got / "model.safetensors").read_bytes() == b"weights-1" and not (got / "junk").exists()
+    assert (got / "weights.bin").read_bytes() == b"weights-1" and not (got / "junk").exists()
     assert not [p for p in local.iterdir() if p.name.startswith(ckpt.TMP_PREFIX)]
 
 
@@ -148,13 +149,13 @@ def test_download_refuses_paths_outside_the_checkpoint(tmp_path):
     (remote / "step-1" / ckpt.MANIFEST).write_text(json.dumps(evil))
     local = tmp_path / "a" / "b" / "checkpoints"
     local.mkdir(parents=True)
-    assert ckpt.RemoteMirror(str(remote)).download_newest(local) is None
+    assert RemoteMirror(str(remote)).download_newest(local) is None
     assert not list(tmp_path.rglob("escaped.txt"))
 
 
 def test_resume_never_with_remote_checkpoints(data_dir, tmp_path):
     root, remote = tmp_path / "src", tmp_path / "remote"
-    mirror = ckpt.RemoteMirror(str(remote))
+    mirror = RemoteMirror(str(remote))
     mirror.upload(fake_checkpoint(root, 1, b"w"))
     assert mirror.wait(timeout=30)
     out = tmp_path / "run"
@@ -168,4 +169,4 @@ def test_resume_never_with_remote_checkpoints(data_dir, tmp_path):
 
 def test_bad_checkpoint_uri_is_a_user_error():
     with pytest.raises(UserError, match="checkpoint_uri"):
-        ckpt.RemoteMirror("nosuchprotocol://bucket/x")
+        RemoteMirror("nosuchprotocol://bucket/x")
