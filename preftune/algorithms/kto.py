@@ -29,7 +29,7 @@ from preftune.data.tensors import left_pad, read_once, right_pad
 from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response, fit_prompt
 from preftune.distributed import Parallel
 from preftune.errors import UserError
-from preftune.losses.kto import kto_loss, kto_metrics, kto_reference_point, weight_advice
+from preftune.losses.kto import kto_loss, kto_reference_point, weight_advice
 from preftune.model.load import to_device
 from preftune.model.logps import Rows, completion_logps, microbatches
 
@@ -160,23 +160,20 @@ class KTOTask:
         z = self.reference_point(model, mine, B, stop)
         kw = dict(beta=self.k.beta, desirable_weight=self.k.desirable_weight,
                   undesirable_weight=self.k.undesirable_weight, loss_type=self.k.loss_type)
-        parts, seen = [], []
+        parts, counts = [], (desirable, B - desirable)
         for sl in microbatches(len(mine), self.k.micro_batch_size):
             stop.check()
             part = mine[sl]
             lp = summed_logps(model, self.rows(part), self.pad_id, self.device)  # (b,)
             ref = to_device(self.ref[part, 0], lp.device)  # (b,)
             labels = torch.tensor([self.encoded[self.slots[s][0]].desirable for s in part], device=lp.device)
-            loss, _ = kto_loss(lp, ref, labels, None, None, kl=z, normaliser=B, sync_metrics=False, **kw)
+            loss, m = kto_loss(lp, ref, labels, None, None, kl=z, normaliser=B, counts=counts, sync_metrics=False,
+                               **kw)
             loss.backward()  # each part's summed losses over the whole batch's B: the parts add up
-            parts.append({"loss": loss.detach()})
-            seen.append((lp.detach(), ref, labels))
-        logps, ref, labels = (torch.cat(x) for x in zip(*seen))
-        zero = logps.new_zeros(())
-        m = kto_metrics(logps, ref, labels, zero if z is None else z.to(logps), beta=self.k.beta,
-                        counts=(desirable, B - desirable), sync=False)
-        totals = read_once([m | {"loss": sum(p["loss"] for p in parts)}])[0]
-        totals["kl"] *= len(mine) / B  # z is the same on every rank: shares that add up to it
+            m["kl"] = m["kl"] * (len(part) / B)  # z is the same for every part: shares that add up to it
+            parts.append(m | {"loss": loss.detach()})
+        read = read_once(parts)  # one host read for the step
+        totals = {k: sum(r[k] for r in read) for k in read[0]}
         rows = self.rows(mine) + (self.rows(mine, mismatched=True) if self.with_kl else [])
         totals["num_tokens"] = sum(len(p) + len(c) for p, c in rows)
         return self.dp.reduce_metrics(totals)

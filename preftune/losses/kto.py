@@ -46,16 +46,18 @@ def _check(logps, ref_logps, labels, beta: float, loss_type: str) -> None:
 def kto_loss(logps: torch.Tensor, ref_logps: torch.Tensor, labels: torch.Tensor, kl_logps: torch.Tensor | None,
              ref_kl_logps: torch.Tensor | None, *, beta: float = 0.1, desirable_weight: float = 1.0,
              undesirable_weight: float = 1.0, loss_type: str = "kto", kl: torch.Tensor | None = None,
-             normaliser: float | None = None, sync_metrics: bool = True) -> tuple[torch.Tensor, dict]:
+             normaliser: float | None = None, counts: tuple[int, int] | None = None,
+             sync_metrics: bool = True) -> tuple[torch.Tensor, dict]:
     """The KTO loss of B labeled responses (formulas and papers in the module docstring).
 
     logps, ref_logps: (B,) summed completion log-probs under the policy (carries gradients) and the
     reference. labels: (B,) bool, True = desirable. kl_logps, ref_kl_logps: (M,) the same for the
     mismatched pairs (TRL's KL_logps; M = B in TRL), giving z; unused by apo_zero_unpaired (pass None),
     or when `kl` brings z computed over a larger batch (`kto_reference_point`). `normaliser`: divide the
-    summed losses by it instead of B (a micro-batch's or a rank's share of a larger batch).
-    Returns (scalar loss, metrics) with TRL's names (`kto_metrics`); sync_metrics=False leaves them
-    0-dim tensors.
+    summed losses by it instead of B (a micro-batch's or a rank's share of a larger batch), and
+    `counts` (desirable, undesirable) of that batch the metrics' means by (`kto_metrics`: then the
+    parts' metrics add up, and nothing is read from the device). Returns (scalar loss, metrics) with
+    TRL's names; sync_metrics=False leaves them 0-dim tensors.
     """
     _check(logps, ref_logps, labels, beta, loss_type)
     if loss_type == "apo_zero_unpaired":
@@ -73,7 +75,7 @@ def kto_loss(logps: torch.Tensor, ref_logps: torch.Tensor, labels: torch.Tensor,
         desirable, undesirable = 1 - torch.sigmoid(beta * logratios), torch.sigmoid(beta * logratios)
     losses = torch.where(labels, desirable_weight * desirable, undesirable_weight * undesirable)  # (B,)
     loss = losses.sum() / (normaliser if normaliser is not None else logps.numel())
-    return loss, kto_metrics(logps, ref_logps, labels, z, beta=beta, sync=sync_metrics)
+    return loss, kto_metrics(logps, ref_logps, labels, z, beta=beta, counts=counts, sync=sync_metrics)
 
 
 @torch.no_grad()

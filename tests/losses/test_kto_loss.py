@@ -174,11 +174,12 @@ def test_micro_batches_and_ranks_give_the_whole_batch_update():
     total, metrics = 0.0, defaultdict(float)
     counts = (int(labels.sum()), int((~labels).sum()))
     for part in (slice(0, 3), slice(3, 5), slice(5, B)):  # uneven parts
-        loss, _ = kto_loss(x[part], ref[part], labels[part], None, None, beta=0.2, desirable_weight=1.2,
-                           undesirable_weight=0.9, kl=z, normaliser=B)
+        loss, m = kto_loss(x[part], ref[part], labels[part], None, None, beta=0.2, desirable_weight=1.2,
+                           undesirable_weight=0.9, kl=z, normaliser=B, counts=counts)
         loss.backward()
         total += loss.item()
-        for k, v in kto_metrics(logps[part], ref[part], labels[part], z, beta=0.2, counts=counts).items():
+        assert m == kto_metrics(logps[part], ref[part], labels[part], z, beta=0.2, counts=counts)
+        for k, v in m.items():
             metrics[k] += v if k != "kl" else v * (part.stop - part.start) / B
     assert total == pytest.approx(whole[0].item(), rel=1e-12)
     torch.testing.assert_close(x.grad, whole[1], rtol=1e-12, atol=1e-15)
