@@ -17,13 +17,13 @@ from preftune.algorithms.reference import cached_reference
 from preftune.config import Config
 from preftune.data.pipeline import load_pairs
 from preftune.data.stream import IndexStream
-from preftune.data.tensors import left_pad, read_once, right_pad
+from preftune.data.tensors import read_once
 from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response, fit_prompt
 from preftune.distributed import Parallel
 from preftune.errors import UserError
 from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
 from preftune.model.load import to_device
-from preftune.model.logps import Rows, completion_logps, microbatches
+from preftune.model.logps import list_logps, microbatches
 
 
 @dataclass
@@ -51,22 +51,12 @@ def encode_pairs(pairs, tokenizer, cfg: Config) -> tuple[list[EncodedPair], dict
     return out, stats
 
 
-def pair_tensors(batch: list[EncodedPair], pad_id: int):
-    """2b rows, pair by pair: chosen_i then rejected_i, next to each other so their one prompt is
-    computed once (the shared layout of `completion_logps`), and their `Rows` (from the host lists)."""
-    prompts, responses = [e.prompt for e in batch for _ in (0, 1)], [r for e in batch for r in (e.chosen, e.rejected)]
-    p_ids, p_mask = left_pad(prompts, pad_id)  # (2b, P)
-    c_ids, c_mask = right_pad(responses, pad_id)  # (2b, T)
-    return p_ids, p_mask, c_ids, c_mask, Rows.of(prompts, [len(r) for r in responses])
-
-
 def sequence_logps(model, batch: list[EncodedPair], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed completion log-probs (2b,) and completion lengths (2b,): the b chosen, then the b
-    rejected. One pass: chosen and rejected rows are next to each other, so the packer can run each
+    rejected. One pass: chosen_i and rejected_i are next to each other, so the packer can run each
     prompt once with both responses as its branches (`model/logps.py`)."""
-    *tensors, rows = pair_tensors(batch, pad_id)
-    p_ids, p_mask, c_ids, c_mask = (to_device(t, device) for t in tensors)
-    logps, _ = completion_logps(model, p_ids, p_mask, c_ids, c_mask, rows=rows)  # (2b, T), 0 at padding
+    prompts, responses = [e.prompt for e in batch for _ in (0, 1)], [r for e in batch for r in (e.chosen, e.rejected)]
+    logps, _, c_mask = list_logps(model, prompts, responses, pad_id, device)  # (2b, T), 0 at padding
     sums, counts = logps.sum(-1).view(-1, 2), c_mask.sum(-1).view(-1, 2)  # (b, 2): chosen, rejected
     return sums.t().reshape(-1), counts.t().reshape(-1)
 

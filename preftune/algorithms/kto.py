@@ -25,13 +25,13 @@ from preftune.algorithms.reference import cached_reference
 from preftune.config import Config
 from preftune.data.pipeline import load_labeled
 from preftune.data.stream import IndexStream
-from preftune.data.tensors import left_pad, read_once, right_pad
+from preftune.data.tensors import read_once
 from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response, fit_prompt
 from preftune.distributed import Parallel
 from preftune.errors import UserError
 from preftune.losses.kto import kto_loss, kto_reference_point, weight_advice
 from preftune.model.load import to_device
-from preftune.model.logps import Rows, completion_logps, microbatches
+from preftune.model.logps import list_logps, microbatches
 
 log = logging.getLogger("preftune")
 
@@ -74,11 +74,7 @@ def fixed_batches(n: int, batch_size: int, seed: int, shuffle: bool) -> list[tup
 def summed_logps(model, rows: list[tuple[list[int], list[int]]], pad_id: int, device) -> torch.Tensor:
     """Summed completion log-probs (n,) of (prompt, completion) token lists: one pass of the packer
     (consecutive rows with one prompt share it, `model/logps.py`)."""
-    p_ids, p_mask = left_pad([p for p, _ in rows], pad_id)  # (n, P)
-    c_ids, c_mask = right_pad([c for _, c in rows], pad_id)  # (n, T)
-    sizes = Rows.of([p for p, _ in rows], [len(c) for _, c in rows])  # from the host lists: no read
-    p_ids, p_mask, c_ids, c_mask = (to_device(t, device) for t in (p_ids, p_mask, c_ids, c_mask))
-    logps, _ = completion_logps(model, p_ids, p_mask, c_ids, c_mask, rows=sizes)  # (n, T), 0 at padding
+    logps, _, _ = list_logps(model, [p for p, _ in rows], [c for _, c in rows], pad_id, device)  # (n, T)
     return logps.sum(-1)
 
 

@@ -15,14 +15,12 @@ import torch
 from preftune.config import Config
 from preftune.data.pipeline import load_examples
 from preftune.data.stream import IndexStream
-from preftune.data.tensors import left_pad, right_pad
 from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response, fit_prompt
 from preftune.data.traces import TraceOptions
 from preftune.distributed import Parallel
 from preftune.errors import UserError
 from preftune.losses.sft import sft_loss
-from preftune.model.load import to_device
-from preftune.model.logps import Rows, completion_logps, microbatches
+from preftune.model.logps import list_logps, microbatches
 
 
 @dataclass
@@ -53,12 +51,8 @@ def encode_examples(examples, tokenizer, cfg: Config) -> tuple[list[EncodedExamp
 def example_logps(model, batch: list[EncodedExample], pad_id: int, device, *, pack: bool = True):
     """Completion-token log-probs and entropies, flat (n,) in example order: one example per row, or
     several packed into a row where the packer's rule says so (`pack`; attention stays within each)."""
-    p_ids, p_mask = left_pad([e.prompt for e in batch], pad_id)  # (b, P)
-    c_ids, c_mask = right_pad([e.completion for e in batch], pad_id)  # (b, T)
-    p_ids, p_mask, c_ids, c_mask = (to_device(t, device) for t in (p_ids, p_mask, c_ids, c_mask))
-    rows = Rows.of([e.prompt for e in batch], [len(e.completion) for e in batch])  # sizes the pass: no host read
-    logps, entropy = completion_logps(model, p_ids, p_mask, c_ids, c_mask, with_entropy=True, rows=rows,
-                                      pack=pack)  # (b, T)
+    logps, entropy, c_mask = list_logps(model, [e.prompt for e in batch], [e.completion for e in batch], pad_id,
+                                        device, with_entropy=True, pack=pack)  # (b, T)
     real = c_mask.bool()
     return logps[real], entropy[real]  # row-major: example order
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from preftune.data.tensors import positions_from_mask
+from preftune.data.tensors import left_pad, positions_from_mask, right_pad
 from preftune.model.head import token_logps, upcast_logits
 from preftune.model.llama import Llama, tree_mask
 from preftune.model.load import autocast, base_module, to_device
@@ -103,6 +103,20 @@ def completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_
     out = logps.new_zeros(B * T).index_copy(0, dst, logps).view(B, T)
     ent = None if entropy is None else entropy.new_zeros(B * T).index_copy(0, dst, entropy).view(B, T)
     return out, ent
+
+
+def list_logps(model, prompts: list[list[int]], completions: list[list[int]], pad_id: int, device, *,
+               with_entropy: bool = False, pack: bool = True):
+    """`completion_logps` of rows given as token lists -> log-probs (n, T), entropy (n, T) or None,
+    completion mask (n, T). Sized from the lists (no host read); consecutive rows with one prompt
+    share it (DPO's pairs, KTO's mismatched pairs)."""
+    p_ids, p_mask = left_pad(prompts, pad_id)  # (n, P)
+    c_ids, c_mask = right_pad(completions, pad_id)  # (n, T)
+    rows = Rows.of(prompts, [len(c) for c in completions])
+    p_ids, p_mask, c_ids, c_mask = (to_device(t, device) for t in (p_ids, p_mask, c_ids, c_mask))
+    logps, entropy = completion_logps(model, p_ids, p_mask, c_ids, c_mask, with_entropy=with_entropy, rows=rows,
+                                      pack=pack)
+    return logps, entropy, c_mask
 
 
 @dataclass
