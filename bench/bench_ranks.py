@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 if __package__:
@@ -53,7 +52,7 @@ def dpo(tmp: Path, model: Path, steps: int) -> list[str]:
 
 
 def sft(tmp: Path, model: Path, steps: int) -> list[str]:
-    filler = workload.FILLER
+    filler = workload.FILLER * 4  # 176 characters, so the slices below give uneven lengths
     rows = [{"prompt": r["input"] + filler[:(i * 37) % 160], "completion": r["answer"] + filler[:(i * 53) % 120]}
             for i, r in enumerate(workload.prompt_rows(0)[:256])]
     train = tmp / "sft.jsonl"
@@ -112,25 +111,10 @@ def table(rows: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="rand3m")
-    ap.add_argument("--model-cache", help="folder for generated models (default: a temporary one)")
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--only", action="append", help="run only workloads whose name contains this")
-    ap.add_argument("--json", help="write the results here")
+    workload.run_args(ap, "rand3m")
     args = ap.parse_args(argv)
-    t0, rows = time.perf_counter(), {}
-    for name, build in WORKLOADS.items():
-        if not args.only or any(o in name for o in args.only):
-            rows[name] = measure(name, build, args)
-            print(f"[{time.perf_counter() - t0:5.0f}s] {name}: {json.dumps(rows[name])}", flush=True)
-    print(f"\npython bench/bench_ranks.py {' '.join(argv or sys.argv[1:])}: {args.steps} steps ({args.warmup} "
-          f"warmup), model {args.model}, {os.cpu_count()} CPUs\n")
-    print(table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    return rows
-
+    title = f"python bench/bench_ranks.py {' '.join(argv or sys.argv[1:])}, model {args.model}"
+    return workload.run_workloads(WORKLOADS, lambda name: measure(name, WORKLOADS[name], args), args, title, table)
 
 if __name__ == "__main__":
     main()

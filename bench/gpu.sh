@@ -7,6 +7,7 @@
 #
 # Wheels the machine lacks (bench/gpu_wheels.sh, carried in .whl/) are installed into /tmp/site first.
 # Writes $OUT/gpu-decode.json (DECODE=0 skips that run), $OUT/fsdp-check{,.log} (FSDP=0 skips it),
+# $OUT/bench-vllm.json (VLLM=0 skips it),
 # $OUT/bench-gpu.json (rewritten after each row)
 # and $OUT/bench-gpu.log (all of this script's output); OUT defaults to ./bench-gpu-out. Exits non-zero
 # when an import, a check or a run fails.
@@ -77,6 +78,14 @@ main() {
   if [ "${FSDP:-1}" != 0 ]; then
     echo "== bash bench/fsdp_check.sh $OUT/fsdp-check"
     PYTHON="$PY" timeout "${FSDP_TIMEOUT:-150}" bash bench/fsdp_check.sh "$OUT/fsdp-check" || rc=$((rc ? rc : $?))
+  fi
+  # vLLM rollouts beside the own sampler at the 0.5B shape (bench/bench_vllm.py; VLLM=0 skips it, and it is
+  # skipped when vllm does not import): s/step, tokens/s, the weight push's seconds. TRL's colocate mode is
+  # not in this row yet
+  if [ "${VLLM:-1}" != 0 ] && "$PY" -c 'import vllm' 2>/dev/null; then
+    echo "== $PY bench/bench_vllm.py --model rand0.5b --bf16 --model-cache $cache --json $OUT/bench-vllm.json"
+    timeout "${VLLM_TIMEOUT:-600}" "$PY" bench/bench_vllm.py --model rand0.5b --bf16 --model-cache "$cache" \
+      --json "$OUT/bench-vllm.json" || rc=$((rc ? rc : $?))
   fi
   echo "== $PY bench/suite.py $* --json $OUT/bench-gpu.json --model-cache $cache"
   time "$PY" bench/suite.py "$@" --json "$OUT/bench-gpu.json" --model-cache "$cache" || rc=$((rc ? rc : $?))

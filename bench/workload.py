@@ -9,6 +9,7 @@ that work (shared prompts, zero-advantage rows), so its MFU can exceed what the 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import shutil
 import time
@@ -259,3 +260,29 @@ class PhaseTimer:
 
         self.wrap(torch.Tensor, "backward", "backward")
 
+
+
+def run_args(ap, model: str | None) -> None:
+    """The options every multi-variant script takes (bench_ranks.py, bench_vllm.py)."""
+    ap.add_argument("--model", default=model,
+                    help="the workloads' model" if model else "replace every workload's model")
+    ap.add_argument("--model-cache", help="folder for generated models (default: a temporary one)")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--only", action="append", help="run only workloads whose name contains this")
+    ap.add_argument("--json", help="write the results here")
+
+
+def run_workloads(names, measure, args, title: str, table) -> dict:
+    """measure(name) for each workload --only selects, a line as each ends; then `title`, the
+    table of all rows, and the rows as --json."""
+    t0, rows = time.perf_counter(), {}
+    for name in names:
+        if not args.only or any(o in name for o in args.only):
+            rows[name] = measure(name)
+            print(f"[{time.perf_counter() - t0:5.0f}s] {name}: {json.dumps(rows[name])}", flush=True)
+    print(f"\n{title}: {args.steps} steps ({args.warmup} warmup), {os.cpu_count()} CPUs\n")
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return rows

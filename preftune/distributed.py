@@ -321,6 +321,40 @@ def whole(model):
             m.set_reshard_after_forward(True)
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A parameter whole: an FSDP2 shard (a DTensor) all-gathered, a collective every rank runs in
+    the same order; any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def hf_weights(model):
+    """(name, tensor) of every weight under its Hugging Face checkpoint name, whole, one at a time
+    (a rollout engine's reload streams them): module order, so every rank gathers the same
+    parameter at the same moment; LoRA merged into its base weight (W + scaling * B A); a tied
+    weight once."""
+    base, seen, lora = loader.base_module(model), set(), []
+    for prefix, mod in base.named_modules():
+        if any(prefix.startswith(p + ".") for p in lora):
+            continue
+        dot = f"{prefix}." if prefix else ""
+        if hasattr(mod, "base_layer") and hasattr(mod, "lora_A"):  # a PEFT LoRA layer
+            lora.append(prefix)
+            w = full_tensor(mod.base_layer.weight)
+            for key in mod.active_adapters:
+                a, b = full_tensor(mod.lora_A[key].weight), full_tensor(mod.lora_B[key].weight)  # (r, in), (out, r)
+                w = w + (b.float() @ a.float()).mul_(mod.scaling[key]).to(w.dtype)  # (out, in)
+            yield f"{dot}weight", w
+            if getattr(mod.base_layer, "bias", None) is not None:
+                yield f"{dot}bias", full_tensor(mod.base_layer.bias)
+            continue
+        for name, p in mod.named_parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield f"{dot}{name}", full_tensor(p)
+
+
 def fsdp_modules(model) -> list:
     from torch.distributed.fsdp import FSDPModule
 

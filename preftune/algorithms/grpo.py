@@ -26,11 +26,13 @@ from preftune.errors import UserError
 from preftune.losses import grpo_loss
 from preftune.losses.advantages import group_advantages, group_spread, nanmean
 from preftune.losses.grpo import CLIP_KEYS, batch_normaliser
+from preftune.losses.sampling import importance_weights, mismatch_stats
 from preftune.model.logps import Rows, completion_logps, microbatches
 from preftune.rewards.registry import load_reward_funcs
 from preftune.rollout.offline import OfflineSource
 from preftune.rollout.online import OnlineSource
 from preftune.rollout.sampler import Rollout
+from preftune.rollout.vllm import VLLMEngine
 from preftune.rollout.scored import Scored
 
 log = logging.getLogger("preftune")
@@ -42,6 +44,7 @@ class GRPOBatch:
     advantages: torch.Tensor  # (N,)
     ref_logps: torch.Tensor | None  # (N, T)
     metrics: dict = field(default_factory=dict)
+    is_weights: torch.Tensor | None = None  # (N, T) or (N, 1): the engine correction (`losses/sampling.py`)
     rows: Rows | None = None  # the rollout's sizes, read once for all of the batch's passes (`sizes`)
 
     def sizes(self) -> Rows:
@@ -57,6 +60,8 @@ class GRPOBatch:
         tensors["advantages"] = self.advantages
         if self.ref_logps is not None:
             tensors["ref_logps"] = self.ref_logps
+        if self.is_weights is not None:
+            tensors["is_weights"] = self.is_weights
         # references, not copies: the per-step rollback snapshot stays free; torch.save handles devices
         return {"tensors": tensors, "metrics": dict(self.metrics)}
 
@@ -64,7 +69,8 @@ class GRPOBatch:
     def from_state_dict(cls, state: dict, device: torch.device | str = "cpu") -> "GRPOBatch":
         t = {k: v.to(device) for k, v in state["tensors"].items()}
         ro = Rollout(**{k: t.get(k) for k in Rollout.__slots__})
-        return cls(rollout=ro, advantages=t["advantages"], ref_logps=t.get("ref_logps"), metrics=state["metrics"])
+        return cls(rollout=ro, advantages=t["advantages"], ref_logps=t.get("ref_logps"), metrics=state["metrics"],
+                   is_weights=t.get("is_weights"))
 
 
 def reward_metrics(s: Scored, lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
@@ -116,14 +122,44 @@ def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig, dp=None) -> GRPOBatc
         with dp.gathered(ref_model):
             batch.ref_logps = reference_logps(ref_model, ro, cfg, without_adapter=ref_model is model,
                                               rows=batch.sizes())
+    if cfg.use_vllm and cfg.vllm_importance_sampling_correction and ro.sampling_logps is not None:
+        batch.is_weights, stats = engine_correction(model, batch, cfg, dp)
+        batch.metrics |= stats
     return batch
+
+
+def engine_correction(model, batch: GRPOBatch, cfg: GRPOConfig, dp) -> tuple[torch.Tensor, dict]:
+    """Importance weights pi_old / mu for the rollout engine's tokens (`losses/sampling.py`): the
+    trainer's log-probs of the distribution that drew them (temperature, top-k, top-p, at the
+    weights that sampled), against the engine's. Metrics over every rank's tokens, TRL's names."""
+    ro = batch.rollout
+    with dp.gathered(model):
+        trainer = reference_logps(model, ro, cfg, rows=batch.sizes(), sampler=True)  # (N, T)
+    mask = ro.completion_mask.float()
+    w = importance_weights(trainer, ro.sampling_logps, mask, mode=cfg.vllm_importance_sampling_mode,
+                           clip_min=cfg.vllm_importance_sampling_clip_min,
+                           clip_max=cfg.vllm_importance_sampling_clip_max)
+    st = {k: float(v) for k, v in zip(*_keys_values(mismatch_stats(trainer, ro.sampling_logps, mask, w)))}
+    d_sum, d_n, r_sum, r_n = dp.sum(st["diff_sum"], st["diff_count"], st["ratio_sum"], st["ratio_count"])
+    d_max, r_max, neg_r_min = dp.max(st["diff_max"], st["ratio_max"], -st["ratio_min"])
+    pre = "sampling/"
+    return w, {f"{pre}sampling_logp_difference/mean": d_sum / max(d_n, 1.0),
+               f"{pre}sampling_logp_difference/max": d_max,
+               f"{pre}importance_sampling_ratio/min": -neg_r_min if r_n else 0.0,
+               f"{pre}importance_sampling_ratio/mean": r_sum / r_n if r_n else 0.0,
+               f"{pre}importance_sampling_ratio/max": r_max if r_n else 0.0}
+
+
+def _keys_values(d: dict) -> tuple[list, list]:
+    return list(d), torch.stack(list(d.values())).tolist()  # one host read
 
 
 @torch.no_grad()
 def reference_logps(model, rollout: Rollout, cfg: GRPOConfig, *, without_adapter: bool = False,
-                    rows: Rows | None = None) -> torch.Tensor:
+                    rows: Rows | None = None, sampler: bool = False) -> torch.Tensor:
     """Log-probs of a rollout under a frozen model (the reference).
-    With LoRA the reference is the policy with its adapters disabled: no second model in memory."""
+    With LoRA the reference is the policy with its adapters disabled: no second model in memory.
+    `sampler`: the sampling distribution's (top-k/top-p renormalised), for the engine correction."""
     with model.disable_adapter() if without_adapter else contextlib.nullcontext():
         out = []
         if rows is None:  # one host read
@@ -131,7 +167,8 @@ def reference_logps(model, rollout: Rollout, cfg: GRPOConfig, *, without_adapter
         for sl in microbatches(rollout.completion_ids.size(0), cfg.micro_batch_size):
             lp, _ = completion_logps(model, rollout.prompt_ids[sl], rollout.prompt_mask[sl],
                                      rollout.completion_ids[sl], rollout.completion_mask[sl],
-                                     temperature=cfg.temperature, rows=rows[sl])
+                                     temperature=cfg.temperature, rows=rows[sl],
+                                     top_k=cfg.top_k if sampler else 0, top_p=cfg.top_p if sampler else 1.0)
             out.append(lp)
     return torch.cat(out)  # (N, T)
 
@@ -181,6 +218,7 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
     record = cfg.num_iterations > 1 and ro.old_logps is None  # the first of the batch's steps
     recorded = []
     ref_all = None if batch.ref_logps is None else pick(batch.ref_logps)
+    is_all = None if batch.is_weights is None else pick(batch.is_weights)
     run_tokens = dp.sum(sum(row_tokens))[0]
     norm = batch_normaliser(cfg.loss_type, batch_seqs=batch_seqs, batch_tokens=batch_tokens,
                             max_completion_length=cfg.max_completion_length)
@@ -200,7 +238,8 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
                             adv[sl], mask[sl], loss_type=cfg.loss_type, beta=cfg.beta, epsilon=cfg.epsilon,
                             epsilon_high=cfg.epsilon_high, delta=cfg.delta,
                             importance_sampling_level=cfg.importance_sampling_level,
-                            normaliser=norm, kl_ratio_correction=cfg.use_bias_correction_kl, sync_metrics=False)
+                            normaliser=norm, kl_ratio_correction=cfg.use_bias_correction_kl, sync_metrics=False,
+                            importance_weights=None if is_all is None else is_all[sl])
         loss.backward()
         parts.append((sl, m | {"loss": loss.detach(), "entropy_sum": (entropy.detach() * mask[sl]).sum()}))
     totals, ent_sum = _fold(parts, row_tokens, batch_tokens, batch_seqs,
@@ -281,6 +320,14 @@ def check_prompt_lengths(tokenizer, prompts: list, limit: int, where: str) -> No
                             "(data.prompt_truncation=error)", where=where)
 
 
+def start_engine(cfg: Config, dp=None):
+    """The rollout engine beside this rank's trainer (or `preftune eval`, dp None), sized for
+    training's and evaluation's prompts and completions."""
+    longest = max(cfg.grpo.max_completion_length, cfg.eval.max_new_tokens or 0)
+    return VLLMEngine(cfg.grpo, cfg.model, max_model_len=cfg.data.max_prompt_length + longest, seed=cfg.seed,
+                      world=dp.world if dp is not None else 1)
+
+
 class GRPOTask:
     """Builds everything and writes nothing: the loop writes `data_report` once setup has succeeded."""
 
@@ -295,11 +342,14 @@ class GRPOTask:
                 n, prompts = len(prompts), split_prompt_set(prompts, cfg.eval.split, held_out=False)
                 held_out = {"held_out_prompts": n - len(prompts)}
             funcs = load_reward_funcs(self.g.reward_funcs, self.g, cfg.config_dir, device=device)
-            self.source = OnlineSource(self.g, tokenizer, prompts, funcs, device=device, dp=self.dp, **common)
+            self.engine = start_engine(cfg, self.dp) if self.g.use_vllm else None
+            self.source = OnlineSource(self.g, tokenizer, prompts, funcs, device=device, dp=self.dp,
+                                       engine=self.engine, **common)
             self.source.state.max_steps = cfg.max_steps  # what TRL's trainer_state.max_steps tells reward functions
             self.data_report = {"prompts": len(prompts)} | held_out
             texts = prompts.prompts
         else:
+            self.engine = None
             groups, self.data_report = trace_items(cfg.data.train, TraceOptions.from_config(cfg.data), "groups",
                                                    group_builder, split=cfg.eval.split)
             self.source = OfflineSource(self.g, tokenizer, groups, reward_name=cfg.data.reward_column, dp=self.dp,
@@ -319,8 +369,14 @@ class GRPOTask:
 
     def step(self, model, step: int, stop) -> dict:
         if self.pending is None or (step - 1) % self.g.num_iterations == 0:
-            with self.dp.gathered(model):  # sampling: whole parameters once per rollout, not per token
+            if self.engine is not None:  # the policy that samples is the one just updated
+                push_s = self.engine.push(model)
                 scored = self.source.make_batch(model, step)
+                self.engine.sleep()
+                scored.extra = scored.extra | {"vllm/weight_push_s": push_s}
+            else:
+                with self.dp.gathered(model):  # sampling: whole parameters once per rollout, not per token
+                    scored = self.source.make_batch(model, step)
             stop.check()
             self.pending = new_batch(scored, model, self.ref_model, self.g, self.dp)
         m = grpo_step(model, self.pending, self.g, check=stop.check, dp=self.dp)

@@ -154,7 +154,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise TypeError(f"unsupported config type {tp} for {key}")
 
 
-def _unknown_key(key: str, valid: list[str], prefix: str) -> UserError:
+def _unknown_key(key: str, cls, prefix: str) -> UserError:
+    """The error for a key `cls` does not have: the key whose peer is that name (a TRL user's
+    `vllm_importance_sampling_cap`), else the nearest spelling, else the valid keys."""
+    declared = [f for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
+    for f in declared:
+        if re.search(rf"(?<![\w.]){re.escape(key)}(?![\w.]| /)", f.metadata.get("peer") or ""):
+            return UserError(f"unknown config key '{prefix}{key}'; preftune calls it '{prefix}{f.name}'")
+    valid = [f.name for f in declared]
     near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     hint = f"; did you mean '{prefix}{near[0]}'?" if near else f"; valid keys: {', '.join(valid)}"
     return UserError(f"unknown config key '{prefix}{key}'{hint}")
@@ -169,7 +176,7 @@ def from_dict(cls, data: dict, prefix: str = ""):
     kwargs = {}
     for key, value in data.items():
         if key not in fields:
-            raise _unknown_key(str(key), list(fields), prefix)
+            raise _unknown_key(str(key), cls, prefix)
         tp = fields[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = from_dict(tp, value or {}, f"{prefix}{key}.")

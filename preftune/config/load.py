@@ -44,6 +44,12 @@ def check_report_to(names: list[str]) -> None:
                             where="log.report_to")
 
 
+def check_vllm(rollout: str) -> None:
+    if rollout != "online":
+        raise UserError("vLLM samples online rollouts; offline groups come from the traces: set grpo.use_vllm=false",
+                        where="grpo.use_vllm")
+
+
 def apply_override(data: dict, assignment: str) -> None:
     """Apply one `a.b.c=VALUE` to a nested dict; VALUE is parsed as YAML (so 0.04, true, [a, b] work)."""
     if "=" not in assignment:
@@ -88,6 +94,8 @@ def validate(cfg: Config) -> None:
                         f"got {cfg.grpo.overlong_buffer_len}", where="grpo.overlong_buffer_len")
     if not cfg.data.train:
         raise UserError("no training data: set data.train", where="data.train")
+    if cfg.algorithm == "grpo" and cfg.grpo.use_vllm:
+        check_vllm(cfg.grpo.rollout)
 
     check_report_to(cfg.log.report_to)
     check_deploy(cfg.deploy, cfg.preemption_grace_seconds, cfg.checkpoint_uri)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from preftune.config.fields import internal, knob, section
 from preftune.losses.names import (ADVANTAGE_ESTIMATORS, DPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS,
-                                   KTO_LOSS_TYPES, LOSS_TYPES, SCALE_REWARDS)
+                                   KTO_LOSS_TYPES, LOSS_TYPES, SCALE_REWARDS, VLLM_IS_MODES, VLLM_MODES)
 
 # log.report_to's names -> (module that must be importable, pip extra that installs it)
 TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
@@ -142,6 +142,32 @@ class GRPOConfig:
     max_resample_rounds: int = knob(
         4, "extra sampling rounds per step for dynamic sampling", range="[0, inf)",
         peer="verl filter_groups.max_num_gen_batches")
+    use_vllm: bool = knob(
+        False, "sample with vLLM (docs/vllm.md); weights are pushed to it after every update", peer="TRL use_vllm")
+    vllm_mode: str = knob(
+        "colocate", "colocate: one engine inside each training process", choices=VLLM_MODES, peer="TRL vllm_mode")
+    vllm_gpu_memory_utilization: float = knob(
+        0.3, "share of GPU memory the engine takes (weights + KV cache); training has the rest", range="(0, 1]",
+        peer="TRL vllm_gpu_memory_utilization")
+    vllm_tensor_parallel_size: int = knob(
+        1, "GPUs per engine (1 = an engine per rank)", range="[1, 1]", peer="TRL vllm_tensor_parallel_size")
+    vllm_enable_sleep_mode: bool = knob(
+        False, "GPU: release the engine's memory during the training passes (no-op on CPU)",
+        peer="TRL vllm_enable_sleep_mode")
+    vllm_kv_cache_gib: int = knob(
+        1, "CPU: the engine's KV cache in whole GiB (VLLM_CPU_KVCACHE_SPACE)", range="[1, inf)")
+    vllm_importance_sampling_correction: bool = knob(
+        True, "reweight the loss by trainer / engine probabilities of the sampled tokens",
+        peer="TRL vllm_importance_sampling_correction")
+    vllm_importance_sampling_mode: str = knob(
+        "sequence_mask", "token_ or sequence_ ratio; _truncate clips it, _mask zeroes it outside the bounds",
+        choices=VLLM_IS_MODES, peer="TRL vllm_importance_sampling_mode")
+    vllm_importance_sampling_clip_max: float | None = knob(
+        3.0, "upper bound C_max of the ratio (null = none)", range="(0, inf)",
+        peer="TRL vllm_importance_sampling_clip_max (vllm_importance_sampling_cap)")
+    vllm_importance_sampling_clip_min: float | None = knob(
+        None, "lower bound C_min of the ratio (null = none)", range="[0, inf)",
+        peer="TRL vllm_importance_sampling_clip_min")
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """The set of objects `preftune render` writes, checked before anything is written."""
 from __future__ import annotations
 
+import dataclasses
+
 from preftune.config.redact import credentials
 from preftune.deploy import manifests, nodes
 from preftune.deploy.settings import SPOT_NOTICE_SECONDS, termination_grace
@@ -10,10 +12,16 @@ from preftune.errors import UserError
 LOCAL_PATH_KEYS = (("model", "name_or_path"), ("data", "train"), ("data", "eval"))
 
 
+# a colocated engine runs in the training process (weights pass by reference), not in a subprocess
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def render_objects(cfg, data: dict) -> tuple[dict[str, dict], list[str]]:
     """(file name -> object, notes for the user). `cfg` is the checked config, `data` the config
     as written, which the pods get in the ConfigMap."""
     d = cfg.deploy
+    if cfg.algorithm == "grpo" and cfg.grpo.use_vllm:  # the engine lives in the training process
+        d = dataclasses.replace(d, env={**VLLM_ENV, **d.env})
     grace = cfg.preemption_grace_seconds
     leaks = [k for k in credentials(data) if not k.startswith("deploy.env.")]
     if leaks:  # the pods need these values, and a ConfigMap is not a secret
@@ -55,6 +63,10 @@ def container_notes(cfg, data: dict) -> list[str]:
     for key in credentials({"env": dict(cfg.deploy.env)}):
         notes.append(f"deploy.{key} looks like a credential and is in the Job in plain text (redacted in the "
                      "ConfigMap): give it as {secret: NAME, key: KEY}, a Kubernetes Secret's key")
+    if cfg.algorithm == "grpo" and cfg.grpo.use_vllm:
+        notes.append(f"grpo.use_vllm: each rank's engine takes {cfg.grpo.vllm_gpu_memory_utilization:g} of its GPU "
+                     "(weights + KV cache), training the rest; the image needs vLLM (the Dockerfile installs the "
+                     "vllm extra), and a restart pays the engine's start-up (docs/vllm.md)")
     grace = termination_grace(cfg.deploy, cfg.preemption_grace_seconds)
     if cfg.deploy.capacity_type == "spot" and grace > SPOT_NOTICE_SECONDS:
         notes.append(f"the pods' termination grace ({grace} s) exceeds EC2's {SPOT_NOTICE_SECONDS} s spot notice: "

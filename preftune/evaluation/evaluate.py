@@ -40,24 +40,30 @@ class EvalResult:
 @torch.no_grad()
 def generate_scored(model, tokenizer, prompt_set, reward_funcs, *, weights, max_new_tokens: int, batch_size: int,
                     truncation: PromptTruncation, state=None, num_samples: int = 1, sampling: dict | None = None,
-                    generator: torch.Generator | None = None, share: slice | None = None) -> EvalResult:
+                    generator: torch.Generator | None = None, share: slice | None = None, engine=None,
+                    seed: int = 0) -> EvalResult:
     """Greedy (sampling None, one completion) or `num_samples` sampled completions per prompt with
     `sampling` = {temperature, top_p, top_k} drawn from `generator` (same seed, same draws); of the
-    prompts in `share` (default: all)."""
+    prompts in `share` (default: all). `engine` (a VLLMEngine holding the model's weights) samples
+    instead of the own sampler, its seeds from `seed` and each prompt's index."""
     k = num_samples if sampling is not None else 1
     if share is None:
         share = slice(0, len(prompt_set))
     totals, per_func, lengths, names = [], [], [], []
     for start in range(share.start, share.stop, batch_size):
         idx = list(range(start, min(start + batch_size, share.stop)))
-        prompts, columns, ids = encode_prompts(tokenizer, prompt_set, idx, truncation)
+        kept = []
+        prompts, columns, ids = encode_prompts(tokenizer, prompt_set, idx, truncation, kept=kept)
         if not ids:
             continue
-        p_ids, p_mask = left_pad(ids, tokenizer.pad_token_id)
-        device = next(model.parameters()).device
-        ro = sample(model, p_ids.to(device), p_mask.to(device), num_generations=k, max_new_tokens=max_new_tokens,
-                    eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, greedy=sampling is None,
-                    generator=generator, **(sampling or {}))
+        opts = dict(num_generations=k, max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_token_id,
+                    pad_id=tokenizer.pad_token_id, greedy=sampling is None, **(sampling or {}))
+        if engine is not None:
+            ro = engine.generate(ids, [idx[j] for j in kept], seed=seed, step=-1, **opts)
+        else:
+            p_ids, p_mask = left_pad(ids, tokenizer.pad_token_id)
+            device = next(model.parameters()).device
+            ro = sample(model, p_ids.to(device), p_mask.to(device), generator=generator, **opts)
         s = score(tokenizer, reward_funcs, ro, prompts, columns, k, weights, state)
         totals.append(s.total.view(-1, k))
         per_func.append(s.per_func.view(len(ids), k, -1))
@@ -85,13 +91,18 @@ def summarize(r: EvalResult, prefix: str = "eval/") -> dict:
 
 
 def evaluate(model, tokenizer, prompt_set, reward_funcs, *, weights, max_new_tokens: int, batch_size: int,
-             truncation: PromptTruncation, state=None, dp=None) -> dict:
+             truncation: PromptTruncation, state=None, dp=None, engine=None) -> dict:
     """`eval/reward` = mean over held-out prompts of the (weighted) summed reward of the greedy completion.
     With `dp` (train/distributed.py's Parallel), each rank generates and scores its contiguous share
-    of the prompts and every rank summarises all of them (a gather of the per-prompt scores)."""
+    of the prompts and every rank summarises all of them (a gather of the per-prompt scores).
+    `engine`: sample with the rollout engine, after pushing the model's current weights to it."""
+    if engine is not None:
+        engine.push(model)
+
     def scored(share: slice | None = None) -> EvalResult:
         return generate_scored(model, tokenizer, prompt_set, reward_funcs, weights=weights, share=share,
-                               max_new_tokens=max_new_tokens, batch_size=batch_size, truncation=truncation, state=state)
+                               max_new_tokens=max_new_tokens, batch_size=batch_size, truncation=truncation, state=state,
+                               engine=engine)
 
     if dp is None:
         return summarize(scored())
@@ -115,9 +126,9 @@ def eval_reward_funcs(cfg, device="cpu") -> tuple[list, list | None]:
     return funcs, cfg.grpo.reward_weights if cfg.eval.reward_funcs is None else None
 
 
-def build_evaluator(cfg, tokenizer, dp=None):
+def build_evaluator(cfg, tokenizer, dp=None, engine=None):
     """A callable (model, step) -> eval metrics, or None when the config has no held-out prompts;
-    with `dp`, the prompts split over the ranks (`evaluate`)."""
+    with `dp`, the prompts split over the ranks (`evaluate`); with `engine`, sampled by it."""
     prompt_set = eval_prompt_set(cfg)
     if prompt_set is None:
         return None
@@ -129,6 +140,6 @@ def build_evaluator(cfg, tokenizer, dp=None):
     def run(model, step: int) -> dict:
         return evaluate(model, tokenizer, prompt_set, funcs, weights=weights, max_new_tokens=max_new,
                         batch_size=cfg.eval.batch_size, truncation=truncation, state=RewardState(global_step=step),
-                        dp=dp)
+                        dp=dp, engine=engine)
 
     return run

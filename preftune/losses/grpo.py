@@ -230,6 +230,7 @@ def grpo_loss(
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
     kl_ratio_correction: bool = False,
+    importance_weights: torch.Tensor | None = None,
     sync_metrics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float] | dict[str, torch.Tensor]]:
     """GRPO-family loss of one (micro-)batch and its metrics.
@@ -247,6 +248,9 @@ def grpo_loss(
     ratio, or GSPO's sequence ratio, arXiv:2507.18071, broadcast over tokens); `k3_kl` the KL term.
     kl_ratio_correction: multiply k3 by r (DeepSeek-V3.2, arXiv:2512.02556; TRL 1.16's
     use_bias_correction_kl, on by default there) so its gradient is the unbiased reverse-KL one.
+    importance_weights: (B, T) or (B, 1) weights on the policy term, before the KL term
+    (`losses/sampling.importance_weights`: the sampling engine's correction, TRL's
+    vllm_importance_sampling_correction); None = 1.
 
     Metrics (python floats, or 0-dim tensors with sync_metrics=False, so a training loop can read
     all micro-batches' metrics in one host sync at the end of its step): kl (masked mean of the KL
@@ -267,6 +271,8 @@ def grpo_loss(
         log_w, logps, adv, SURROGATE[loss_type], epsilon_low=epsilon, epsilon_high=eps_high, delta=delta,
         sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
     )
+    if importance_weights is not None:
+        per_token = per_token * importance_weights.to(dtype)  # (B, T)
     kl_metric = mask.new_zeros(())
     if beta > 0:
         kl = k3_kl(logps, ref_logps)  # (B, T)

@@ -7,3 +7,5 @@ ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # the b
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "sigmoid_norm", "robust", "exo_pair", "nca_pair", "bco_pair",
                   "sppo_hard", "apo_zero", "apo_down", "discopop", "aot", "aot_unpaired", "sft")
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL 1.16's names
+VLLM_MODES = ("colocate",)  # an engine inside each training process

@@ -19,9 +19,13 @@ CHUNK_ELEMENTS = 1 << 25  # logits per chunk (128 MB in float32: ~220 rows of a 
 
 
 def head_logps(hidden: torch.Tensor, head, targets: torch.Tensor, *, temperature: float = 1.0,
-               with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+               with_entropy: bool = False, top_k: int = 0,
+               top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (...,) of `targets` (...,) and optionally the entropy (no gradient), from hidden
-    states (..., H) and the output layer `head` (an nn.Linear without bias is chunked)."""
+    states (..., H) and the output layer `head` (an nn.Linear without bias is chunked). With
+    `top_k`/`top_p` the log-probs are the sampler's: softmax over the kept tokens (`filter_logits`)."""
+    if top_k or top_p < 1.0:
+        return sampling_logps(hidden, head, targets, temperature, top_k, top_p), None
     weight = getattr(head, "weight", None)
     V = weight.size(0) if weight is not None else 0
     rows = hidden[..., 0].numel()
@@ -84,6 +88,36 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> t
     """(c, H) x (V, H) -> (c, V) logits, at least float32, divided by the temperature."""
     logits = upcast_logits(F.linear(hidden, weight))  # (c, V)
     return logits if temperature == 1.0 else logits / temperature
+
+@torch.no_grad()
+def sampling_logps(hidden: torch.Tensor, head, targets: torch.Tensor, temperature: float, top_k: int,
+                   top_p: float) -> torch.Tensor:
+    """log of the distribution a sampler draws from with temperature, top-k and top-p: the
+    softmax of logits/T over the tokens `filter_logits` keeps (-inf for a target it drops).
+    Row chunks of CHUNK_ELEMENTS logits; no gradient (it is a behaviour policy, not a loss term)."""
+    flat, tgt = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)  # (K, H), (K,)
+    V = getattr(head, "weight", hidden.new_empty(1, 1)).size(0)
+    chunk, out = max(1, CHUNK_ELEMENTS // max(V, 1)), []
+    for s in range(0, flat.size(0), chunk):
+        logits = filter_logits(upcast_logits(head(flat[s:s + chunk])) / temperature, top_k, top_p)  # (c, V)
+        out.append(token_logps(logits, tgt[s:s + chunk])[0])  # (c,)
+    return torch.cat(out).view(targets.shape) if out else flat.new_zeros(targets.shape, dtype=torch.float32)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Top-k then nucleus (top-p) filtering; removed entries become -inf. (B, V) -> (B, V)."""
+    if top_k and 0 < top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)  # (B, V)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass *before* it already reaches top_p (the top token always stays)
+        drop_sorted = probs.cumsum(-1) - probs >= top_p  # (B, V)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
 
 def upcast_logits(logits: torch.Tensor) -> torch.Tensor:
     """At least float32 for the log-softmax (bf16 logits are upcast; float64 stays float64)."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from preftune.data.tensors import left_pad, positions_from_mask, right_pad
-from preftune.model.head import token_logps, upcast_logits
+from preftune.model.head import filter_logits, token_logps, upcast_logits
 from preftune.model.llama import Llama, tree_mask
 from preftune.model.load import autocast, base_module, to_device
 
@@ -74,18 +74,19 @@ class Rows:
 
 def completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
                      temperature: float = 1.0, with_entropy: bool = False, rows: Rows | None = None,
-                     pack: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     pack: bool = True, top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(y_t | x, y_<t) for each completion token -> (B, T), and optionally the entropy (B, T),
     0 at padding. Logits are divided by the sampling temperature (the ratio is taken against the
     distribution the completions were drawn from, as TRL does). `rows` (these rows' `Rows`)
-    saves the one host read that sizes the pass; `pack` False keeps the plain layout."""
+    saves the one host read that sizes the pass; `pack` False keeps the plain layout. `top_k`/`top_p`
+    give the sampler's log-probs instead (softmax over the kept tokens; no gradient, no entropy)."""
     if rows is None:
         rows = Rows.read(prompt_ids, prompt_mask, completion_mask)
     if rows.prompt and min(rows.prompt) < 1:
         raise ValueError("every prompt needs at least one token")
     if not isinstance(base_module(model), Llama):
         return _module_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
-                             with_entropy)
+                             with_entropy, top_k, top_p)
     B, T = completion_ids.shape
     plan = _plan(rows, prompt_ids.size(1), T, base_module(model).config, pack=pack)
     device = completion_ids.device
@@ -99,7 +100,7 @@ def completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_
     with autocast(model):
         logps, entropy = model(ids, pos, mask, index=to_device(plan.src, device),
                                targets=completion_ids.reshape(-1)[dst], temperature=temperature,
-                               with_entropy=with_entropy)  # (K,)
+                               with_entropy=with_entropy, top_k=top_k, top_p=top_p)  # (K,)
     out = logps.new_zeros(B * T).index_copy(0, dst, logps).view(B, T)
     ent = None if entropy is None else entropy.new_zeros(B * T).index_copy(0, dst, entropy).view(B, T)
     return out, ent
@@ -211,7 +212,8 @@ def pack_rows(lengths: list[int], width: int | None = None) -> tuple[list[list[i
     return rows, max(filled, 1)
 
 
-def _module_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy):
+def _module_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy,
+                  top_k=0, top_p=1.0):
     """The Hugging Face module's forward over [left-padded prompt | right-padded completion], logits
     for the last T + 1 positions only."""
     T = completion_ids.size(1)
@@ -222,8 +224,13 @@ def _module_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mas
     logits = upcast_logits(out.logits[:, :-1])  # (B, T, V): position P-1+t predicts token t
     if temperature != 1.0:
         logits = logits / temperature
+    if top_k or top_p < 1.0:  # the sampler's distribution (`head.filter_logits`); no entropy
+        B, T, V = logits.shape
+        logits, with_entropy = filter_logits(logits.reshape(B * T, V), top_k, top_p).view(B, T, V), False
     logps, entropy = token_logps(logits, completion_ids, with_entropy=with_entropy)
     keep = completion_mask.to(logps.dtype)
+    if top_k or top_p < 1.0:  # a dropped padding target is -inf, and -inf * 0 is NaN
+        return torch.where(keep.bool(), logps, 0.0), None
     return logps * keep, None if entropy is None else entropy * keep
 
 

@@ -22,9 +22,11 @@ def completion_texts(tokenizer, rollout: Rollout, prompts: list) -> tuple[list, 
     return as_completions(prompts, tokenizer.batch_decode(ids, skip_special_tokens=True)), ids
 
 
-def encode_prompts(tokenizer, prompt_set, indices: list[int], truncation: PromptTruncation):
+def encode_prompts(tokenizer, prompt_set, indices: list[int], truncation: PromptTruncation, *,
+                   kept: list | None = None):
     """Tokenise prompts[indices]; prompts the truncation policy drops, and prompts of no token at all
-    (nothing to sample from), are left out (and counted there)."""
+    (nothing to sample from), are left out (and counted there). `kept` receives the positions in
+    `indices` of the prompts kept."""
     prompts, columns = prompt_set.select(indices)
     keep, ids = [], []
     for j, (i, p) in enumerate(zip(indices, prompts)):
@@ -38,6 +40,8 @@ def encode_prompts(tokenizer, prompt_set, indices: list[int], truncation: Prompt
             ids.append(enc)
     prompts = [prompts[j] for j in keep]
     columns = {k: [v[j] for j in keep] for k, v in columns.items()}
+    if kept is not None:
+        kept.extend(keep)
     return prompts, columns, ids
 
 
@@ -50,18 +54,19 @@ def score(tokenizer, reward_funcs, ro: Rollout, prompts: list, columns: dict, G:
     return Scored(ro, res.per_func, res.total, list(res.names), [G] * len(prompts))
 
 
-def empty_scored(n_funcs: int) -> Scored:
+def empty_scored(n_funcs: int, with_logps: bool = False) -> Scored:
     """A round with no prompts (zero rows), so every rank takes part in every round."""
     z = torch.zeros((0, 1), dtype=torch.long)
     ro = Rollout(prompt_ids=z, prompt_mask=z, completion_ids=z, completion_mask=z,
-                 truncated=torch.zeros(0, dtype=torch.bool))
+                 truncated=torch.zeros(0, dtype=torch.bool), sampling_logps=torch.zeros(0, 1) if with_logps else None)
     return Scored(ro, torch.zeros((0, n_funcs)), torch.zeros(0), [], [])
 
 
 class OnlineSource:
     def __init__(self, cfg: GRPOConfig, tokenizer, prompt_set, reward_funcs, *, seed: int, shuffle: bool,
-                 truncation: PromptTruncation, device: torch.device, dp=None):
+                 truncation: PromptTruncation, device: torch.device, dp=None, engine=None):
         self.cfg, self.tok, self.prompt_set, self.reward_funcs = cfg, tokenizer, prompt_set, reward_funcs
+        self.engine, self.seed, self.step, self.rounds = engine, seed, 0, 0  # engine: a VLLMEngine, or None
         self.dp = dp or Parallel()  # ranks draw the same global order and sample their own share of it
         self.stream = IndexStream(len(prompt_set), seed, shuffle)
         self.truncation = truncation
@@ -74,30 +79,36 @@ class OnlineSource:
         that no prompt fits and the run cannot go on."""
         drawn = 0
         while drawn < 2 * len(self.prompt_set):
-            indices = self.stream.take(n_prompts)[self.dp.share(n_prompts)]
-            prompts, columns, ids = encode_prompts(self.tok, self.prompt_set, indices, self.truncation)
+            mine, kept = self.dp.share(n_prompts), []
+            indices = self.stream.take(n_prompts)[mine]
+            prompts, columns, ids = encode_prompts(self.tok, self.prompt_set, indices, self.truncation, kept=kept)
+            self.rounds += 1
             if self.dp.sum(len(ids))[0]:
-                return prompts, columns, ids
+                return prompts, columns, ids, [mine.start + j for j in kept]
             drawn += n_prompts
         raise UserError(f"every prompt is longer than data.max_prompt_length={self.truncation.max_length} "
                         "and data.prompt_truncation=drop", where="data.max_prompt_length")
 
     def _round(self, model, n_prompts: int) -> Scored:
-        prompts, columns, ids = self._draw(n_prompts)
+        prompts, columns, ids, positions = self._draw(n_prompts)
         if not ids:  # a resampling round smaller than the world size leaves some ranks nothing to do
-            return empty_scored(len(self.reward_funcs))
-        p_ids, p_mask = left_pad(ids, self.tok.pad_token_id)
+            return empty_scored(len(self.reward_funcs), with_logps=self.engine is not None)
         c = self.cfg
-        ro = sample(model, p_ids, p_mask, num_generations=c.num_generations, max_new_tokens=c.max_completion_length,
+        opts = dict(num_generations=c.num_generations, max_new_tokens=c.max_completion_length,
                     eos_id=self.tok.eos_token_id, pad_id=self.tok.pad_token_id, temperature=c.temperature,
-                    top_p=c.top_p, top_k=c.top_k, generator=self.generator)
+                    top_p=c.top_p, top_k=c.top_k)
+        if self.engine is not None:
+            ro = self.engine.generate(ids, positions, seed=self.seed, step=self.step, round_=self.rounds, **opts)
+        else:
+            p_ids, p_mask = left_pad(ids, self.tok.pad_token_id)
+            ro = sample(model, p_ids, p_mask, generator=self.generator, **opts)
         return score(self.tok, self.reward_funcs, ro, prompts, columns, c.num_generations, c.reward_weights,
                      self.state)
 
     def make_batch(self, model, step: int) -> Scored:
         """One generation batch. With dynamic sampling (DAPO), groups whose rewards are all equal are
         dropped and new prompts sampled until the batch is full or `max_resample_rounds` is spent."""
-        self.state.global_step = step
+        self.state.global_step, self.step, self.rounds = step, step, 0
         G, want = self.cfg.num_generations, self.cfg.prompts_per_step
         kept: list[Scored] = []
         n_groups, rounds, dropped, last = 0, 0, 0, None  # n_groups, dropped: over all ranks

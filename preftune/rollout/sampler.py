@@ -18,6 +18,7 @@ import torch
 
 from preftune.data.tensors import positions_from_mask
 from preftune.distributed import whole
+from preftune.model.head import filter_logits
 from preftune.model.llama import Llama
 from preftune.model.load import autocast, base_module, cache_kwarg
 
@@ -32,25 +33,11 @@ class Rollout:
     completion_mask: torch.Tensor  # (N, T) 1 up to and including EOS
     truncated: torch.Tensor  # (N,) bool: no EOS within max_new_tokens
     old_logps: torch.Tensor | None = None  # (N, T) recorded by the batch's first step when reused
+    sampling_logps: torch.Tensor | None = None  # (N, T) each token's log-prob under the distribution that drew it
 
     def to(self, device) -> "Rollout":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return Rollout(*(move(getattr(self, k)) for k in self.__slots__))
-
-
-def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Top-k then nucleus (top-p) filtering; removed entries become -inf. (B, V) -> (B, V)."""
-    if top_k and 0 < top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)  # (B, V)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the mass *before* it already reaches top_p (the top token always stays)
-        drop_sorted = probs.cumsum(-1) - probs >= top_p  # (B, V)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
 
 
 @torch.no_grad()
@@ -68,20 +55,22 @@ def sample(
     top_k: int = 0,
     greedy: bool = False,
     generator: torch.Generator | None = None,
+    with_logps: bool = False,
 ) -> Rollout:
-    """Sample `num_generations` completions for each of B prompts -> Rollout with N = B * G rows."""
+    """Sample `num_generations` completions for each of B prompts -> Rollout with N = B * G rows;
+    `with_logps` records each token's behaviour log-prob (`draw`) as `sampling_logps`."""
     was_training = model.training
     model.eval()  # dropout off, and HF keeps the cache on even with gradient checkpointing
     try:  # FSDP2: one all-gather per rollout, the decode step reads whole parameters
         with whole(model), autocast(model):
             return _sample(model, prompt_ids, prompt_mask, num_generations, max_new_tokens, eos_id, pad_id,
-                           temperature, top_p, top_k, greedy, generator)
+                           temperature, top_p, top_k, greedy, generator, with_logps)
     finally:
         model.train(was_training)
 
 
 def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id, temperature, top_p, top_k, greedy,
-            generator) -> Rollout:
+            generator, with_logps=False) -> Rollout:
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     P = prompt_ids.size(1)
@@ -98,11 +87,16 @@ def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id, t
         attn[:, :P] = prompt_mask[copies]
         next_pos = attn.sum(-1, keepdim=True)  # (N, 1)
         tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)  # (N, T)
+        logps = torch.zeros(N, max_new_tokens, device=device) if with_logps else None  # (N, T)
         rows = torch.arange(N, device=device)  # (n,) the rollout row of each row still in the batch
         done = torch.zeros(N, dtype=torch.bool, device=device)  # (n,)
         for t in range(max_new_tokens):
-            tok = draw(logits, temperature, top_k, top_p, greedy, generator).masked_fill(done, pad_id)  # (n,)
+            drawn = draw(logits, temperature, top_k, top_p, greedy, generator, with_logp=logps is not None)
+            tok, lp = drawn if logps is not None else (drawn, None)  # (n,), (n,)
+            tok = tok.masked_fill(done, pad_id)
             tokens[rows, t] = tok
+            if logps is not None:
+                logps[rows, t] = lp.masked_fill(done, 0.0)
             attn[:, P + t] = (~done).to(attn.dtype)  # a finished row's pad is not attended to
             done = done | (tok == eos_id)
             if t == max_new_tokens - 1:
@@ -116,7 +110,10 @@ def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id, t
                 decoder.select(keep)
             logits = decoder.step(tok, attn[:, :P + t + 1], next_pos)  # (n, V)
             next_pos = next_pos + 1
-    return _assemble(prompt_ids[copies], prompt_mask[copies], tokens.clone(), eos_id)  # a normal tensor again
+    out = assemble(prompt_ids[copies], prompt_mask[copies], tokens.clone(), eos_id)  # a normal tensor again
+    if logps is not None:
+        out.sampling_logps = logps[:, :out.completion_ids.size(1)].clone()
+    return out
 
 
 def _decoder(model, capacity: int):
@@ -192,18 +189,23 @@ class _OwnDecoder:
 
 
 def draw(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, greedy: bool,
-         generator: torch.Generator | None) -> torch.Tensor:
+         generator: torch.Generator | None, with_logp: bool = False):
     """One token per row (n, V) -> (n,): argmax, or a sample by the Gumbel-max trick
     (argmax of logits/T + Gumbel noise, noise = -log E with E = -log U ~ Exp(1), U uniform), which
-    needs no softmax, cumulative sum or multinomial."""
+    needs no softmax, cumulative sum or multinomial. `with_logp`: also the token's log-prob under
+    the distribution drawn from (softmax of the filtered logits/T; 0 for greedy) -> (tok, logp)."""
     if greedy:
-        return logits.argmax(-1)
+        tok = logits.argmax(-1)
+        return (tok, torch.zeros(tok.shape, device=tok.device)) if with_logp else tok
     scores = filter_logits(logits / temperature, top_k, top_p)  # (n, V)
     # uniform then two logs: faster on CPU than exponential_ at a large vocabulary (bench/bench_draw.py);
     # U >= tiny keeps the noise finite (float32 rand returns 0 about once in 2^24 draws)
     u = torch.rand(scores.shape, generator=generator, device=scores.device, dtype=scores.dtype)  # (n, V)
     noise = u.clamp_min_(torch.finfo(scores.dtype).tiny).log_().neg_().log_()  # (n, V): log E = -Gumbel
-    return (scores - noise).argmax(-1)
+    tok = (scores - noise).argmax(-1)  # (n,)
+    if not with_logp:
+        return tok
+    return tok, scores.gather(-1, tok[:, None]).squeeze(1) - scores.logsumexp(-1)  # (n,), (n,)
 
 
 @functools.cache
@@ -248,7 +250,7 @@ def _select(buf: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
-def _assemble(prompt_ids, prompt_mask, tokens, eos_id) -> Rollout:
+def assemble(prompt_ids, prompt_mask, tokens, eos_id) -> Rollout:
     is_eos = tokens == eos_id  # (N, T)
     has_eos = is_eos.any(-1)  # (N,)
     no_eos = torch.full_like(has_eos, tokens.size(1), dtype=torch.long)  # (N,)
@@ -265,7 +267,7 @@ def select(ro: Rollout, rows: torch.Tensor | list[int]) -> Rollout:
     pick = lambda t: None if t is None else t[rows]  # noqa: E731
     return Rollout(prompt_ids=ro.prompt_ids[rows], prompt_mask=ro.prompt_mask[rows],
                    completion_ids=ro.completion_ids[rows], completion_mask=ro.completion_mask[rows],
-                   truncated=ro.truncated[rows], old_logps=pick(ro.old_logps))
+                   truncated=ro.truncated[rows], old_logps=pick(ro.old_logps), sampling_logps=pick(ro.sampling_logps))
 
 
 def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
@@ -282,6 +284,7 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
         return torch.nn.functional.pad(t, (0, width - t.size(1)), value=value)
 
     has_old = all(r.old_logps is not None for r in rollouts)
+    has_sampling = all(r.sampling_logps is not None for r in rollouts)
     return Rollout(
         prompt_ids=torch.cat([lpad(r.prompt_ids, P, pad_id) for r in rollouts]),
         prompt_mask=torch.cat([lpad(r.prompt_mask, P, 0) for r in rollouts]),
@@ -289,4 +292,5 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
         completion_mask=torch.cat([rpad(r.completion_mask, T, 0) for r in rollouts]),
         truncated=torch.cat([r.truncated for r in rollouts]),
         old_logps=torch.cat([rpad(r.old_logps, T, 0.0) for r in rollouts]) if has_old else None,
+        sampling_logps=torch.cat([rpad(r.sampling_logps, T, 0.0) for r in rollouts]) if has_sampling else None,
     )

@@ -11,7 +11,8 @@ from preftune.run.startup import STARTUP_KEYS
 
 log = logging.getLogger("preftune")
 
-TIMING_KEYS = ("step_time", "tokens_per_second", *STARTUP_KEYS)  # the only fields a resumed run may change
+# the only fields a resumed run may change
+TIMING_KEYS = ("step_time", "tokens_per_second", "vllm/weight_push_s", *STARTUP_KEYS)
 
 
 def _clean(v):

@@ -204,11 +204,14 @@ def test_old_logps_are_recorded_by_the_first_step_of_a_reused_batch(model, token
 def test_batch_state_dict_round_trip(tokenizer):
     ro = synthetic_rollout(tokenizer)
     ro.old_logps = torch.randn(ro.completion_ids.shape)
-    b = GRPOBatch(ro, torch.randn(N), torch.randn(ro.completion_ids.shape), {"reward": 0.5})
+    ro.sampling_logps = torch.randn(ro.completion_ids.shape)
+    b = GRPOBatch(ro, torch.randn(N), torch.randn(ro.completion_ids.shape), {"reward": 0.5},
+                  is_weights=torch.rand(N, 1))
     again = GRPOBatch.from_state_dict(b.state_dict())
     for k in Rollout.__slots__:
         assert torch.equal(getattr(again.rollout, k), getattr(ro, k)), k
     assert torch.equal(again.advantages, b.advantages) and torch.equal(again.ref_logps, b.ref_logps)
+    assert torch.equal(again.is_weights, b.is_weights)
     assert again.metrics == {"reward": 0.5}
 
 

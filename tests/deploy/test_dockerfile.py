@@ -22,10 +22,11 @@ def test_base_image_is_cuda_pytorch():
     assert base.startswith("pytorch/pytorch:") and "cuda" in base
 
 
-def test_installs_preftune_with_s3_and_lora_extras():
-    runs = " ".join(arg for op, arg in instructions() if op == "RUN")
+def test_installs_preftune_with_s3_lora_and_vllm_extras():
+    args = dict(arg.split("=", 1) for op, arg in instructions() if op == "ARG" and "=" in arg)
+    runs = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], " ".join(arg for op, arg in instructions() if op == "RUN"))
     m = re.search(r"pip install \"?\.\[([a-z0-9,]+)\]", runs)
-    assert m and {"s3", "lora"} <= set(m.group(1).split(","))
+    assert m and {"s3", "lora", "vllm"} <= set(m.group(1).split(","))
     assert "torch" not in re.sub(r"\.\[[^\]]*\]", "", runs.split("pip install", 1)[1].split("&&")[0])
 
 

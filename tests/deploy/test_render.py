@@ -280,3 +280,16 @@ def test_secrets_by_reference_and_no_credential_in_the_configmap(job_config):
     assert "hf_plainTextToken123" not in text and "<redacted>" in text
     assert yaml.safe_load(text)["deploy"]["env"]["WANDB_API_KEY"] == {"secret": "wandb", "key": "api-key"}
     assert any("deploy.env.HF_TOKEN looks like a credential" in n for n in notes)
+
+
+def test_a_vllm_job_runs_its_engine_in_process_and_says_what_it_takes(job_config):
+    """Rendering needs no vLLM here (the image has it); the pods get the in-process engine setting,
+    and the notes say the engine's share of each GPU."""
+    _, objects, notes = render(job_config, "grpo.use_vllm=true", "grpo.vllm_gpu_memory_utilization=0.35")
+    for task in objects["7-job.yaml"]["spec"]["tasks"]:
+        env = {e["name"]: e.get("value") for e in task["template"]["spec"]["containers"][0]["env"]}
+        assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert any("grpo.use_vllm" in n and "0.35" in n for n in notes)
+    _, plain, _ = render(job_config)
+    env = plain["7-job.yaml"]["spec"]["tasks"][0]["template"]["spec"]["containers"][0]["env"]
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in {e["name"] for e in env}

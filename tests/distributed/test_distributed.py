@@ -10,7 +10,7 @@ from preftune.distributed import Parallel
 from preftune.errors import EXIT_OK, EXIT_USER
 from preftune.run import loop
 from preftune.run.metrics import read_records
-from tests.distributed.ranks import Ranks, final_state, metric_rows
+from tests.distributed.ranks import WEIGHT_TOL, Ranks, final_state, metric_rows
 from tests.run.test_resume import data_dir, one_thread, overrides, small_eval, write_config  # noqa: F401
 
 STEPS = 4
@@ -84,7 +84,7 @@ def assert_same_training(one, two) -> None:
     wa, wb = final_state(one), final_state(two)
     assert wa.keys() == wb.keys()
     worst = max(wa, key=lambda k: (wa[k] - wb[k]).abs().max().item())
-    assert (wa[worst] - wb[worst]).abs().max().item() < 1e-5, f"largest weight difference in {worst}"
+    assert (wa[worst] - wb[worst]).abs().max().item() < WEIGHT_TOL, f"largest weight difference in {worst}"
     assert all(r["grad_norm"] > 1e-3 for r in a)  # real gradients: Adam would turn rounding noise on a
     # zero gradient (e.g. all advantages 0) into full-size steps in random directions, see docs/ARCHITECTURE.md
 

@@ -6,7 +6,8 @@ import torch
 
 from preftune.data.tensors import left_pad, positions_from_mask
 
-from preftune.rollout.sampler import Rollout, concat, filter_logits, sample, select
+from preftune.model.head import filter_logits
+from preftune.rollout.sampler import Rollout, concat, sample, select
 
 # Prompts of different lengths, so the batch is left-padded.
 PROMPTS = ["12+7=", "3+4=", "19+19=", "0+0=", "5+11="]
@@ -298,3 +299,44 @@ def test_own_and_hf_modules_give_the_same_rollout(tokenizer, kw):
     if kw["max_new_tokens"] > 1:
         lengths = got.completion_mask.sum(1)
         assert (~got.truncated).any() and lengths.min() < lengths.max()
+
+
+# ---------------------------------------------------------------- behaviour log-probs
+
+
+@pytest.mark.parametrize("forward", ["own", "hf"])
+def test_behaviour_logps_are_the_trainers_log_probs_of_the_sampling_distribution(model, hf_model, tokenizer, forward):
+    """Each drawn token's log-prob under the distribution that drew it (temperature, top-k, top-p
+    renormalised) equals `completion_logps` with the same top_k/top_p on the same weights (float64),
+    and differs from the full softmax's, which is what drifts when a trainer ignores the filter."""
+    from preftune.model.logps import completion_logps
+
+    m = (model if forward == "own" else hf_model).double()
+    torch.manual_seed(0)
+    with torch.no_grad():  # larger logits: top-k and top-p cut real mass
+        for p in m.parameters():
+            p.mul_(3.0)
+    opts = dict(temperature=0.7, top_k=5, top_p=0.9)
+    ro = _sample(m, tokenizer, num_generations=4, generator=torch.Generator().manual_seed(1), with_logps=True, **opts)
+    assert ro.sampling_logps.shape == ro.completion_ids.shape
+    mask = ro.completion_mask.bool()
+    trainer, _ = completion_logps(m, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask, **opts)
+    assert torch.allclose(trainer[mask], ro.sampling_logps[mask].double(), atol=1e-5)  # behaviour logps are float32
+    assert (ro.sampling_logps[~mask] == 0).all()
+    full, _ = completion_logps(m, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask,
+                               temperature=0.7)
+    assert (trainer[mask] - full[mask]).min() >= -1e-12  # renormalising over fewer tokens only raises a log-prob
+    assert (trainer[mask] - full[mask]).mean() > 1e-3
+
+
+def test_greedy_behaviour_logps_are_zero(model, tokenizer):
+    ro = _sample(model, tokenizer, greedy=True, with_logps=True)
+    assert (ro.sampling_logps == 0).all()
+
+
+def test_select_and_concat_keep_behaviour_logps(model, tokenizer):
+    a = _sample(model, tokenizer, prompts=PROMPTS[:2], with_logps=True, generator=torch.Generator().manual_seed(0))
+    b = _sample(model, tokenizer, prompts=PROMPTS[2:], with_logps=True, generator=torch.Generator().manual_seed(0))
+    both = concat([a, b], tokenizer.pad_token_id)
+    assert both.sampling_logps.shape == both.completion_ids.shape
+    assert torch.equal(select(both, [0]).sampling_logps[:, :a.sampling_logps.size(1)], a.sampling_logps[:1])
