@@ -54,8 +54,8 @@ def _engine_options(cfg, path: str, dtype: str, max_model_len: int, seed: int, w
     if on_gpu:
         opts |= dict(gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                      enable_sleep_mode=cfg.vllm_enable_sleep_mode)
-    else:
-        opts["enforce_eager"] = True
+    else:  # a chunked prefill rewinds the request's generator, which a CPU generator cannot do
+        opts |= dict(enforce_eager=True, enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 8192))
     if world > 1:  # the engines join the training process group, one per rank
         opts["distributed_executor_backend"] = "external_launcher"
     return opts
