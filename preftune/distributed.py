@@ -153,6 +153,14 @@ class Parallel:
         start = self.rank * k + min(self.rank, extra)
         return slice(start, start + k + (self.rank < extra))
 
+    def group_share(self, n: int, size: int) -> slice:
+        """The shares (`share`) of this rank's group of `size` consecutive ranks, as one slice: what a
+        tensor-parallel engine the group runs together samples."""
+        first = self.rank - self.rank % size
+        k, extra = divmod(n, self.world)
+        start = lambda r: r * k + min(r, extra)  # noqa: E731 - `share`'s start of rank r
+        return slice(start(first), start(first + size))
+
     def offset(self, n_local: int) -> tuple[int, int]:
         """(rows on lower ranks, rows on all ranks) for this rank's n_local rows."""
         counts = self.gather(n_local)

@@ -360,3 +360,10 @@ def test_use_vllm_with_offline_groups_is_refused(capsys, config, out, traces_fil
 def test_trls_old_cap_name_points_to_clip_max(capsys, config):
     line = fails(capsys, "train", config, "grpo.vllm_importance_sampling_cap=2.0")
     assert "grpo.vllm_importance_sampling_clip_max" in line
+
+
+def test_a_tensor_parallel_size_the_ranks_do_not_split_into(capsys, config, out):
+    before = snapshot(out)
+    line = fails(capsys, "train", config, *TINY, "grpo.use_vllm=true", "grpo.vllm_tensor_parallel_size=2")
+    assert "grpo.vllm_tensor_parallel_size" in line and "1 ranks" in line
+    assert snapshot(out) == before

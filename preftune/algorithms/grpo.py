@@ -325,7 +325,7 @@ def start_engine(cfg: Config, dp=None):
     training's and evaluation's prompts and completions."""
     longest = max(cfg.grpo.max_completion_length, cfg.eval.max_new_tokens or 0)
     return VLLMEngine(cfg.grpo, cfg.model, max_model_len=cfg.data.max_prompt_length + longest, seed=cfg.seed,
-                      world=dp.world if dp is not None else 1)
+                      dp=dp)
 
 
 class GRPOTask:

@@ -150,7 +150,8 @@ class GRPOConfig:
         0.3, "share of GPU memory the engine takes (weights + KV cache); training has the rest", range="(0, 1]",
         peer="TRL vllm_gpu_memory_utilization")
     vllm_tensor_parallel_size: int = knob(
-        1, "GPUs per engine (1 = an engine per rank)", range="[1, 1]", peer="TRL vllm_tensor_parallel_size")
+        1, "ranks per engine: consecutive ranks run one engine together (1 = an engine per rank)",
+        range="[1, inf)", peer="TRL vllm_tensor_parallel_size")
     vllm_enable_sleep_mode: bool = knob(
         False, "GPU: release the engine's memory during the training passes (no-op on CPU)",
         peer="TRL vllm_enable_sleep_mode")

@@ -106,7 +106,12 @@ def evaluate(model, tokenizer, prompt_set, reward_funcs, *, weights, max_new_tok
 
     if dp is None:
         return summarize(scored())
-    part = dp.together(lambda: scored(dp.share(len(prompt_set))))  # a reward's UserError stops every rank
+    tp = engine.tp if engine is not None else 1
+    if tp > 1:  # a tensor-parallel engine's ranks sample the group's prompts together; the first keeps them
+        part = dp.together(lambda: scored(dp.group_share(len(prompt_set), tp)))
+        part = part if dp.rank % tp == 0 else EvalResult.empty(part.total.size(1))
+    else:
+        part = dp.together(lambda: scored(dp.share(len(prompt_set))))  # a reward's UserError stops every rank
     return summarize(EvalResult.merge(dp.gather(part)))
 
 

@@ -1,6 +1,8 @@
 """Online generation batches: sample G completions per prompt from the policy and score them."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from preftune.config import GRPOConfig
@@ -74,34 +76,52 @@ class OnlineSource:
         self.state = RewardState()
 
     def _draw(self, n_prompts: int):
-        """Prompts for one round (this rank's share of n_prompts). When data.prompt_truncation=drop
-        leaves none on any rank, draw again: 2 * len consecutive draws cover a whole epoch, so after
-        that no prompt fits and the run cannot go on."""
-        drawn = 0
+        """Prompts for one round (this rank's share of n_prompts), with each one's place in the
+        round's draw, and the partners' prompts (ids, places) before and after them when a
+        tensor-parallel engine samples the group's shares together. When
+        data.prompt_truncation=drop leaves none on any rank, draw again: 2 * len consecutive draws
+        cover a whole epoch, so after that no prompt fits and the run cannot go on."""
+        drawn, tp = 0, self.engine.tp if self.engine is not None else 1
         while drawn < 2 * len(self.prompt_set):
-            mine, kept = self.dp.share(n_prompts), []
-            indices = self.stream.take(n_prompts)[mine]
-            prompts, columns, ids = encode_prompts(self.tok, self.prompt_set, indices, self.truncation, kept=kept)
+            order, mine = self.stream.take(n_prompts), self.dp.share(n_prompts)
+            prompts, columns, ids, places = self._encode(order, mine, self.truncation)
+            partners = ([], [], [], [])
+            if tp > 1:  # the partners' prompts, counted where they are the partner's own
+                group, scratch = self.dp.group_share(n_prompts, tp), dataclasses.replace(self.truncation, seen=set())
+                before = self._encode(order, slice(group.start, mine.start), scratch)
+                after = self._encode(order, slice(mine.stop, group.stop), scratch)
+                partners = (before[2], before[3], after[2], after[3])
             self.rounds += 1
             if self.dp.sum(len(ids))[0]:
-                return prompts, columns, ids, [mine.start + j for j in kept]
+                return prompts, columns, ids, places, partners
             drawn += n_prompts
         raise UserError(f"every prompt is longer than data.max_prompt_length={self.truncation.max_length} "
                         "and data.prompt_truncation=drop", where="data.max_prompt_length")
 
+    def _encode(self, order: list[int], part: slice, truncation: PromptTruncation):
+        kept = []
+        prompts, columns, ids = encode_prompts(self.tok, self.prompt_set, order[part], truncation, kept=kept)
+        return prompts, columns, ids, [part.start + j for j in kept]
+
     def _round(self, model, n_prompts: int) -> Scored:
-        prompts, columns, ids, positions = self._draw(n_prompts)
-        if not ids:  # a resampling round smaller than the world size leaves some ranks nothing to do
-            return empty_scored(len(self.reward_funcs), with_logps=self.engine is not None)
-        c = self.cfg
+        prompts, columns, ids, places, (ids_before, at_before, ids_after, at_after) = self._draw(n_prompts)
+        c, empty = self.cfg, empty_scored(len(self.reward_funcs), with_logps=self.engine is not None)
         opts = dict(num_generations=c.num_generations, max_new_tokens=c.max_completion_length,
                     eos_id=self.tok.eos_token_id, pad_id=self.tok.pad_token_id, temperature=c.temperature,
                     top_p=c.top_p, top_k=c.top_k)
-        if self.engine is not None:
-            ro = self.engine.generate(ids, positions, seed=self.seed, step=self.step, round_=self.rounds, **opts)
-        else:
+        if self.engine is not None:  # the partners of a tensor-parallel engine send the same requests
+            every = ids_before + ids + ids_after
+            if not every:
+                return empty
+            ro = self.engine.generate(every, at_before + places + at_after, seed=self.seed, step=self.step,
+                                      round_=self.rounds, **opts)
+            G = c.num_generations
+            ro = select(ro, list(range(len(ids_before) * G, (len(ids_before) + len(ids)) * G)))
+        elif ids:
             p_ids, p_mask = left_pad(ids, self.tok.pad_token_id)
             ro = sample(model, p_ids, p_mask, generator=self.generator, **opts)
+        if not ids:  # a resampling round smaller than the world size leaves some ranks nothing to do
+            return empty
         return score(self.tok, self.reward_funcs, ro, prompts, columns, c.num_generations, c.reward_weights,
                      self.state)
 

@@ -24,6 +24,7 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -50,13 +51,14 @@ def _engine_options(cfg, path: str, dtype: str, max_model_len: int, seed: int, w
     the KV cache sized by grpo.vllm_kv_cache_gib."""
     on_gpu = torch.cuda.is_available()
     opts = dict(model=path, tokenizer=path, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                logprobs_mode="processed_logprobs", enable_prefix_caching=True, tensor_parallel_size=1)
+                logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                tensor_parallel_size=cfg.vllm_tensor_parallel_size)
     if on_gpu:
         opts |= dict(gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                      enable_sleep_mode=cfg.vllm_enable_sleep_mode)
     else:  # a chunked prefill rewinds the request's generator, which a CPU generator cannot do
         opts |= dict(enforce_eager=True, enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 8192))
-    if world > 1:  # the engines join the training process group, one per rank
+    if world > 1:  # the engines join the training process group: one per rank, or per tensor-parallel group
         opts["distributed_executor_backend"] = "external_launcher"
     return opts
 
@@ -65,8 +67,13 @@ class VLLMEngine:
     """An engine beside the trainer in this process. `generate` samples a round, `push` loads the
     policy's current weights, `sleep`/`wake` free and take back its GPU memory (no-ops on CPU)."""
 
-    def __init__(self, cfg, model_cfg, *, max_model_len: int, seed: int, world: int = 1):
+    def __init__(self, cfg, model_cfg, *, max_model_len: int, seed: int, dp=None):
         self.cfg, self.model_cfg, self.pushes, self.asleep = cfg, model_cfg, 0, False
+        self.tp = cfg.vllm_tensor_parallel_size  # consecutive ranks that call `generate` with the same requests
+        world = dp.world if dp is not None else 1
+        if world % self.tp:
+            raise UserError(f"{world} ranks do not split into engines of {self.tp} ranks",
+                            where="grpo.vllm_tensor_parallel_size")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights by reference
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm_kv_cache_gib)
         try:
@@ -82,14 +89,15 @@ class VLLMEngine:
         try:
             with _unreadable_modules_hidden():
                 self.llm = vllm.LLM(**opts)
-            # the CPU worker drops torch to 1 thread and replaces torch.set_num_threads with a no-op;
-            # this process trains too, so both come back
-            torch.set_num_threads = set_threads
-            torch.set_num_threads(threads)
         except Exception as e:  # noqa: BLE001 - any failure to start is the model's or the options'
             raise UserError(f"vLLM {vllm.__version__} cannot start an engine for {model_cfg.name_or_path}: "
                             f"{one_line(e)}; check grpo.vllm_* or set grpo.use_vllm=false",
                             where="grpo.use_vllm") from None
+        finally:  # the CPU worker drops torch to 1 thread and makes torch.set_num_threads a no-op;
+            torch.set_num_threads = set_threads  # this process trains too, so both come back
+            torch.set_num_threads(threads)
+        if self.tp > 1 and not torch.cuda.is_available():
+            _unlink_shared_memory(t0, dp)
         self.start_seconds = time.perf_counter() - t0
         self.version = vllm.__version__
         log.info("vLLM %s engine started in %.1fs", self.version, self.start_seconds)
@@ -144,6 +152,19 @@ class VLLMEngine:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
+
+
+def _unlink_shared_memory(since: float, dp) -> None:
+    """vLLM's CPU tensor-parallel group talks through /dev/shm files named after the group, the
+    same name on every run, and removes them only at a clean shutdown: the next run on the host
+    would fail on "create shm ... errno 17". Once every rank of the group has mapped them (the
+    barrier), the names go; the mappings stay until the processes end."""
+    dp.barrier()
+    started = time.time() - (time.perf_counter() - since)
+    for path in Path("/dev/shm").glob("*-cpushm_*"):
+        with contextlib.suppress(OSError):  # a partner rank may have removed it first
+            if path.stat().st_mtime >= started - 1:
+                path.unlink()
 
 
 def _refresh_tied_head(worker) -> None:

@@ -106,3 +106,24 @@ def test_the_demo_learns_with_vllm(shared, tmp_path):
     loop.train(cfg)
     evals = [r["eval/reward"] for r in read_records(out / "metrics.jsonl") if "eval/reward" in r]
     assert len(evals) == 3 and evals[-1] > evals[0] + 0.25, evals  # 0.33 -> 0.73 with the own sampler
+
+
+def test_two_ranks_share_one_tensor_parallel_engine(reference, data_dir, tmp_path):
+    """grpo.vllm_tensor_parallel_size=2 on 2 ranks: one engine over both, each rank's prompts sent
+    by both, each rank keeping its own rows; the weights reach the sharded engine, and the held-out
+    evaluation samples through it too."""
+    from tests.run.test_resume import small_eval
+
+    out = tmp_path / "run"
+    extra = {"distributed.strategy": "fsdp", "save_steps": 0, "grpo.vllm_tensor_parallel_size": 2,
+             "data.eval": small_eval(data_dir), "eval.eval_steps": 2}
+    ranks = Ranks(tmp_path, 2, [write_config(tmp_path / "run.yaml"), *overrides("online", out, data_dir, **(VLLM | extra))])
+    codes = ranks.wait(timeout=400)
+    assert codes == [EXIT_OK, EXIT_OK], ranks.text(0)[-3000:] + ranks.text(1)[-3000:]
+    one, two = metric_rows(reference), metric_rows(out)
+    assert [r["step"] for r in two] == list(range(1, STEPS + 1))
+    for a, b in zip(one, two):
+        assert b["sampling/sampling_logp_difference/max"] < 1e-3, b  # the sharded engine got the new weights
+        assert b["reward"] == a["reward"] and b["grad_norm"] > 0  # measured: the same tokens as 1 process
+    evals = [r for r in read_records(out / "metrics.jsonl") if "eval/reward" in r]
+    assert [r["step"] for r in evals] == [0, 2, 4] and all(r["eval/num_prompts"] == 6 for r in evals)

@@ -132,3 +132,23 @@ def test_options_vllm_refuses_are_a_user_error_naming_the_key(vllm_engine):
     with pytest.raises(UserError, match="grpo.use_vllm.*max_model_len|max_model_len.*grpo.use_vllm") as info:
         VLLMEngine(vllm_engine.cfg, vllm_engine.model_cfg, max_model_len=4096, seed=0)
     assert "\n" not in str(info.value)
+
+
+def test_preftune_eval_samples_with_an_engine_and_scores_as_the_own_sampler(vllm_engine, tmp_path):
+    """`preftune eval ... grpo.use_vllm=true` starts an engine on each folder (a second and third
+    engine in this process): its greedy figures equal the own sampler's."""
+    import json
+    import shutil
+
+    from preftune.cli import main
+    from tests.conftest import EXAMPLES, MODEL_DIR
+
+    figures = {}
+    for vllm in ("true", "false"):
+        ckpt = tmp_path / f"ckpt-{vllm}"
+        shutil.copytree(MODEL_DIR, ckpt)
+        assert main(["eval", str(EXAMPLES / "grpo.yaml"), "--checkpoint", str(ckpt), "--baseline", str(MODEL_DIR),
+                     f"grpo.use_vllm={vllm}", "eval.max_new_tokens=6"]) == 0
+        figures[vllm] = json.loads((ckpt / "eval.json").read_text())
+    assert figures["true"]["metrics"] == figures["false"]["metrics"]  # checkpoint's and baseline's figures
+    assert figures["true"]["metrics"]["checkpoint"]["num_prompts"] == 100
