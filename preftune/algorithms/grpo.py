@@ -139,7 +139,7 @@ def engine_correction(model, batch: GRPOBatch, cfg: GRPOConfig, dp) -> tuple[tor
     w = importance_weights(trainer, ro.sampling_logps, mask, mode=cfg.vllm_importance_sampling_mode,
                            clip_min=cfg.vllm_importance_sampling_clip_min,
                            clip_max=cfg.vllm_importance_sampling_clip_max)
-    st = {k: float(v) for k, v in zip(*_keys_values(mismatch_stats(trainer, ro.sampling_logps, mask, w)))}
+    (st,) = read_once([mismatch_stats(trainer, ro.sampling_logps, mask, w)])  # one host read
     d_sum, d_n, r_sum, r_n = dp.sum(st["diff_sum"], st["diff_count"], st["ratio_sum"], st["ratio_count"])
     d_max, r_max, neg_r_min = dp.max(st["diff_max"], st["ratio_max"], -st["ratio_min"])
     pre = "sampling/"
@@ -148,10 +148,6 @@ def engine_correction(model, batch: GRPOBatch, cfg: GRPOConfig, dp) -> tuple[tor
                f"{pre}importance_sampling_ratio/min": -neg_r_min if r_n else 0.0,
                f"{pre}importance_sampling_ratio/mean": r_sum / r_n if r_n else 0.0,
                f"{pre}importance_sampling_ratio/max": r_max if r_n else 0.0}
-
-
-def _keys_values(d: dict) -> tuple[list, list]:
-    return list(d), torch.stack(list(d.values())).tolist()  # one host read
 
 
 @torch.no_grad()

@@ -115,8 +115,9 @@ class OnlineSource:
                 return empty
             ro = self.engine.generate(every, at_before + places + at_after, seed=self.seed, step=self.step,
                                       round_=self.rounds, **opts)
-            G = c.num_generations
-            ro = select(ro, list(range(len(ids_before) * G, (len(ids_before) + len(ids)) * G)))
+            if ids_before or ids_after:  # keep this rank's rows
+                G = c.num_generations
+                ro = select(ro, list(range(len(ids_before) * G, (len(ids_before) + len(ids)) * G)))
         elif ids:
             p_ids, p_mask = left_pad(ids, self.tok.pad_token_id)
             ro = sample(model, p_ids, p_mask, generator=self.generator, **opts)
