@@ -24,12 +24,14 @@ from pathlib import Path
 
 if __package__:
     from bench import workload
-    from bench.bench_grpo import (check_args, common_args, dtype_overrides, finish, first_last, model_args, precision,
-                                  quiet_hf, quiet_trainer, read_metrics, report, run_frameworks, step_timer, summarize)
+    from bench.bench_grpo import (check_args, common_args, dtype_overrides, finish, first_last, max_prompt_length,
+                                  model_args, precision, quiet_hf, quiet_trainer, read_metrics, report,
+                                  run_frameworks, step_timer, summarize)
 else:  # run as a script: bench/ is on sys.path
     import workload
-    from bench_grpo import (check_args, common_args, dtype_overrides, finish, first_last, model_args, precision,
-                            quiet_hf, quiet_trainer, read_metrics, report, run_frameworks, step_timer, summarize)
+    from bench_grpo import (check_args, common_args, dtype_overrides, finish, first_last, max_prompt_length,
+                            model_args, precision, quiet_hf, quiet_trainer, read_metrics, report, run_frameworks,
+                            step_timer, summarize)
 
 EXAMPLES = workload.EXAMPLES
 
@@ -87,8 +89,8 @@ def dpo_work(args, model: Path, pairs: list) -> tuple[dict, float]:
 def dpo_overrides(args, out_dir: str, train: str, model: Path) -> list[str]:
     return ["algorithm=dpo", f"output_dir={out_dir}", f"max_steps={args.steps}", "save_steps=0", f"seed={args.seed}",
             *dtype_overrides(args), f"model.name_or_path={model}", f"data.train={train}", "data.invalid=drop",
-            f"data.max_prompt_length={args.prompt_prefix + 64}",
-            f"dpo.max_length={args.prompt_prefix + 64 + args.response_len}",
+            f"data.max_prompt_length={max_prompt_length(args)}",
+            f"dpo.max_length={max_prompt_length(args) + args.response_len}",
             f"data.chosen_min={CHOSEN_MIN}", f"data.rejected_max={REJECTED_MAX}", "data.pair_strategy=best_vs_worst",
             "dpo.loss_type=sigmoid", f"dpo.beta={args.beta}", f"dpo.batch_size={args.batch}",
             f"dpo.micro_batch_size={args.batch}", f"optim.lr={args.lr}",
@@ -142,7 +144,7 @@ def run_trl_dpo(args) -> dict:
             output_dir=os.path.join(tmp, "run"), max_steps=args.steps, per_device_train_batch_size=args.batch,
             learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, beta=args.beta,
             loss_type=["sigmoid"], precompute_ref_log_probs=True,
-            max_length=args.prompt_prefix + 64 + args.response_len,
+            max_length=max_prompt_length(args) + args.response_len,
             max_grad_norm=1.0, gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(), bf16=args.bf16,
             report_to="none", save_strategy="no", logging_steps=1, seed=args.seed, dataloader_num_workers=0,
             disable_tqdm=True)

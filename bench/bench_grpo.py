@@ -40,6 +40,11 @@ FRAMEWORKS = ("preftune", "trl")
 # harness shared with bench_dpo.py
 
 
+def max_prompt_length(args) -> int:
+    """data.max_prompt_length of every workload: the shared prefix and 64 tokens for the task prompt."""
+    return args.prompt_prefix + 64
+
+
 def summarize(step_times: list[float], warmup: int) -> dict:
     """Median/mean seconds per step over the steps after `warmup`; steps/s = timed steps / their total time."""
     timed = step_times[warmup:]
@@ -247,13 +252,14 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> 
 def grpo_overrides(args, out_dir: str, model: Path, train: str) -> list[str]:
     return [f"output_dir={out_dir}", f"max_steps={args.steps}", "save_steps=0", f"seed={args.seed}",
             *dtype_overrides(args), f"model.name_or_path={model}", f"data.train={train}",
-            f"data.max_prompt_length={args.prompt_prefix + 64}",
+            f"data.max_prompt_length={max_prompt_length(args)}",
             "data.eval=null", "log.progress_bar=false", "log.logging_steps=1",
             f"grpo.prompts_per_step={args.prompts}", f"grpo.num_generations={args.generations}",
             f"grpo.micro_batch_size={args.prompts * args.generations}",
             f"grpo.max_completion_length={args.max_new_tokens}", "grpo.temperature=1.0",
             f"grpo.reward_funcs=[{reward_spec(args)}]", "grpo.loss_type=dapo", f"grpo.beta={args.beta}",
-            f"grpo.num_iterations={args.num_iterations}", f"optim.lr={args.lr}", "optim.lr_scheduler=constant"]
+            f"grpo.num_iterations={args.num_iterations}", f"optim.lr={args.lr}", "optim.lr_scheduler=constant",
+            *(["grpo.use_vllm=true", f"grpo.vllm_gpu_memory_utilization={args.vllm_gpu_memory}"] if args.vllm else [])]
 
 
 def dtype_overrides(args) -> list[str]:
@@ -331,6 +337,10 @@ def run_preftune_grpo(args) -> dict:
         run = Run(cfg)
         before = greedy_accuracy(run.model, run.tokenizer, evals, args.max_new_tokens) if args.eval else None
         timer.wrap(online, "sample", "sampling")
+        if args.vllm:
+            from preftune.rollout.vllm import VLLMEngine
+
+            timer.wrap(VLLMEngine, "generate", "sampling")
         timer.wrap(grpo, "completion_logps")
         timer.wrap_backward()
         t0 = time.perf_counter()
@@ -343,6 +353,8 @@ def run_preftune_grpo(args) -> dict:
     result["extra"] = {"train reward first->last": first_last([r.get("reward") for r in records])}
     result["rows_skipped_per_step"] = statistics.fmean(r.get("rows_skipped", 0.0) for r in records)
     result["precision"] = precision(run.model, compute_dtype(run.model) is not None)
+    if args.vllm:
+        result["push_s"] = statistics.median(r["vllm/weight_push_s"] for r in records[args.warmup:])
     if args.eval:
         after = greedy_accuracy(run.model, run.tokenizer, evals, args.max_new_tokens)
         result["extra"]["eval acc before->after"] = f"{before:.2f} -> {after:.2f}"
@@ -372,13 +384,14 @@ def run_trl_grpo(args) -> dict:
             temperature=1.0, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, beta=args.beta,
             num_iterations=args.num_iterations, loss_type="dapo", max_grad_norm=1.0, gradient_checkpointing=False,
             use_cpu=not torch.cuda.is_available(), bf16=args.bf16, report_to="none", save_strategy="no",
-            logging_steps=1, seed=args.seed, dataloader_num_workers=0, disable_tqdm=True)
+            logging_steps=1, seed=args.seed, dataloader_num_workers=0, disable_tqdm=True, **trl_vllm(args))
         trainer = GRPOTrainer(model=model, reward_funcs=reward_func(args), args=cfg, train_dataset=ds,
                               processing_class=tok, callbacks=[step_times])
         quiet_trainer(trainer)
         timer.wrap(trainer, "_generate", "sampling")
         timer.wrap(trainer, "_get_per_token_logps_and_entropies")
         timer.wrap_backward()
+        pushes = time_calls(trainer.vllm_generation, "sync_weights") if args.vllm else []
         t0 = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - t0
@@ -388,10 +401,36 @@ def run_trl_grpo(args) -> dict:
     result = summarize(step_times.times, args.warmup) | {"wall_s": wall}
     result["extra"] = {"train reward first->last": first_last([h["reward"] for h in logs])}
     result["precision"] = precision(trainer.model, trainer.accelerator.mixed_precision == "bf16")
+    if args.vllm:
+        result["push_s"] = statistics.median(pushes[args.warmup:])
     if args.eval:
         after = greedy_accuracy(trainer.model, tok, evals, args.max_new_tokens)
         result["extra"]["eval acc before->after"] = f"{before:.2f} -> {after:.2f}"
     return finish(result, timer, flops, args.prompts * args.generations * completion, len(step_times.times))
+
+
+def trl_vllm(args) -> dict:
+    """TRL's colocate mode on the same terms as preftune's engine: the GPU share, the context length."""
+    if not args.vllm:
+        return {}
+    return dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_gpu_memory,
+                vllm_max_model_length=max_prompt_length(args) + args.max_new_tokens)
+
+
+def time_calls(owner, attr: str) -> list[float]:
+    """Seconds of each call of owner.attr, appended to the list returned (the phase timer skips
+    calls nested in a timed phase, and a weight sync runs inside generation)."""
+    fn, seconds = getattr(owner, attr), []
+
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            seconds.append(time.perf_counter() - t0)
+
+    setattr(owner, attr, timed)
+    return seconds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -406,6 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-iterations", type=int, default=1, help="optimiser steps per generation batch")
     ap.add_argument("--reward", choices=("accuracy", "digits"), default="accuracy",
                     help="accuracy vs the answer, or the dense digit fraction (for random-init models)")
+    ap.add_argument("--vllm", action="store_true",
+                    help="both sample with vLLM beside training (preftune grpo.use_vllm, TRL vllm_mode=colocate)")
+    ap.add_argument("--vllm-gpu-memory", type=float, default=0.3, help="the engine's share of GPU memory")
     model_args(ap)
     return ap
 
@@ -429,7 +471,7 @@ def main(argv: list[str] | None = None) -> dict:
     title = (f"GRPO: {args.steps} steps ({args.warmup} warmup untimed), {args.prompts} prompts x "
              f"{args.generations} completions, {args.max_new_tokens} new tokens, lr {args.lr:g}, beta {args.beta:g}, "
              f"dapo, num_iterations {args.num_iterations}, model {args.model}, prompt prefix {args.prompt_prefix}"
-             f"{', bf16 autocast' if args.bf16 else ''}")
+             f"{', bf16 autocast' if args.bf16 else ''}{', vLLM colocate' if args.vllm else ''}")
     return report(title, args, results, load_before)
 
 

@@ -4,12 +4,12 @@
 #
 #   bash bench/gpu.sh                     # = bench/gpu_decode.py, bench/fsdp_check.sh, then bench/suite.py --size gpu
 #   bash bench/gpu.sh --size quick        # other suite options replace `--size gpu`
+#   DECODE=0 FSDP=0 SUITE=0 bash bench/gpu.sh   # only the vLLM rows (a second device command)
 #
 # Wheels the machine lacks (bench/gpu_wheels.sh, carried in .whl/) are installed into /tmp/site first.
 # Writes $OUT/gpu-decode.json (DECODE=0 skips that run), $OUT/fsdp-check{,.log} (FSDP=0 skips it),
-# $OUT/bench-vllm.json (VLLM=0 skips it),
-# $OUT/bench-gpu.json (rewritten after each row)
-# and $OUT/bench-gpu.log (all of this script's output); OUT defaults to ./bench-gpu-out. Exits non-zero
+# $OUT/bench-vllm.json and $OUT/bench-gpu-vllm.json (VLLM=0 skips both), $OUT/bench-gpu.json (SUITE=0 skips it;
+# rewritten after each row) and $OUT/bench-gpu.log (all of this script's output); OUT defaults to ./bench-gpu-out. Exits non-zero
 # when an import, a check or a run fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -79,14 +79,21 @@ main() {
     echo "== bash bench/fsdp_check.sh $OUT/fsdp-check"
     PYTHON="$PY" timeout "${FSDP_TIMEOUT:-150}" bash bench/fsdp_check.sh "$OUT/fsdp-check" || rc=$((rc ? rc : $?))
   fi
-  # vLLM rollouts beside the own sampler at the 0.5B shape (bench/bench_vllm.py; VLLM=0 skips it, and it is
-  # skipped when vllm does not import): s/step, tokens/s, the weight push's seconds. TRL's colocate mode is
-  # not in this row yet
-  if [ "${VLLM:-1}" != 0 ] && "$PY" -c 'import vllm' 2>/dev/null; then
+  # vLLM at the 0.5B shape (VLLM=0 skips it, and it is skipped when vllm does not import): preftune's
+  # engine beside its own sampler (bench/bench_vllm.py: s/step, tokens/s, the weight push's seconds), then
+  # preftune's engine beside TRL's colocate mode (bench/suite.py --size gpu-vllm: s/step, tokens/s, peak
+  # GPU memory, push seconds, both frameworks)
+  if [ "${VLLM:-1}" != 0 ] && ! "$PY" -c 'import vllm' 2>/dev/null; then
+    echo "== no vllm here: its rows are skipped (pip install 'preftune[vllm]'; VLLM=0 skips them quietly)"
+  elif [ "${VLLM:-1}" != 0 ]; then
     echo "== $PY bench/bench_vllm.py --model rand0.5b --bf16 --model-cache $cache --json $OUT/bench-vllm.json"
     timeout "${VLLM_TIMEOUT:-600}" "$PY" bench/bench_vllm.py --model rand0.5b --bf16 --model-cache "$cache" \
       --json "$OUT/bench-vllm.json" || rc=$((rc ? rc : $?))
+    echo "== $PY bench/suite.py --size gpu-vllm --json $OUT/bench-gpu-vllm.json --model-cache $cache"
+    timeout "${VLLM_TIMEOUT:-600}" "$PY" bench/suite.py --size gpu-vllm --json "$OUT/bench-gpu-vllm.json" \
+      --model-cache "$cache" || rc=$((rc ? rc : $?))
   fi
+  [ "${SUITE:-1}" != 0 ] || return "$rc"  # SUITE=0: the steps above only
   echo "== $PY bench/suite.py $* --json $OUT/bench-gpu.json --model-cache $cache"
   time "$PY" bench/suite.py "$@" --json "$OUT/bench-gpu.json" --model-cache "$cache" || rc=$((rc ? rc : $?))
   return "$rc"

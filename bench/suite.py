@@ -10,6 +10,7 @@ TRL / preftune ratios, with the load average around each run.
     python bench/suite.py                 # the full table (make bench)
     python bench/suite.py --size quick    # a small version (make bench BENCH=quick)
     python bench/suite.py --size gpu      # the 0.5B rows in bf16, for one GPU (bench/gpu.sh)
+    python bench/suite.py --size gpu-vllm # the 0.5B rows with vLLM sampling, TRL in colocate mode
 """
 from __future__ import annotations
 
@@ -84,7 +85,16 @@ GPU = [
     ("grpo 0.5B 16x8 T256 b.04", "grpo", f"{_05B} --reward digits --prompts 16 --generations 8 --max-new-tokens 256 "
                                          "--beta 0.04"),
 ]
-SIZES = {"full": (FULL, 8, 2, 2), "quick": (QUICK, 4, 1, 1), "gpu": (GPU, 6, 2, 1)}  # cases, steps, warmup, rounds
+# Both frameworks sampling with vLLM beside training (preftune grpo.use_vllm, TRL vllm_mode=colocate),
+# the engine on 0.3 of the GPU; bench/gpu.sh runs these after bench_vllm.py (VLLM=0 skips both).
+GPU_VLLM = [
+    ("grpo 0.5B 16x8 T256 b.04 vLLM", "grpo", f"{_05B} --vllm --reward digits --prompts 16 --generations 8 "
+                                              "--max-new-tokens 256 --beta 0.04"),
+    ("grpo 0.5B P512 4x16 T64 b0 vLLM", "grpo", f"{_05B} --vllm --reward digits --prompt-prefix 512 --prompts 4 "
+                                                "--generations 16 --max-new-tokens 64"),
+]
+SIZES = {"full": (FULL, 8, 2, 2), "quick": (QUICK, 4, 1, 1), "gpu": (GPU, 6, 2, 1),  # cases, steps, warmup, rounds
+         "gpu-vllm": (GPU_VLLM, 6, 2, 1)}
 
 
 def order(round_: int) -> tuple[str, ...]:
@@ -131,7 +141,8 @@ def pool(runs: list[dict]) -> dict:
             "flops_per_step": first["flops_per_step"], "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
             "phase_gflops": phase_gflops, "load_avg": [r["load_avg"] for r in runs],
             "rows_skipped_per_step": first.get("rows_skipped_per_step"), "precision": first.get("precision"),
-            "peak_cuda_gib": max((r.get("peak_cuda_gib") or 0.0 for r in runs), default=0.0) or None}
+            "peak_cuda_gib": max((r.get("peak_cuda_gib") or 0.0 for r in runs), default=0.0) or None,
+            "push_s": statistics.median(r["push_s"] for r in runs) if "push_s" in first else None}
 
 
 def peak_name(key: tuple[str, str, int]) -> str:
@@ -165,10 +176,15 @@ def gpu_rows(rows: dict) -> bool:
     return any(r.get("peak_cuda_gib") for row in rows.values() for r in row.values())
 
 
-def table_head(gpu: bool) -> list[str]:
+def vllm_rows(rows: dict) -> bool:
+    return any(r.get("push_s") for row in rows.values() for r in row.values())
+
+
+def table_head(gpu: bool, vllm: bool = False) -> list[str]:
     gib = " GPU GiB preftune | GPU GiB TRL |" if gpu else ""
+    push = " push s preftune | push s TRL |" if vllm else ""
     head = ("| workload | s/step preftune | s/step TRL | speed-up | tok/s preftune | tok/s TRL | MFU preftune | "
-            f"MFU TRL | RSS MB preftune | RSS MB TRL | RSS ratio |{gib} rows skipped |")
+            f"MFU TRL | RSS MB preftune | RSS MB TRL | RSS ratio |{gib}{push} rows skipped |")
     return [head, "|" + "---|" * (head.count("|") - 1)]
 
 
@@ -178,7 +194,7 @@ def cell(x: dict, key: str, fmt: str) -> str:
     return "-" if x.get(key) is None else format(x[key], fmt)
 
 
-def row_line(name: str, r: dict, gpu: bool) -> str:
+def row_line(name: str, r: dict, gpu: bool, vllm: bool = False) -> str:
     """One table row; a failed framework's cells read `failed`, and the ratios are left empty."""
     p, t = r["preftune"], r["trl"]
     both = "failed" not in p and "failed" not in t
@@ -189,6 +205,8 @@ def row_line(name: str, r: dict, gpu: bool) -> str:
             f"{p['peak_rss_mb'] / t['peak_rss_mb']:.2f}" if both else ""]
     if gpu:
         cols += [cell(p, "peak_cuda_gib", ".1f"), cell(t, "peak_cuda_gib", ".1f")]
+    if vllm:  # seconds to load the trained weights into the engine, median per generation batch
+        cols += [cell(p, "push_s", ".3f"), cell(t, "push_s", ".3f")]
     skipped = p.get("rows_skipped_per_step")
     cols.append("" if skipped is None else f"{skipped:.1f}")
     return "| " + " | ".join(cols) + " |"
@@ -197,8 +215,8 @@ def row_line(name: str, r: dict, gpu: bool) -> str:
 def table(rows: dict, peaks: dict[str, float], loads: tuple[float, float]) -> str:
     """Markdown: per row both frameworks' s/step, tokens/s, MFU, peak RSS (and on CUDA peak GPU memory),
     and TRL / preftune; under it the matmul peaks the MFU is taken against."""
-    gpu = gpu_rows(rows)
-    lines = table_head(gpu) + [row_line(name, r, gpu) for name, r in rows.items()]
+    gpu, vllm = gpu_rows(rows), vllm_rows(rows)
+    lines = table_head(gpu, vllm) + [row_line(name, r, gpu, vllm) for name, r in rows.items()]
     lines.append("")
     for name, gflops in peaks.items():
         lines.append(f"matmul peak {name} (dtype, device, n x n): {gflops:.1f} GFLOP/s (measured)")
@@ -277,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"[{time.perf_counter() - t0:6.0f}s] {name}: {options}", flush=True)
             rows[name] = run_case(script, options, steps, warmup, rounds, cache)
             add_mfu(rows[name], peaks[peak_of[name]])
-            print(row_line(name, rows[name], gpu), flush=True)
+            print(row_line(name, rows[name], gpu, vllm_rows(rows)), flush=True)
             write(args.json, record)
     after = measure_peaks(set(peak_of.values()))
     record["matmul_peaks"] = peaks = {k: max(v, after[k]) for k, v in peaks.items()}

