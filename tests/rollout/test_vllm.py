@@ -1,5 +1,5 @@
 """vLLM as the rollout engine (rollout/vllm.py), one engine for the module: pushed weights reach it
-(full and LoRA-merged), its behaviour log-probs are the trainer's sampling-distribution log-probs,
+(full and LoRA-merged; under 2 FSDP2 ranks, each rank's own engine), its behaviour log-probs are the trainer's sampling-distribution log-probs,
 its per-request seeds make sampling independent of the batch, and a failure mid-run is an EngineError."""
 from __future__ import annotations
 
@@ -152,3 +152,26 @@ def test_preftune_eval_samples_with_an_engine_and_scores_as_the_own_sampler(vllm
         figures[vllm] = json.loads((ckpt / "eval.json").read_text())
     assert figures["true"]["metrics"] == figures["false"]["metrics"]  # checkpoint's and baseline's figures
     assert figures["true"]["metrics"]["checkpoint"]["num_prompts"] == 100
+
+
+def test_pushed_weights_reach_each_ranks_engine_under_fsdp2(tmp_path):
+    """2 torchrun ranks (gloo), FSDP2 policy, an engine each (tests/distributed/vllm_greedy.py)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.distributed.ranks import ROOT, free_port, rank_env
+
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.distributed.vllm_greedy", str(tmp_path)], cwd=ROOT,
+                              env=rank_env(r, 2, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=400)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for s in seen:
+        assert s["before_engine"] == s["before_own"]
+        assert s["after_own"] != s["before_own"]  # the steps changed greedy decoding ...
+        assert s["stale_engine"] == s["before_own"]  # ... which the engine sees only once pushed
+        assert s["after_engine"] == s["after_own"]
+    assert seen[0]["after_own"] == seen[1]["after_own"]  # one policy, sharded
