@@ -149,17 +149,18 @@ class Parallel:
     def share(self, n: int) -> slice:
         """This rank's contiguous part of n items when n need not divide evenly (resampling rounds):
         the first n % world ranks get one more."""
-        k, extra = divmod(n, self.world)
-        start = self.rank * k + min(self.rank, extra)
-        return slice(start, start + k + (self.rank < extra))
+        return slice(self._share_start(n, self.rank), self._share_start(n, self.rank + 1))
 
     def group_share(self, n: int, size: int) -> slice:
         """The shares (`share`) of this rank's group of `size` consecutive ranks, as one slice: what a
         tensor-parallel engine the group runs together samples."""
         first = self.rank - self.rank % size
+        return slice(self._share_start(n, first), self._share_start(n, first + size))
+
+    def _share_start(self, n: int, rank: int) -> int:
+        """Where rank `rank`'s share of n items starts (rank == world: n)."""
         k, extra = divmod(n, self.world)
-        start = lambda r: r * k + min(r, extra)  # noqa: E731 - `share`'s start of rank r
-        return slice(start(first), start(first + size))
+        return rank * k + min(rank, extra)
 
     def offset(self, n_local: int) -> tuple[int, int]:
         """(rows on lower ranks, rows on all ranks) for this rank's n_local rows."""

@@ -46,10 +46,9 @@ def request_seed(seed: int, step: int, round_: int, position: int, g: int) -> in
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & 0x7FFF_FFFF
 
 
-def _engine_options(cfg, path: str, dtype: str, max_model_len: int, seed: int, world: int) -> dict:
+def _engine_options(cfg, path: str, dtype: str, max_model_len: int, seed: int, world: int, on_gpu: bool) -> dict:
     """The `vllm.LLM` arguments for a colocated engine. CPU: eager, float32 unless bf16 is asked,
     the KV cache sized by grpo.vllm_kv_cache_gib."""
-    on_gpu = torch.cuda.is_available()
     opts = dict(model=path, tokenizer=path, dtype=dtype, max_model_len=max_model_len, seed=seed,
                 logprobs_mode="processed_logprobs", enable_prefix_caching=True,
                 tensor_parallel_size=cfg.vllm_tensor_parallel_size)
@@ -85,7 +84,7 @@ class VLLMEngine:
                             "or set grpo.use_vllm=false (docs/vllm.md)" if missing else
                             f"vLLM does not import: {one_line(e)}", where="grpo.use_vllm") from None
         dtype = "bfloat16" if model_cfg.dtype == "bfloat16" else "float32"
-        opts = _engine_options(cfg, model_cfg.name_or_path, dtype, max_model_len, seed, world)
+        opts = _engine_options(cfg, model_cfg.name_or_path, dtype, max_model_len, seed, world, self.on_gpu)
         t0, threads, set_threads = time.perf_counter(), torch.get_num_threads(), torch.set_num_threads
         try:
             with _unreadable_modules_hidden():

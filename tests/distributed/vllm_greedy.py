@@ -25,7 +25,8 @@ def main(out: Path) -> None:
     model, tok = dp.load(cfg.model, cfg.model.name_or_path), AutoTokenizer.from_pretrained(MODEL_DIR)
     engine = VLLMEngine(cfg.grpo, cfg.model, max_model_len=64, seed=0, dp=dp)
     engine.push(model)
-    seen = {"before_engine": _completions(_engine_greedy(engine, tok)), "before_own": _completions(_own_greedy(model, tok))}
+    seen = {"before_engine": _completions(_engine_greedy(engine, tok)),
+            "before_own": _completions(_own_greedy(model, tok))}
     _train(model, tok)  # FSDP2 steps: each rank updates its shards
     seen["stale_engine"] = _completions(_engine_greedy(engine, tok))
     seen["after_own"] = _completions(_own_greedy(model, tok))

@@ -1,6 +1,7 @@
 """vLLM as the rollout engine (rollout/vllm.py), one engine for the module: pushed weights reach it
-(full and LoRA-merged; under 2 FSDP2 ranks, each rank's own engine), its behaviour log-probs are the trainer's sampling-distribution log-probs,
-its per-request seeds make sampling independent of the batch, and a failure mid-run is an EngineError."""
+(full and LoRA-merged; under 2 FSDP2 ranks, each rank's own engine), its behaviour log-probs are
+the trainer's sampling-distribution log-probs, its per-request seeds make sampling independent of
+the batch, and a failure mid-run is an EngineError."""
 from __future__ import annotations
 
 import pytest
