@@ -166,7 +166,10 @@ class Llama(nn.Module):
         hidden states (a prefill writing `kv`). Every pass enters here: FSDP2 runs the root's hooks."""
         if index is None:
             return self.hidden(ids, positions, mask, kv=kv)  # (R, L, H)
-        h = self.hidden(ids, positions, mask).flatten(0, 1)[index]  # (K, H)
+        # index_select, not h[index]: a trunk's last token predicts every branch's first token, so
+        # `index` repeats positions, and the backward of h[index] adds the repeats with racing
+        # atomics on CPU (run-to-run differences on a busy machine); index_add_ adds them in order
+        h = self.hidden(ids, positions, mask).flatten(0, 1).index_select(0, index)  # (K, H)
         return head_logps(self.model.norm(h), self.lm_head, targets, temperature=temperature,
                           with_entropy=with_entropy, top_k=top_k, top_p=top_p)
 
