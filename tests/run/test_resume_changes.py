@@ -169,3 +169,13 @@ def test_python_raises_the_same_user_error(reference, data_dir, tmp_path):
     assert result.step == 6
     (record,) = [json.loads(line) for line in (dpo / HISTORY).read_text().splitlines()]
     assert record["changes"]["dpo.beta"] == {"from": 0.1, "to": 0.2, "kind": TRAJECTORY}
+
+
+def test_python_accepts_a_larger_max_steps_and_records_it(reference, data_dir, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(reference("online"), out)
+    result = preftune.train({}, overrides=overrides("online", out, data_dir, max_steps=6))
+    assert result.step == 6 and saved_steps(out)[0] == 6
+    (record,) = [json.loads(line) for line in (out / HISTORY).read_text().splitlines()]
+    assert record["changes"]["max_steps"] == {"from": 5, "to": 6, "kind": FREE}
+    assert {c["kind"] for c in record["changes"].values()} == {FREE}
