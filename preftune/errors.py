@@ -12,6 +12,8 @@ is a crash (exit 1). What a restart policy should do with each (docs/reliability
   78  config or data error, or the output_dir    abort: a restart meets the same problem
       is another live process's
   1   crash                                      restart, counted
+  3   `preftune eval`: the checkpoint failed     do not promote the model; nothing to retry (the
+      its gate (eval.json says why)              evaluation itself worked)
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ EXIT_CRASH = 1
 EXIT_UNAVAILABLE = 69  # BSD EX_UNAVAILABLE: checkpoint storage or a tracker unreachable; retry later
 EXIT_PREEMPTED = 75  # BSD EX_TEMPFAIL: interrupted, checkpoint saved, resume me
 EXIT_USER = 78  # BSD EX_CONFIG: config or data error
+EXIT_GATE_FAILED = 3  # `preftune eval`: the evaluation worked and the checkpoint failed its gate (not a crash)
 
 
 class UserError(Exception):

@@ -126,7 +126,8 @@ def test_callback_stop_then_resume_needs_the_same_functions_and_data(tmp_path, c
     assert (out / "checkpoints" / "step-1").is_dir()  # saved, as a preemption saves
     # a resume not handed the same functions or data is refused before anything changes
     before = sorted(p.name for p in out.iterdir())
-    with pytest.raises(UserError, match=r"grpo.reward_funcs \(Python functions\)"):
+    changed = r"grpo.reward_funcs: \['callable:tests.test_api.brevity'\] -> \['callable:tests.test_api.other_brevity'\]"
+    with pytest.raises(UserError, match=changed):
         preftune.train({}, overrides=overrides(tmp_path, max_steps=3), reward_funcs=[other_brevity],
                        train_data=PROMPTS)
     with pytest.raises(UserError, match="callable:tests.test_api.brevity"):

@@ -149,3 +149,20 @@ def test_import_preftune_and_its_cli_are_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=PACKAGE.parent).stdout
     assert out.strip() == "[]"
+
+
+def test_a_run_imports_only_what_it_uses():
+    """What `preftune train` imports on its way to a GRPO run on jsonl prompts (the CLI's parser, the
+    API, the loop, the reward registry) leaves out arrow and fsspec (parquet, csv and remote files
+    only), the data report behind `preftune cost`, and every optional package (LoRA, vLLM, trackers,
+    charts, S3, the Kubernetes checks): each restart after a spot notice would pay for them."""
+    import subprocess
+
+    code = ("import sys; from preftune.cli import parser; parser(); "
+            "import preftune.api, preftune.run.loop, preftune.rewards.registry; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pyarrow', 'fsspec', 'pandas', 'peft', "
+            "'vllm', 'wandb', 'mlflow', 'tensorboard', 'matplotlib', 's3fs', 'jsonschema', 'kubernetes_validate', "
+            "'datasets') or m == 'preftune.data.inspect'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent).stdout
+    assert out.strip() == "[]"

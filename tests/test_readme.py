@@ -68,7 +68,7 @@ def test_readme_is_short():
 def test_readme_keeps_the_exit_codes_a_restart_policy_reads():
     text = README.read_text()
     table = text[text.index("## Exit codes"):]
-    for code in ("0", "75", "78", "1"):
+    for code in ("0", "75", "69", "78", "3", "1"):
         assert re.search(rf"^\| {code} \|", table, flags=re.M), f"exit code {code} missing from the README's table"
     assert "restart on 75, give up on 78" in table
 

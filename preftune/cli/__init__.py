@@ -6,7 +6,8 @@ it installs the SIGTERM/SIGINT handler (exit 75, never 143) before torch or anyt
 so this module imports nothing heavy at its top (tests/run/test_completion.py checks it).
 
 Exit codes (preftune/errors.py): 0 finished · 75 stopped with nothing lost, run again · 69 checkpoint
-storage or a tracker unreachable · 78 config or data error (one line, no traceback) · 1 anything else.
+storage or a tracker unreachable · 78 config or data error (one line, no traceback) · 3 `preftune eval`: the
+checkpoint failed its gate · 1 anything else.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`preftune eval CONFIG --checkpoint PATH [--baseline PATH] [KEY=VALUE ...]` and `preftune registry list`.
 
-eval: exit 0 when the checkpoint passes the gate, 1 when it fails, 78 on a config or data error;
+eval: exit 0 when the checkpoint passes the gate, 3 when it fails (1 stays a crash), 78 on a config or data error;
 eval.json (every figure, the thresholds, the verdict and its reason) is written into the checkpoint
 folder, and a pass appends a record to `gate.registry` when one is set.
 """
@@ -17,12 +17,11 @@ from pathlib import Path
 
 from preftune.atomic import atomic_write
 from preftune.data.tokenize import PromptTruncation
-from preftune.errors import EXIT_OK, UserError
+from preftune.errors import EXIT_GATE_FAILED, EXIT_OK, UserError
 from preftune.evaluation.registry import append, format_table, read
 from preftune.run.preemption import process_handler
 import preftune
 
-EXIT_FAILED = 1  # the checkpoint did not pass the gate
 EVAL_FILE = "eval.json"
 log = logging.getLogger("preftune")
 
@@ -122,7 +121,7 @@ def run_eval(args) -> int:
     if verdict.passed and cfg.gate.registry:
         where = append(cfg.gate.registry, registry_record(cfg, args.checkpoint, report))
         print(f"registry: appended to {where}")
-    return EXIT_OK if verdict.passed else EXIT_FAILED
+    return EXIT_OK if verdict.passed else EXIT_GATE_FAILED
 
 
 def registry_record(cfg, checkpoint: str, report: dict) -> dict:

@@ -19,23 +19,36 @@ from preftune.errors import UserError
 
 _NO_DEFAULT = dataclasses.MISSING
 
+# What a change of a key means when a run resumes (or a finished run is started again), against the
+# config its checkpoint was saved under (run/resume.py):
+FREE = "free"  # shapes no step: logging, cadence, evaluation, trackers, a larger max_steps; accepted, logged
+TRAJECTORY = "trajectory"  # shapes the steps (loss, lr, sampling, rewards): refused unless resume_with_changes
+FIXED = "fixed"  # the checkpoint means nothing under another value (model, data order, batch shape): refused
+ON_RESUME = (FREE, TRAJECTORY, FIXED)
+
 
 def knob(default: Any = _NO_DEFAULT, help: str = "", *, choices: tuple = (), range: str | None = None,
-         peer: str | None = None, factory=None) -> Any:
+         peer: str | None = None, factory=None, resume: str | None = None) -> Any:
     """A config key. `choices`: the allowed values (of each item, for a list); `range`: an interval
     such as "[0, 1)" ("inf" unbounded) for numbers, each item of a list; `peer`: the key's name in
-    TRL, NeMo-RL or verl; `factory` for a mutable default."""
+    TRL, NeMo-RL or verl; `factory` for a mutable default; `resume`: what a change means on a resume
+    (FREE, TRAJECTORY, FIXED; None: its section's, see `on_resume`)."""
     if range is not None:
         Interval.parse(range)  # a typo in a declaration fails at import, not at a user's load
-    meta = {"help": help, "choices": tuple(choices), "range": range, "peer": peer}
+    if resume not in (None, *ON_RESUME):
+        raise ValueError(f"resume={resume!r}; expected one of {ON_RESUME}")
+    meta = {"help": help, "choices": tuple(choices), "range": range, "peer": peer, "resume": resume}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
 
 
-def section(cls) -> Any:
-    """A nested section: a dataclass of keys, its docstring the section's description."""
-    return field(default_factory=cls, metadata={"section": True})
+def section(cls, *, resume: str = TRAJECTORY) -> Any:
+    """A nested section: a dataclass of keys, its docstring the section's description. `resume`: what
+    a change of its keys means on a resume, for each key that does not declare its own."""
+    if resume not in ON_RESUME:
+        raise ValueError(f"resume={resume!r}; expected one of {ON_RESUME}")
+    return field(default_factory=cls, metadata={"section": True, "resume": resume})
 
 
 def internal(default: Any) -> Any:
@@ -74,6 +87,22 @@ def keys(cls, prefix: str = ""):
             yield from keys(hints[f.name], f"{prefix}{f.name}.")
         else:
             yield f"{prefix}{f.name}", f, hints[f.name]
+
+
+def on_resume(cls, prefix: str = "", inherited: str = TRAJECTORY) -> dict[str, str]:
+    """{dotted key: FREE | TRAJECTORY | FIXED} for every key: its own `resume`, else its section's
+    (the innermost that says), else TRAJECTORY, so a key declared without thought is refused on a
+    change rather than resumed silently."""
+    hints, out = typing.get_type_hints(cls), {}
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("internal"):
+            continue
+        kind = f.metadata.get("resume") or inherited
+        if dataclasses.is_dataclass(hints[f.name]):
+            out |= on_resume(hints[f.name], f"{prefix}{f.name}.", kind)
+        else:
+            out[f"{prefix}{f.name}"] = kind
+    return out
 
 
 def check_value(key: str, f: dataclasses.Field, value: Any) -> None:
@@ -206,14 +235,19 @@ def reference(cls) -> str:
     lines = ["# Configuration reference", "",
              "Every key of a preftune config, generated from the config dataclasses (`python -m preftune.config`"
              " rewrites this file; a test checks that it is current). Set a key in the YAML file or on the"
-             " command line as `section.key=value`.", ""]
-    default = cls()
+             " command line as `section.key=value`.", "",
+             "*On resume*: what changing the key means when a run resumes or a finished run is started again"
+             " ([checkpoints.md](checkpoints.md#resume)): `free` is accepted and logged; `trajectory` shapes the"
+             " training steps and is refused (exit 78) unless `resume_with_changes: true`; `fixed` is refused"
+             " always (the checkpoint means nothing under another value).", ""]
+    default, kinds = cls(), on_resume(cls)
     hints = typing.get_type_hints(cls)
     sections = [("", cls, default)] + [(f.name + ".", hints[f.name], getattr(default, f.name))
                                        for f in dataclasses.fields(cls) if f.metadata.get("section")]
     for prefix, sec, value in sections:
         lines += [f"## {prefix.rstrip('.') or 'Top level'}", "", " ".join((sec.__doc__ or "").split()), "",
-                  "| key | type | default | allowed | meaning | TRL / NeMo-RL / verl |", "|---|---|---|---|---|---|"]
+                  "| key | type | default | allowed | meaning | on resume | TRL / NeMo-RL / verl |",
+                  "|---|---|---|---|---|---|---|"]
         for key, f, tp in keys(sec, prefix):
             if prefix == "" and "." in key:
                 continue  # nested sections get their own table
@@ -224,7 +258,7 @@ def reference(cls) -> str:
             allowed = ", ".join(f"`{c}`" for c in m.get("choices") or ()) or (f"`{m['range']}`" if m.get("range")
                                                                                else "")
             cells = [f"`{key}`", f"`{_type_name(tp)}`", f"`{json.dumps(v)}`", allowed, m.get("help", ""),
-                     m.get("peer") or ""]
+                     f"`{kinds[key]}`", m.get("peer") or ""]
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
         lines.append("")
     return "\n".join(lines)

@@ -1,12 +1,16 @@
-"""Every config key, declared once: type, default, choices, range, help and the peer name (`fields.knob`).
+"""Every config key, declared once: type, default, choices, range, help, the peer name and what a change
+means on a resume (`fields.knob`).
 
 One dataclass per component; `Config` holds them. The dataclass defaults are the only defaults.
+On resume (`fields.on_resume`): a key says `resume=FREE` or `resume=FIXED`, else its section does
+(`section(..., resume=...)`), else it is TRAJECTORY. FREE keys change no training step; FIXED keys
+give the checkpoint its meaning (the model, the data and its order, the batch shape, the seed).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from preftune.config.fields import internal, knob, section
+from preftune.config.fields import FIXED, FREE, internal, knob, section
 from preftune.losses.names import (ADVANTAGE_ESTIMATORS, DPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS,
                                    KTO_LOSS_TYPES, LOSS_TYPES, SCALE_REWARDS, VLLM_IS_MODES, VLLM_MODES)
 
@@ -30,18 +34,20 @@ class ModelConfig:
     """The model to train: a local Hugging Face folder."""
 
     name_or_path: str = knob(
-        "examples/model", "local Hugging Face causal-LM folder", peer="TRL model; NeMo-RL policy.model_name")
+        "examples/model", "local Hugging Face causal-LM folder", peer="TRL model; NeMo-RL policy.model_name",
+        resume=FIXED)
     dtype: str = knob(
         "float32", "float32, or bfloat16 (full fine-tuning: float32 masters under bf16 autocast)",
-        choices=("float32", "bfloat16"), peer="TRL model_init_kwargs.dtype; NeMo-RL policy.precision")
-    gradient_checkpointing: bool = knob(False, "recompute activations in backward", peer="TRL gradient_checkpointing")
+        choices=("float32", "bfloat16"), peer="TRL model_init_kwargs.dtype; NeMo-RL policy.precision", resume=FIXED)
+    gradient_checkpointing: bool = knob(
+        False, "recompute activations in backward", peer="TRL gradient_checkpointing", resume=FREE)
     trust_remote_code: bool = knob(
-        False, "allow model code from the model folder", peer="TRL model_init_kwargs.trust_remote_code")
+        False, "allow model code from the model folder", peer="TRL model_init_kwargs.trust_remote_code", resume=FREE)
     lean_forward: bool = knob(
         True, "preftune's own forward for Llama-family weights (false: the Hugging Face module's)",
         peer="TRL use_liger_kernel (a different kernel set)")
     compile: bool = knob(False, "torch.compile each block of preftune's own module (the training passes)")
-    lora: LoraConfig = section(LoraConfig)
+    lora: LoraConfig = section(LoraConfig, resume=FIXED)
 
 
 @dataclass
@@ -51,7 +57,7 @@ class DataConfig:
     train: str = knob(
         "", "prompts (online GRPO), labeled traces (DPO, KTO, SFT, offline GRPO) or a pairs file (DPO)",
         peer="TRL train_dataset; NeMo-RL data.train_data_path")
-    eval: str | None = knob(None, "held-out prompt set for eval/reward (greedy)", peer="TRL eval_dataset")
+    eval: str | None = knob(None, "held-out prompt set for eval/reward (greedy)", peer="TRL eval_dataset", resume=FREE)
     prompt_column: str = knob(
         "input", "prompt column (prompt is accepted when input is missing)", peer="NeMo-RL data.prompt_key")
     response_column: str = knob("output", "response column of traces")
@@ -81,13 +87,13 @@ class GRPOConfig:
 
     rollout: str = knob(
         "online", "online (sample from the policy) or offline (the traces' responses form the groups)",
-        choices=("online", "offline"))
+        choices=("online", "offline"), resume=FIXED)
     prompts_per_step: int = knob(
         16, "prompts per generation batch (one optimiser step)", range="[1, inf)",
-        peer="TRL generation_batch_size / num_generations; NeMo-RL grpo.num_prompts_per_step")
+        peer="TRL generation_batch_size / num_generations; NeMo-RL grpo.num_prompts_per_step", resume=FIXED)
     num_generations: int = knob(
         8, "G: completions per prompt", range="[1, inf)",
-        peer="TRL num_generations; NeMo-RL grpo.num_generations_per_prompt")
+        peer="TRL num_generations; NeMo-RL grpo.num_generations_per_prompt", resume=FIXED)
     micro_batch_size: int = knob(
         64, "completions per forward/backward; gradients accumulate exactly", range="[1, inf)",
         peer="TRL per_device_train_batch_size; NeMo-RL policy.train_micro_batch_size")
@@ -134,7 +140,7 @@ class GRPOConfig:
         "token", "token or sequence (GSPO)", choices=IMPORTANCE_SAMPLING_LEVELS, peer="TRL importance_sampling_level")
     num_iterations: int = knob(
         1, "optimiser steps per generation batch (\u03bc)", range="[1, inf)",
-        peer="TRL num_iterations; verl ppo_epochs")
+        peer="TRL num_iterations; verl ppo_epochs", resume=FIXED)
     mask_truncated_completions: bool = knob(
         False, "exclude completions without EOS from the loss", peer="TRL mask_truncated_completions")
     dynamic_sampling: bool = knob(
@@ -154,7 +160,7 @@ class GRPOConfig:
         range="[1, inf)", peer="TRL vllm_tensor_parallel_size")
     vllm_enable_sleep_mode: bool = knob(
         False, "GPU: release the engine's memory during the training passes (no-op on CPU)",
-        peer="TRL vllm_enable_sleep_mode")
+        peer="TRL vllm_enable_sleep_mode", resume=FREE)
     vllm_kv_cache_gib: int = knob(
         1, "CPU: the engine's KV cache in whole GiB (VLLM_CPU_KVCACHE_SPACE)", range="[1, inf)")
     vllm_importance_sampling_correction: bool = knob(
@@ -176,7 +182,7 @@ class DPOConfig:
     """DPO on pairs."""
 
     loss_type: str | list[str] = knob(
-        "sigmoid", "a type or a list of types", choices=DPO_LOSS_TYPES, peer="TRL loss_type")
+        "sigmoid", "a type or a list of types", choices=DPO_LOSS_TYPES, peer="TRL loss_type", resume=FIXED)
     loss_weights: list[float] | None = knob(
         None, "weights of a list of types", range="[0, inf)",
         peer="TRL loss_weights; NeMo-RL preference_loss_weight/sft_loss_weight")
@@ -191,7 +197,7 @@ class DPOConfig:
     max_length: int = knob(512, "prompt + response tokens", range="[2, inf)", peer="TRL max_length")
     batch_size: int = knob(
         16, "pairs per optimiser step", range="[1, inf)",
-        peer="TRL per_device_train_batch_size \u00d7 gradient_accumulation_steps")
+        peer="TRL per_device_train_batch_size \u00d7 gradient_accumulation_steps", resume=FIXED)
     micro_batch_size: int = knob(
         16, "pairs per forward/backward", range="[1, inf)", peer="TRL per_device_train_batch_size")
 
@@ -201,16 +207,16 @@ class KTOConfig:
     """KTO on labeled traces: desirable (reward >= data.chosen_min) or undesirable (< data.rejected_max)."""
 
     loss_type: str = knob("kto", "kto, or apo_zero_unpaired (no KL reference point)", choices=KTO_LOSS_TYPES,
-                          peer="TRL loss_type")
+                          peer="TRL loss_type", resume=FIXED)
     beta: float = knob(0.1, "KTO temperature \u03b2", range="(0, inf)", peer="TRL beta")
     desirable_weight: float = knob(
         1.0, "\u03bb_D: weight of the desirable examples' losses", range="(0, inf)", peer="TRL desirable_weight")
     undesirable_weight: float = knob(
         1.0, "\u03bb_U: weight of the undesirable examples' losses", range="(0, inf)", peer="TRL undesirable_weight")
-    max_length: int = knob(512, "prompt + response tokens", range="[2, inf)", peer="TRL max_length")
+    max_length: int = knob(512, "prompt + response tokens", range="[2, inf)", peer="TRL max_length", resume=FIXED)
     batch_size: int = knob(
         16, "examples per optimiser step; the KL reference point z is taken over them", range="[1, inf)",
-        peer="TRL per_device_train_batch_size \u00d7 gradient_accumulation_steps")
+        peer="TRL per_device_train_batch_size \u00d7 gradient_accumulation_steps", resume=FIXED)
     micro_batch_size: int = knob(
         16, "examples per forward/backward", range="[1, inf)", peer="TRL per_device_train_batch_size")
 
@@ -219,11 +225,12 @@ class KTOConfig:
 class SFTConfig:
     """Supervised fine-tuning."""
 
-    min_reward: float = knob(0.7, "labeled traces: train on responses with reward >= this", range="(-inf, inf)")
-    max_length: int = knob(512, "prompt + completion tokens", range="[2, inf)", peer="TRL max_length")
+    min_reward: float = knob(
+        0.7, "labeled traces: train on responses with reward >= this", range="(-inf, inf)", resume=FIXED)
+    max_length: int = knob(512, "prompt + completion tokens", range="[2, inf)", peer="TRL max_length", resume=FIXED)
     batch_size: int = knob(
         16, "examples per optimiser step", range="[1, inf)",
-        peer="TRL per_device_train_batch_size \u00d7 gradient_accumulation_steps")
+        peer="TRL per_device_train_batch_size \u00d7 gradient_accumulation_steps", resume=FIXED)
     micro_batch_size: int = knob(
         16, "examples per forward/backward", range="[1, inf)", peer="TRL per_device_train_batch_size")
     packing: bool = knob(
@@ -266,7 +273,7 @@ class EvalConfig:
         1, "k > 1: also k sampled completions per prompt at grpo.temperature (pass@k, mean@k)", range="[1, inf)")
     split: float = knob(
         0.0, "without data.eval: hold out this fraction of the training prompts (chosen by prompt hash) for evaluation",
-        range="[0, 1)")
+        range="[0, 1)", resume=FIXED)
 
 
 @dataclass
@@ -383,42 +390,49 @@ class DeployConfig:
 class Config:
     """A preftune run."""
 
-    algorithm: str = knob("grpo", "grpo, dpo, kto or sft", choices=("grpo", "dpo", "kto", "sft"))
+    algorithm: str = knob("grpo", "grpo, dpo, kto or sft", choices=("grpo", "dpo", "kto", "sft"), resume=FIXED)
     output_dir: str = knob(
-        "runs/preftune", "run folder (config.yaml, metrics.jsonl, checkpoints/, final/)", peer="TRL output_dir")
-    max_steps: int = knob(100, "optimiser steps", range="[1, inf)", peer="TRL max_steps; NeMo-RL grpo.max_num_steps")
+        "runs/preftune", "run folder (config.yaml, metrics.jsonl, checkpoints/, final/)", peer="TRL output_dir",
+        resume=FREE)
+    max_steps: int = knob(
+        100, "optimiser steps", range="[1, inf)", peer="TRL max_steps; NeMo-RL grpo.max_num_steps", resume=FREE)
     save_steps: int = knob(
         50, "checkpoint every N steps (0 = only on preemption)", range="[0, inf)",
-        peer="TRL save_steps; NeMo-RL checkpointing.save_period")
-    seed: int = knob(0, "seeds data order, sampling and init", range="[0, 4294967295]", peer="TRL seed")
+        peer="TRL save_steps; NeMo-RL checkpointing.save_period", resume=FREE)
+    seed: int = knob(0, "seeds data order, sampling and init", range="[0, 4294967295]", peer="TRL seed", resume=FIXED)
     save_total_limit: int | None = knob(
         None, "keep the newest K checkpoints (null = all)", range="[1, inf)",
-        peer="TRL save_total_limit; NeMo-RL checkpointing.keep_top_k")
+        peer="TRL save_total_limit; NeMo-RL checkpointing.keep_top_k", resume=FREE)
     resume: str = knob(
         "auto", "auto (newest complete checkpoint, local then checkpoint_uri), never, or a checkpoint path",
-        peer="TRL resume_from_checkpoint")
+        peer="TRL resume_from_checkpoint", resume=FREE)
     overwrite_output_dir: bool = knob(
-        False, "with resume: never, allow starting over in a non-empty output_dir", peer="TRL overwrite_output_dir")
+        False, "with resume: never, allow starting over in a non-empty output_dir", peer="TRL overwrite_output_dir",
+        resume=FREE)
+    resume_with_changes: bool = knob(
+        False, "resume although keys that shape the training steps (on resume: trajectory) changed; each change "
+        "is logged and appended to OUTPUT_DIR/config_history.jsonl (fixed keys are refused even so)", resume=FREE)
     preemption_grace_seconds: float = knob(
         60.0, "time from SIGTERM to the kill: finish the step if it fits, else abandon it, save, exit 75",
-        range="[0, inf)")
-    checkpoint_uri: str | None = knob(None, "fsspec URL (s3://bucket/prefix) mirroring every completed checkpoint")
+        range="[0, inf)", resume=FREE)
+    checkpoint_uri: str | None = knob(
+        None, "fsspec URL (s3://bucket/prefix) mirroring every completed checkpoint", resume=FREE)
     checkpoint_uri_timeout_seconds: float = knob(
         300.0, "the longest wait on checkpoint_uri: a listing or read at start, the uploads after the last step; "
-        "longer (or no connection) is exit 69, retryable", range="(0, inf)")
+        "longer (or no connection) is exit 69, retryable", range="(0, inf)", resume=FREE)
     lock_stale_seconds: float = knob(
         60.0, "output_dir's lock (one writer per run) from another node with no heartbeat for this long is "
-        "taken over; its holder touches it every sixth of this", range="(0, inf)")
+        "taken over; its holder touches it every sixth of this", range="(0, inf)", resume=FREE)
     model: ModelConfig = section(ModelConfig)
-    data: DataConfig = section(DataConfig)
+    data: DataConfig = section(DataConfig, resume=FIXED)
     grpo: GRPOConfig = section(GRPOConfig)
     dpo: DPOConfig = section(DPOConfig)
     kto: KTOConfig = section(KTOConfig)
     sft: SFTConfig = section(SFTConfig)
     optim: OptimConfig = section(OptimConfig)
-    eval: EvalConfig = section(EvalConfig)
-    gate: GateConfig = section(GateConfig)
-    log: LogConfig = section(LogConfig)
-    distributed: DistributedConfig = section(DistributedConfig)
-    deploy: DeployConfig = section(DeployConfig)
+    eval: EvalConfig = section(EvalConfig, resume=FREE)
+    gate: GateConfig = section(GateConfig, resume=FREE)
+    log: LogConfig = section(LogConfig, resume=FREE)
+    distributed: DistributedConfig = section(DistributedConfig, resume=FREE)
+    deploy: DeployConfig = section(DeployConfig, resume=FREE)
     config_dir: str = internal(".")  # the folder relative paths are read from

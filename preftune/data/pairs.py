@@ -12,11 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import fsspec
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING, Any
 
 from preftune.atomic import atomic_path
 from preftune.config import CHOICES, DataConfig
@@ -24,6 +20,9 @@ from preftune.data.traces import (
     Trace, display_path, is_local, normalize_messages, prompt_key, read_rows, require_columns, resolve_files,
     reward_problem, text_problem)
 from preftune.errors import UserError
+
+if TYPE_CHECKING:  # annotations only; arrow is imported where a file is read or written
+    import pyarrow as pa
 
 STRATEGIES = CHOICES["data.pair_strategy"]
 _DATA = DataConfig()  # the pairing defaults; the config dataclass is their one home
@@ -163,6 +162,8 @@ def build_pairs(traces: Sequence[Trace], *, chosen_min: float = _DATA.chosen_min
 
 def _column(values: list, name: str) -> pa.Array:
     """One arrow column; strings and chat messages cannot share a column, so say so."""
+    import pyarrow as pa  # only when pairs are written: reading and building them needs no arrow
+
     kinds = {type(v).__name__ for v in values if v is not None}
     if len(kinds) > 1:
         raise UserError(f"pairs column {name!r} mixes {' and '.join(sorted(kinds))} values; "
@@ -174,6 +175,8 @@ def _column(values: list, name: str) -> pa.Array:
 
 
 def pairs_table(pairs: Sequence[Pair]) -> pa.Table:
+    import pyarrow as pa
+
     cols = {name: _column([getattr(p, name) for p in pairs], name) for name in PAIR_COLUMNS[:3]}
     for name in PAIR_COLUMNS[3:]:
         cols[name] = pa.array([getattr(p, name) for p in pairs], type=pa.float64())
@@ -188,6 +191,10 @@ def write_pairs(pairs: Sequence[Pair], out_path: str) -> None:
     Atomic: a local file is written next to the target and moved over it with os.replace; a
     remote object is uploaded in one put. No half-written output is left on error.
     """
+    import fsspec
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     table = pairs_table(pairs)
     fs, fpath = fsspec.core.url_to_fs(str(out_path))
     if not is_local(fs):

@@ -17,17 +17,15 @@ import os
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import fsspec
-import pyarrow as pa
-import pyarrow.csv as pa_csv
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING, Any
 
 from preftune.config import CHOICES, DataConfig
 from preftune.data import memory
 from preftune.data.messages import is_messages
 from preftune.errors import UserError, one_line
+
+if TYPE_CHECKING:  # annotations only; arrow is imported where a file is read or written
+    import pyarrow as pa
 
 # Extension -> reader. ".json" holds either JSON lines or one JSON array of objects.
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
@@ -170,6 +168,8 @@ def _filesystem(path: str):
     itself. Skipping the instance cache keeps a long-lived process from reusing a client built
     for an old endpoint or expired credentials.
     """
+    import fsspec  # here: a run that reads nothing through it never pays its import
+
     try:
         return fsspec.core.url_to_fs(path, skip_instance_cache=True)
     except (ImportError, ValueError) as e:
@@ -259,6 +259,8 @@ def arrow_input(data: bytes) -> pa.BufferReader:
     pthread_exit, whose unwinding through arrow's noexcept C++ frames calls std::terminate
     ("terminate called without an active exception", exit 134) after the command has answered.
     """
+    import pyarrow as pa  # only for parquet and csv: a jsonl run never imports arrow (restart time)
+
     sink = pa.BufferOutputStream()
     sink.write(data)
     return pa.BufferReader(sink.getvalue())
@@ -266,6 +268,10 @@ def arrow_input(data: bytes) -> pa.BufferReader:
 
 def _read_table(data: bytes, kind: str, text_columns: Sequence[str] | None) -> pa.Table:
     """text_columns: CSV columns kept as text even when they look like numbers (None = all)."""
+    import pyarrow as pa
+    import pyarrow.csv as pa_csv
+    import pyarrow.parquet as pq
+
     if kind == "parquet":
         return pq.read_table(arrow_input(data))
     if text_columns is None:
@@ -294,6 +300,8 @@ def read_rows(fs, fpath: str, text_columns: Sequence[str] | None = ()) -> tuple[
     if kind == "json":
         rows = _read_json_rows(data, where)
         return rows, list(dict.fromkeys(k for r in rows for k in r)) if rows else None
+    import pyarrow as pa
+
     try:
         table = _read_table(data, kind, text_columns)
     except (pa.ArrowException, OSError, ValueError) as e:

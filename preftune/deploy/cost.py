@@ -15,7 +15,6 @@ from pathlib import Path
 
 import yaml
 
-from preftune.data import inspect as commands
 from preftune.data.pairs import pair_options
 from preftune.data.prompts import load_prompts
 from preftune.data.traces import TraceOptions
@@ -111,6 +110,8 @@ class Workload:
 
 def count_samples(cfg) -> int:
     """Prompts (online GRPO), trace groups (offline GRPO), pairs (DPO) or examples (KTO) the config's data gives."""
+    from preftune.data import inspect as commands  # numpy, arrow: not for `preftune train`, whose parser names cost
+
     if cfg.algorithm == "grpo" and cfg.grpo.rollout == "online":
         return len(load_prompts(cfg.data.train, prompt_column=cfg.data.prompt_column))
     report = commands.inspect_report(cfg.data.train, TraceOptions.from_config(cfg.data), **pair_options(cfg.data))

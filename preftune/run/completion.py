@@ -1,11 +1,12 @@
 """A run that knows it is complete, checked before torch is imported.
 
-A run is complete when `final/` was published at step `max_steps` under a config that matches in
-what matters (`resume.MUST_MATCH`): its `MANIFEST.json` (written last, the folder renamed into
-place) says the step, its `preftune.yaml` the config. With `checkpoint_uri` the remote copy
-decides (a fresh node has no local one; a local `final/` whose upload never finished is not done).
-The same command run again then exits 0 at once and touches nothing; a larger `max_steps`
-continues from the end checkpoint every run keeps (`Run._finish`).
+A run is complete when `final/` was published at step `max_steps`: its `MANIFEST.json` (written
+last, the folder renamed into place) says the step, its `preftune.yaml` the config. With
+`checkpoint_uri` the remote copy decides (a fresh node has no local one; a local `final/` whose
+upload never finished is not done). The same command run again then exits 0 at once and touches
+nothing; a larger `max_steps` continues from the end checkpoint every run keeps (`Run._finish`).
+A complete run started again with a config changed in what shapes training is refused as a resume
+is (`resume.check_changes`: exit 78 listing the keys), never reported "already complete".
 """
 from __future__ import annotations
 
@@ -15,40 +16,48 @@ from pathlib import Path
 import yaml
 
 from preftune.config import Config
+from preftune.config.fields import TRAJECTORY
 from preftune.errors import Unavailable
 from preftune.run import checkpoint as ckpt
 from preftune.run.mirror import RemoteMirror
-from preftune.run.resume import CONFIG_FILE, config_differences
+from preftune.run.resume import CONFIG_FILE, check_changes
 
 log = logging.getLogger("preftune")
 FINAL = "final"
 
 
-def _is_complete(manifest_text: str, config_text: str, cfg: Config) -> bool:
+def _is_complete(manifest_text: str, config_text: str, cfg: Config, where: str) -> bool:
+    """final/ is at max_steps; a UserError when the config changed since in what shapes training."""
     try:
         manifest = ckpt.read_manifest(manifest_text)
         saved = yaml.safe_load(config_text)
     except (ValueError, yaml.YAMLError):
         return False
-    return (manifest.get("step") == cfg.max_steps and isinstance(saved, dict)
-            and not config_differences(saved, cfg))
+    if manifest.get("step") != cfg.max_steps or not isinstance(saved, dict):
+        return False
+    changes = check_changes(saved, cfg, f"the finished run {where}")
+    if any(c.kind == TRAJECTORY for c in changes):
+        log.warning("the changes apply to no step: the run ended at max_steps %d (raise it to continue)", cfg.max_steps)
+    return True
 
 
 def _local(final: Path, cfg: Config) -> bool:
     try:
-        return _is_complete((final / ckpt.MANIFEST).read_text(), (final / CONFIG_FILE).read_text(), cfg)
+        manifest, config = (final / ckpt.MANIFEST).read_text(), (final / CONFIG_FILE).read_text()
     except OSError:
         return False
+    return _is_complete(manifest, config, cfg, str(final))
 
 
 def _remote(cfg: Config) -> bool:
     mirror = RemoteMirror(cfg.checkpoint_uri, timeout=cfg.checkpoint_uri_timeout_seconds)
     try:
-        return _is_complete(mirror.read_text(FINAL, ckpt.MANIFEST), mirror.read_text(FINAL, CONFIG_FILE), cfg)
+        manifest, config = mirror.read_text(FINAL, ckpt.MANIFEST), mirror.read_text(FINAL, CONFIG_FILE)
     except (OSError, UnicodeDecodeError, Unavailable) as e:  # not there, or an unreachable remote: not known complete
         if isinstance(e, Unavailable):
             log.warning("%s; going on as if the run were not complete", e)
         return False
+    return _is_complete(manifest, config, cfg, f"{cfg.checkpoint_uri.rstrip('/')}/{FINAL}")
 
 
 def completed(cfg: Config) -> str | None:

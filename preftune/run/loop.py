@@ -44,7 +44,7 @@ from preftune.run.lock import RunLock
 from preftune.run.mirror import RemoteMirror
 from preftune.run.outdir import OutputGuard
 from preftune.run.preemption import Preemption, SharedStop, StepAbandoned, process_handler
-from preftune.run.resume import find_resume_point
+from preftune.run.resume import find_resume_point, record_changes
 from preftune.run.startup import StartupClock, process_start
 
 log = logging.getLogger("preftune")
@@ -123,6 +123,8 @@ class Run:
         if not dp.is_main:  # rank 0 writes metrics, reports and the progress bar
             return
         atomic_write(self.out / "config.yaml", to_yaml(cfg))
+        if self.resumed_from is not None:  # what this resume changed (checked in find_resume_point)
+            record_changes(self.out, self.resumed_from, self.step, cfg)
         # a fresh start drops every old record; a resume keeps those up to its checkpoint
         start = self.step if self.step else -1
         trackers = build_trackers(cfg.log.report_to, self.out, config=redact(to_dict(cfg)), project=cfg.log.project,

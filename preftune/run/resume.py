@@ -6,22 +6,28 @@ resume=auto   the newest local checkpoint that matches its manifest (damaged one
 resume=never  a fresh start; refuses a non-empty output_dir (or remote checkpoints) unless
               overwrite_output_dir, which deletes them.
 resume=PATH   that checkpoint folder, which must match its manifest.
-A checkpoint whose config differs in what matters (MUST_MATCH) is refused with the differences.
+Every key of the config is compared with the one the checkpoint was saved under (its preftune.yaml);
+what a change means is declared with the key (config/schema.py, `resume=`): FREE changes are logged,
+TRAJECTORY changes are refused unless `resume_with_changes` (then logged and recorded in
+OUTPUT_DIR/config_history.jsonl), FIXED changes are refused always.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
 
 from preftune.config import Config, to_dict
+from preftune.config.fields import FIXED, TRAJECTORY, on_resume
 from preftune.config.redact import redact
 from preftune.data import memory
 from preftune.errors import Unavailable, UserError, one_line
-from preftune.rewards import CALLABLE_PREFIX
 from preftune.run import checkpoint as ckpt
 from preftune.run.lock import LOCK
 
@@ -29,23 +35,15 @@ log = logging.getLogger("preftune")
 CONFIG_FILE = "preftune.yaml"  # the run config, inside each checkpoint
 STEP_FILES = (*ckpt.state_files(), CONFIG_FILE)  # what every step checkpoint holds
 
-# What a resume may not change: the model, the algorithm, the batch shape, and what the data is
-# and its order (a data position means nothing against another data set). Anything else may change
-# (max_steps, save_steps, logging, eval, lr, loss options, ...).
-MUST_MATCH = ("algorithm", "seed", "model.name_or_path", "model.dtype", "model.lora",
-              "data.train", "data.prompt_column", "data.response_column", "data.reward_column",
-              "data.shuffle", "data.reward_range", "data.invalid", "data.duplicates", "data.min_reward_threshold",
-              "data.max_prompt_length", "data.prompt_truncation", "data.chosen_min", "data.rejected_max",
-              "data.pair_strategy", "data.max_pairs_per_prompt", "data.min_margin",
-              "grpo.rollout", "grpo.prompts_per_step", "grpo.num_generations", "grpo.num_iterations",
-              "dpo.batch_size", "dpo.loss_type", "kto.batch_size", "kto.loss_type", "kto.max_length",
-              "sft.min_reward", "sft.max_length", "sft.batch_size", "eval.split")
+ON_RESUME = on_resume(Config)  # every key: FREE, TRAJECTORY or FIXED (declared in config/schema.py)
 _PATH_KEYS = (("model", "name_or_path"), ("data", "train"))
+HISTORY = "config_history.jsonl"  # OUTPUT_DIR: one record per resume that went on with a changed config
+_UNSET = object()
 
 
-def _get(d: dict, dotted: str):
+def _get(d: dict, dotted: str, missing=None):
     for part in dotted.split("."):
-        d = d.get(part) if isinstance(d, dict) else None
+        d = d.get(part, missing) if isinstance(d, dict) else missing
     return d
 
 
@@ -61,34 +59,85 @@ def comparable(d: dict) -> dict:
     return d
 
 
-def _python_rewards(d: dict, key: str) -> list[str]:
-    return [s for s in _get(d, key) or () if isinstance(s, str) and s.startswith(CALLABLE_PREFIX)]
-
-
 def checkpoint_config(cfg: Config) -> str:
     return yaml.safe_dump(comparable(to_dict(cfg)), sort_keys=False)
 
 
-def config_differences(saved: dict, cfg: Config) -> list[str]:
-    saved, now = comparable(saved), comparable(to_dict(cfg))
-    diffs = [f"{k}: {_get(saved, k)!r} -> {_get(now, k)!r}" for k in MUST_MATCH if _get(saved, k) != _get(now, k)]
-    # named rewards may change on a resume; Python functions must be handed again, the same ones
-    for key in ("grpo.reward_funcs", "eval.reward_funcs"):
-        was, then = _python_rewards(saved, key), _python_rewards(now, key)
-        if was != then:
-            diffs.append(f"{key} (Python functions): {was!r} -> {then!r}")
-    return diffs
+@dataclass(frozen=True)
+class Change:
+    key: str
+    old: object
+    new: object
+    kind: str  # FREE, TRAJECTORY or FIXED
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.old!r} -> {self.new!r}"
 
 
-def check_compatible(folder: Path, cfg: Config) -> None:
+def config_changes(saved: dict, cfg: Config) -> list[Change]:
+    """Every key whose value in `cfg` differs from the saved config, in declaration order. A key the
+    saved config lacks (written by an older preftune) counts as its default then."""
+    saved, now, default = comparable(saved), comparable(to_dict(cfg)), to_dict(Config())
+    changes = []
+    for key, kind in ON_RESUME.items():
+        old = _get(saved, key, _UNSET)
+        old = _get(default, key) if old is _UNSET else old
+        if old != _get(now, key):
+            changes.append(Change(key, old, _get(now, key), kind))
+    return changes
+
+
+def refused(changes: list[Change], cfg: Config) -> list[Change]:
+    """The changes a resume may not go on with: FIXED always, TRAJECTORY without resume_with_changes."""
+    return [c for c in changes if c.kind == FIXED or (c.kind == TRAJECTORY and not cfg.resume_with_changes)]
+
+
+def refusal(what: str, changes: list[Change], cfg: Config) -> UserError:
+    """One line naming the refusal, one line per changed key (old -> new), then the ways forward."""
+    lines = [f"{c}{' (fixed: cannot change on a resume)' if c.kind == FIXED else ''}" for c in changes]
+    ways = ["a new output_dir", f"resume=never overwrite_output_dir=true (start over in {cfg.output_dir})"]
+    if all(c.kind == TRAJECTORY for c in changes):
+        ways.append(f"resume_with_changes=true (go on with the change; recorded in {HISTORY})")
+    return UserError("\n".join([f"refusing to resume {what}: the config changed in what shapes training:",
+                                 *(f"  {line}" for line in lines), "to go on: " + ", or ".join(ways)]))
+
+
+def read_saved(folder: Path) -> dict:
     try:
         saved = yaml.safe_load((folder / CONFIG_FILE).read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise UserError(f"checkpoint has no readable {CONFIG_FILE}: {one_line(e)}", where=str(folder)) from None
-    diffs = config_differences(saved if isinstance(saved, dict) else {}, cfg)
-    if diffs:
-        raise UserError(f"refusing to resume from {folder}: the config differs in what matters: " + "; ".join(diffs)
-                        + " (use another output_dir, or resume=never with overwrite_output_dir=true)")
+    return saved if isinstance(saved, dict) else {}
+
+
+def check_changes(saved: dict, cfg: Config, what: str) -> list[Change]:
+    """Raise the refusal for changes a resume may not go on with; log the others and return them."""
+    changes = config_changes(saved, cfg)
+    bad = refused(changes, cfg)
+    if bad:
+        raise refusal(what, bad, cfg)
+    for c in changes:
+        if c.kind == TRAJECTORY:
+            log.warning("resuming %s with a changed %s (resume_with_changes)", what, c)
+        else:
+            log.info("resuming %s with a changed %s", what, c)
+    return changes
+
+
+def check_compatible(folder: Path, cfg: Config) -> list[Change]:
+    return check_changes(read_saved(folder), cfg, f"from {folder}")
+
+
+def record_changes(out: Path, folder: Path, step: int, cfg: Config) -> None:
+    """Append what this resume changed against its checkpoint's config to OUTPUT_DIR/config_history.jsonl."""
+    changes = config_changes(read_saved(folder), cfg)
+    if not changes:
+        return
+    record = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "step": step,
+              "checkpoint": str(folder), "resume_with_changes": cfg.resume_with_changes,
+              "changes": {c.key: {"from": c.old, "to": c.new, "kind": c.kind} for c in changes}}
+    with open(out / HISTORY, "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def newest_valid(ckpt_root: Path) -> Path | None:

@@ -3,7 +3,6 @@ import os
 import pyarrow.parquet as pq
 import pytest
 
-from preftune.data import pairs as pairs_mod
 from preftune.data.pairs import Pair, build_pairs, read_pairs, write_pairs
 from preftune.data.traces import Trace
 from preftune.errors import UserError
@@ -119,7 +118,9 @@ def test_write_is_atomic_on_error(tmp_path, monkeypatch):
             f.write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(pairs_mod.pq, "write_table", broken)
+    import pyarrow.parquet as pq  # write_pairs imports it when it writes (a jsonl run never does)
+
+    monkeypatch.setattr(pq, "write_table", broken)
     with pytest.raises(OSError):
         write_pairs([Pair("q", "c", "d", 1.0, 0.0)], str(out))
     assert out.read_bytes() == before and os.listdir(tmp_path) == ["pairs.parquet"]

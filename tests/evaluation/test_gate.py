@@ -1,16 +1,18 @@
 """The gate's decision (lower bound, not the mean; length growth; min reward) and `preftune eval`
-end to end: exit 0 / 1 / 78, eval.json, registry appends only on a pass, same prompts and seeds."""
+end to end: exit 0 / 3 (gate failed) / 1 (crash) / 78, eval.json, registry appends only on a pass, same prompts and seeds."""
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from preftune.cli import main
 from preftune.config import GateConfig
-from preftune.errors import EXIT_USER
+from preftune.errors import EXIT_CRASH, EXIT_GATE_FAILED, EXIT_USER
 from preftune.evaluation.gate import compare, decide
 from preftune.evaluation.registry import read
 from tests.conftest import EVAL_PROMPTS, MODEL_DIR
@@ -86,13 +88,29 @@ def test_eval_pass_writes_eval_json_and_appends_to_the_registry(tmp_path, models
     assert rec["base_model"] and rec["time"]
 
 
-def test_eval_fail_exits_1_with_the_reason_and_registers_nothing(tmp_path, models, capsys):
+def test_eval_fail_exits_3_with_the_reason_and_registers_nothing(tmp_path, models, capsys):
     ckpt, worse = models
     cfg, *ovr = _config(tmp_path, min_improvement=0.05)
-    assert main(["eval", cfg, "--checkpoint", str(worse), "--baseline", str(ckpt), *ovr]) == 1
+    assert EXIT_GATE_FAILED == 3 and EXIT_GATE_FAILED not in (0, EXIT_CRASH, 69, 75, EXIT_USER)
+    assert main(["eval", cfg, "--checkpoint", str(worse), "--baseline", str(ckpt), *ovr]) == EXIT_GATE_FAILED
     report = json.loads((worse / "eval.json").read_text())
     assert report["verdict"] == "fail" and "gate.min_improvement" in report["reason"]
     assert not (tmp_path / "registry.jsonl").exists()
+
+
+def test_an_evaluation_that_crashes_exits_1_not_the_gate_code(tmp_path, models):
+    """A pipeline must tell "the model is worse" (3) from "the evaluation broke" (1): the `preftune`
+    process, with the evaluation raising an unexpected error, exits 1 with a traceback."""
+    ckpt, _ = models
+    cfg, *ovr = _config(tmp_path, min_reward=0.0)
+    code = ("import sys; import preftune.cli.evaluate as ev\n"
+            "def boom(*a, **k): raise RuntimeError('the evaluation broke')\n"
+            "ev.evaluate_model = boom\n"
+            "from preftune.cli import script; script(sys.argv[1:])")
+    proc = subprocess.run([sys.executable, "-c", code, "eval", cfg, "--checkpoint", str(ckpt), *ovr],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == EXIT_CRASH, proc.stderr[-2000:]
+    assert "RuntimeError: the evaluation broke" in proc.stderr and not (ckpt / "eval.json").exists()
 
 
 def test_same_prompts_and_seeds_for_checkpoint_and_baseline(tmp_path, models):

@@ -13,6 +13,7 @@ import pytest
 
 from preftune.algorithms import dpo as dpo_task
 from preftune.config import load_config
+from preftune.errors import UserError
 from preftune.run import completion, loop
 from preftune.run.startup import PHASES, STARTUP_KEYS
 from tests.run.test_resume import (  # noqa: F401 - fixtures used by name
@@ -53,7 +54,8 @@ def test_the_same_config_again_does_nothing(data_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(loop, "Run", None)  # nothing may be built
     assert loop.train(cfg) == final
     other = load_config(None, overrides("online", tmp_path / "run", data_dir, max_steps=2, save_steps=0, seed=1))
-    assert completion.completed(other) is None  # a different run: the resume's own refusal speaks
+    with pytest.raises(UserError, match="seed: 0 -> 1"):  # a different run: refused, not "already complete"
+        completion.completed(other)
     never = load_config(None, overrides("online", tmp_path / "run", data_dir, max_steps=2, resume="never"))
     assert completion.completed(never) is None
 
