@@ -81,3 +81,42 @@ def test_log_metric_averages_over_calls_of_one_step(tmp_path, model_dir):
     recs = [r for r in records(tmp_path / "run") if "loss" in r]
     assert [r["custom/value"] for r in recs] == [1.5, 2.5]
 
+
+# ------------------------------------------------------------------ finding 2: generation_config.json
+
+
+def test_generation_config_reaches_final_checkpoints_and_export(tmp_path, model_dir):
+    from preftune.cli.export import export
+
+    preftune.train({}, overrides=tiny(tmp_path, model_dir, max_steps=2, save_steps=1), train_data=PROMPTS)
+    out = tmp_path / "run"
+    exported = export(out / "checkpoints" / "step-1", tmp_path / "exported")
+    for folder in (out / "final", out / "checkpoints" / "step-1", out / "checkpoints" / "step-2", exported):
+        saved = json.loads((folder / "generation_config.json").read_text())
+        assert {k: saved.get(k) for k in GENERATION} == GENERATION, folder
+
+
+def test_generation_config_with_the_hugging_face_module(tmp_path, model_dir):
+    preftune.train({}, overrides=tiny(tmp_path, model_dir, max_steps=1, **{"model.lean_forward": False}),
+                   train_data=PROMPTS)
+    saved = json.loads((tmp_path / "run" / "final" / "generation_config.json").read_text())
+    assert {k: saved.get(k) for k in GENERATION} == GENERATION
+
+
+# ------------------------------------------------------------------ finding 3: adapters load with from_pretrained
+
+
+def test_lora_adapter_folder_loads_with_from_pretrained(tmp_path, model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    preftune.train({}, overrides=tiny(tmp_path, model_dir, max_steps=1, save_steps=1,
+                                      **{"model.lora.enabled": True, "model.lora.r": 4}), train_data=PROMPTS)
+    adapter = tmp_path / "run" / "checkpoints" / "step-1" / "adapter"
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(model_dir)
+    loaded = AutoModelForCausalLM.from_pretrained(str(adapter))
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "final"))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, merged(ids).logits, atol=1e-5, rtol=1e-5)
+
