@@ -302,6 +302,16 @@ def test_a_loaded_model_object(tmp_path, model_dir):
         preftune.train({}, overrides=tiny(tmp_path, None, "other"), model=3, train_data=PROMPTS)
 
 
+def test_a_model_object_under_torchrun_is_refused_by_every_rank(tmp_path, model_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    monkeypatch.setenv("WORLD_SIZE", "2")  # each rank would write OUTPUT_DIR/base_model at once
+    with pytest.raises(UserError, match=r"^model: a model object under torchrun"):
+        preftune.train({}, overrides=tiny(tmp_path, None), model=model, train_data=PROMPTS)
+    assert not (tmp_path / "run").exists()
+
+
 def test_the_migration_pages_trl_objects_script_runs(tmp_path, monkeypatch):
     """docs/from-trl.md "Your TRL objects": its script as written, 2 steps, into tmp_path."""
     import re

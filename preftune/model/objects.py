@@ -26,6 +26,9 @@ def write_model_object(model: Any, processing_class: Any, output_dir: Path) -> s
         raise UserError("a PEFT model: pass its base model, and the LoraConfig as peft_config", where="model")
     if not (hasattr(model, "save_pretrained") and hasattr(model, "config")):
         raise UserError(f"a {type(model).__name__} is neither a model folder nor a transformers model", where="model")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would write the folder: each raises the same
+        raise UserError("a model object under torchrun: save it (model.save_pretrained(folder)) and pass the folder",
+                        where="model")
     tokenizer = processing_class
     if tokenizer is None:
         source = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
