@@ -13,12 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from preftune.config import Config, apply_override, build_config, read_source
+from preftune.config.trl_config import is_peft_lora, is_trl_config, lora_section
 from preftune.data import memory
 from preftune.errors import UserError
+from preftune.run.callbacks import Callbacks, check_callbacks
 from preftune.run.metrics import read_records
 
 # A callback: cb(step, record) after each logged training step and each evaluation, with the record
 # as written to metrics.jsonl (without "step"). Returning True stops the run at this step boundary.
+# A transformers TrainerCallback gets the Trainer's events instead (run/callbacks.py).
 Callback = Callable[[int, dict], Any]
 
 
@@ -39,27 +42,42 @@ class TrainResult:
         return self.output_dir / "metrics.jsonl"
 
 
-def train(config: str | Path | dict | Config, *, overrides: Sequence[str] | Mapping[str, Any] = (),
+def train(config: Any, *, overrides: Sequence[str] | Mapping[str, Any] = (),
           reward_funcs: Sequence[str | Callable] | None = None, train_data: Any = None, eval_data: Any = None,
-          callbacks: Sequence[Callback] | None = None) -> TrainResult:
+          callbacks: Sequence[Any] | None = None, peft_config: Any = None, model: Any = None,
+          processing_class: Any = None) -> TrainResult:
     """Train as `preftune train CONFIG KEY=VALUE...` does, and return what it produced.
 
-    config: a YAML path, a nested dict or a `Config`. overrides: `["grpo.beta=0.04", ...]` as on the
-    command line, or `{"grpo.beta": 0.04}`. reward_funcs: TRL-contract functions and/or the names the
-    config accepts; replaces `grpo.reward_funcs`. train_data / eval_data: a `datasets.Dataset`, a pandas
-    DataFrame or a list of dicts in place of `data.train` / `data.eval`. Raises `UserError` for what
-    the command line reports with exit 78 and `Preempted` after a signal-triggered checkpoint.
+    config: a YAML path, a nested dict, a `Config`, one algorithm's section (`preftune.DPOConfig(...)`)
+    or a TRL `GRPOConfig`/`DPOConfig`/`KTOConfig`/`SFTConfig` (translated, its table printed).
+    overrides: `["grpo.beta=0.04", ...]` as on the command line, or `{"grpo.beta": 0.04}`. reward_funcs:
+    TRL-contract functions and/or the names the config accepts; replaces `grpo.reward_funcs`. train_data /
+    eval_data: a `datasets.Dataset`, a pandas DataFrame or a list of dicts in place of `data.train` /
+    `data.eval`. callbacks: functions `cb(step, metrics)` and transformers `TrainerCallback`s.
+    peft_config: a `peft.LoraConfig` (or a `model.lora` mapping). model: a model folder, or a loaded
+    transformers model (written once to OUTPUT_DIR/base_model; its tokenizer is `processing_class`, else
+    read from the folder it was loaded from). Raises `UserError` for what the command line reports with
+    exit 78 and `Preempted` after a signal-triggered checkpoint.
     """
     from preftune.rewards import registry  # torch: imported by the call, not by `import preftune.api`
 
+    callbacks = check_callbacks(callbacks)  # a wrong object fails now, not after the model has loaded
     data, config_dir = read_source(config)
+    if peft_config is not None:
+        lora = lora_section(peft_config) if is_peft_lora(peft_config) else peft_config
+        if not isinstance(lora, Mapping):
+            raise UserError(f"expected a peft.LoraConfig or a mapping of model.lora keys, got a "
+                            f"{type(lora).__name__}", where="peft_config")
+        data.setdefault("model", {})["lora"] = {"enabled": True, **lora}
+    if model is not None:
+        data.setdefault("model", {})["name_or_path"] = model
     _apply_overrides(data, overrides)
     with _scoped(memory.TABLES, registry.CALLABLES):
-        cfg = _with_objects(data, config_dir, reward_funcs, train_data, eval_data)
-        return run(cfg, callbacks=callbacks or ())
+        cfg = _with_objects(data, config_dir, reward_funcs, train_data, eval_data, processing_class)
+        return run(cfg, callbacks=Callbacks(callbacks, cfg, args=config if is_trl_config(config) else None))
 
 
-def run(cfg: Config, *, callbacks: Sequence[Callback] = ()) -> TrainResult:
+def run(cfg: Config, *, callbacks: Any = ()) -> TrainResult:
     """Run a validated config; functions and tables it names must be registered (see `train`)."""
     from preftune.rewards.registry import check_callables
     from preftune.run.loop import train as train_loop
@@ -95,10 +113,20 @@ def _apply_overrides(data: dict, overrides: Sequence[str] | Mapping[str, Any]) -
         apply_override(data, assignment)
 
 
-def _with_objects(data: dict, config_dir: str, reward_funcs, train_data, eval_data) -> Config:
+def _with_objects(data: dict, config_dir: str, reward_funcs, train_data, eval_data, processing_class=None) -> Config:
     """The config with Python objects (given as arguments or as config values) replaced by the names
-    that stand for them: `callable:<module>.<qualname>` and `in-memory:<name>@<hash>`."""
+    that stand for them: `callable:<module>.<qualname>`, `in-memory:<name>@<hash>`, and a loaded
+    model by the folder it is written to."""
     from preftune.rewards.registry import register_callables
+
+    section = data.get("model")
+    if isinstance(section, dict) and not isinstance(section.get("name_or_path", ""), (str, Path)):
+        from preftune.model.objects import write_model_object
+
+        out = Path(str(data.get("output_dir") or Config().output_dir))
+        section["name_or_path"] = write_model_object(section["name_or_path"], processing_class, out)
+    elif isinstance(section, dict) and isinstance(section.get("name_or_path"), Path):
+        section["name_or_path"] = str(section["name_or_path"])
 
     if reward_funcs is not None:
         if isinstance(reward_funcs, str) or callable(reward_funcs):

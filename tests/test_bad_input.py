@@ -223,9 +223,10 @@ def test_corrupt_model_weights(capsys, config, out, tmp_path, damage):
 
 
 def _raising_reward(tmp_path: Path, when: str) -> str:
-    """A reward that raises on its first call ('first'), or only at training time ('train': the
-    step-0 evaluation passes step 0 in trainer_state, the first training batch step 1)."""
-    cond = "True" if when == "first" else "trainer_state.global_step >= 1"
+    """A reward that raises on its first call ('first'), or only at training time ('train': a training
+    batch repeats each prompt for its group, the greedy evaluation scores each prompt once; both see
+    global_step 0, as TRL passes it)."""
+    cond = "True" if when == "first" else "len(set(map(str, kw['prompts']))) < len(completions)"
     (tmp_path / "rw.py").write_text(
         "def flaky(completions, trainer_state=None, **kw):\n"
         f"    if {cond}:\n        raise ValueError('cannot grade')\n    return [0.0] * len(completions)\n")

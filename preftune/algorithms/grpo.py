@@ -28,7 +28,7 @@ from preftune.losses.advantages import group_advantages, group_spread, nanmean
 from preftune.losses.grpo import CLIP_KEYS, batch_normaliser
 from preftune.losses.sampling import importance_weights, mismatch_stats
 from preftune.model.logps import Rows, completion_logps, microbatches
-from preftune.rewards.registry import load_reward_funcs
+from preftune.rewards.registry import RewardLog, load_reward_funcs
 from preftune.rollout.offline import OfflineSource
 from preftune.rollout.online import OnlineSource
 from preftune.rollout.sampler import Rollout
@@ -82,7 +82,7 @@ def reward_metrics(s: Scored, lengths: torch.Tensor, truncated: torch.Tensor) ->
     m["frac_reward_zero_std"] = (spread == 0).float().mean().item() if spread.numel() else 0.0
     m["completion_length"] = lengths.float().mean().item()
     m["completions/clipped_ratio"] = truncated.float().mean().item()
-    return m | s.extra
+    return m | s.extra | s.log.record()
 
 
 def global_view(s: Scored, dp) -> tuple[Scored, torch.Tensor, torch.Tensor, int]:
@@ -90,13 +90,16 @@ def global_view(s: Scored, dp) -> tuple[Scored, torch.Tensor, torch.Tensor, int]
     ranks), plus completion lengths and truncation flags (N,), and where this rank's rows start."""
     ro = s.rollout
     mine = (s.total.cpu(), s.per_func.cpu(), list(s.group_sizes), ro.completion_mask.sum(-1).cpu(), ro.truncated.cpu(),
-            list(s.names))
+            list(s.names), s.log)
     parts = dp.gather(mine) if dp.active else [mine]
     names = next((p[5] for p in parts if p[5]), s.names)  # a rank with no rows may not know them
     offset = sum(p[0].numel() for p in parts[:dp.rank])
     total, per_func = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     sizes = [g for p in parts for g in p[2]]
-    whole = Scored(None, per_func, total, names, sizes, s.extra)
+    logged = RewardLog()  # what the reward functions logged on every rank: TRL's mean over all of it
+    for p in parts:
+        logged.add(p[6])
+    whole = Scored(None, per_func, total, names, sizes, s.extra, logged)
     return whole, torch.cat([p[3] for p in parts]), torch.cat([p[4] for p in parts]), offset
 
 

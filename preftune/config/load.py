@@ -2,6 +2,7 @@
 that tie keys together. `load_config(path, overrides)` is the entry point."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from pathlib import Path
@@ -11,7 +12,8 @@ import yaml
 from preftune.config.deploy import check_deploy
 from preftune.config.fields import check_section, check_value, from_dict, keys, to_dict
 from preftune.config.redact import redact
-from preftune.config.schema import TRACKERS, Config
+from preftune.config.schema import TRACKERS, Config, DPOConfig, GRPOConfig, KTOConfig, SFTConfig
+from preftune.config.trl_config import is_peft_lora, is_trl_config, lora_section, translate
 from preftune.errors import UserError
 
 
@@ -114,14 +116,34 @@ def check_output_dir(output_dir: str) -> None:
             break
 
 
-def read_source(source: str | Path | dict | Config | None) -> tuple[dict, str]:
-    """(nested dict, folder relative paths are read from) of a YAML file, a dict or a Config."""
+def read_source(source) -> tuple[dict, str]:
+    """(nested dict, folder relative paths are read from) of a YAML file, a dict, a Config, one
+    algorithm's section (`GRPOConfig(...)`: that algorithm with those keys) or a TRL config object
+    (translated field by field, config/trl_config.py, with its table printed)."""
     if source is None:
         return {}, "."
     if isinstance(source, Config):
         return _copy_tree(to_dict(source)), source.config_dir
     if isinstance(source, dict):
-        return _copy_tree(source), "."
+        data = _copy_tree(source)
+        lora = (data.get("model") or {}).get("lora") if isinstance(data.get("model"), dict) else None
+        if is_peft_lora(lora):  # a peft.LoraConfig as the model.lora section
+            data["model"]["lora"] = lora_section(lora, "model.lora")
+        return data, "."
+    if is_trl_config(source):
+        data, report = translate(source)
+        print(report)
+        return data, "."
+    algorithm = {GRPOConfig: "grpo", DPOConfig: "dpo", KTOConfig: "kto", SFTConfig: "sft"}.get(type(source))
+    if algorithm is not None:
+        return {"algorithm": algorithm, algorithm: _copy_tree(to_dict(source))}, "."
+    if dataclasses.is_dataclass(source) and type(source).__module__ == "preftune.config.schema":
+        name = type(source).__name__
+        raise UserError(f"a {name} is one section of a config; pass preftune.Config(...) holding it, a dict, "
+                        "or a YAML path", where="config")
+    if not isinstance(source, (str, os.PathLike)):
+        raise UserError(f"expected a YAML path, a dict, a preftune.Config or a TRL GRPOConfig/DPOConfig/KTOConfig/"
+                        f"SFTConfig, got a {type(source).__name__}", where="config")
     path = Path(source)
     try:
         data = yaml.load(path.read_text(), Loader=_StrictLoader) or {}

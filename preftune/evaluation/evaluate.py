@@ -2,7 +2,7 @@
 the reward functions; the per-prompt results and their summary (used in training and by `preftune eval`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,7 +13,7 @@ from preftune.data.tokenize import PromptTruncation
 from preftune.data.traces import TraceOptions
 from preftune.evaluation.stats import is_binary, pass_and_mean_at_k
 from preftune.losses.advantages import nanmean
-from preftune.rewards.registry import RewardState, load_reward_funcs
+from preftune.rewards.registry import RewardLog, RewardState, load_reward_funcs
 from preftune.rollout.online import encode_prompts, score
 from preftune.rollout.sampler import sample
 
@@ -24,6 +24,7 @@ class EvalResult:
     total: torch.Tensor  # (n, k) weighted summed reward; NaN = no function applied
     per_func: torch.Tensor  # (n, k, F); NaN = not applicable
     lengths: torch.Tensor  # (n, k) completion tokens (up to and including EOS)
+    log: RewardLog = field(default_factory=RewardLog)  # what the reward functions logged (log_metric, log_extra)
 
     @classmethod
     def empty(cls, k: int) -> "EvalResult":
@@ -34,7 +35,11 @@ class EvalResult:
     def merge(cls, parts: list["EvalResult"]) -> "EvalResult":
         """The parts' prompts in order (each rank's share, gathered in rank order) as one result."""
         full = [r for r in parts if r.total.size(0)] or parts[:1]
-        return cls(full[0].names, *(torch.cat([getattr(r, f) for r in full]) for f in ("total", "per_func", "lengths")))
+        log = RewardLog()
+        for r in parts:
+            log.add(r.log)
+        return cls(full[0].names, *(torch.cat([getattr(r, f) for r in full]) for f in ("total", "per_func", "lengths")),
+                   log)
 
 
 @torch.no_grad()
@@ -49,7 +54,7 @@ def generate_scored(model, tokenizer, prompt_set, reward_funcs, *, weights, max_
     k = num_samples if sampling is not None else 1
     if share is None:
         share = slice(0, len(prompt_set))
-    totals, per_func, lengths, names = [], [], [], []
+    totals, per_func, lengths, names, log = [], [], [], [], RewardLog()
     for start in range(share.start, share.stop, batch_size):
         idx = list(range(start, min(start + batch_size, share.stop)))
         kept = []
@@ -69,16 +74,18 @@ def generate_scored(model, tokenizer, prompt_set, reward_funcs, *, weights, max_
         per_func.append(s.per_func.view(len(ids), k, -1))
         lengths.append(ro.completion_mask.sum(-1).view(-1, k).cpu().float())
         names = s.names
+        log.add(s.log)
     if not totals:
         return EvalResult.empty(k)
-    return EvalResult(list(names), torch.cat(totals), torch.cat(per_func), torch.cat(lengths))
+    return EvalResult(list(names), torch.cat(totals), torch.cat(per_func), torch.cat(lengths), log)
 
 
 def summarize(r: EvalResult, prefix: str = "eval/") -> dict:
     """Mean reward, per function, mean completion length; with k > 1 samples, pass@k and mean@k of
-    every 0/1 reward (the total and each function)."""
+    every 0/1 reward (the total and each function); what the reward functions logged, under the prefix."""
     out = {f"{prefix}reward": nanmean(r.total), f"{prefix}num_prompts": r.total.size(0),
            f"{prefix}completion_length": r.lengths.mean().item()}
+    out |= {f"{prefix}{k}": v for k, v in r.log.record().items()}
     for j, name in enumerate(r.names):
         out[f"{prefix}reward/{name}"] = nanmean(r.per_func[..., j])
     k = r.total.size(1)
@@ -148,7 +155,8 @@ def build_evaluator(cfg, tokenizer, dp=None, engine=None):
 
     def run(model, step: int) -> dict:
         return evaluate(model, tokenizer, prompt_set, funcs, weights=weights, max_new_tokens=max_new,
-                        batch_size=cfg.eval.batch_size, truncation=truncation, state=RewardState(global_step=step),
+                        batch_size=cfg.eval.batch_size, truncation=truncation,
+                        state=RewardState(global_step=step, max_steps=cfg.max_steps),
                         dp=dp, engine=engine)
 
     return run

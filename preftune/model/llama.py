@@ -128,6 +128,8 @@ class Decoder(nn.Module):
 class Llama(nn.Module):
     """A Llama-family causal LM. `autocast_dtype`: bf16 compute over float32 master weights."""
 
+    generation_config = None  # the folder's GenerationConfig (model/load.py), written back by save_pretrained
+
     def __init__(self, config, *, autocast_dtype: torch.dtype | None = None):
         super().__init__()
         like = _hf_layout(config)

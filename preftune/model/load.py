@@ -120,6 +120,9 @@ def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True, weights: 
         raise UserError(f"cannot load model: {one_line(e, with_type=True)}", where=path) from None
     if mixed and not isinstance(model, Llama):
         _MIXED[model] = torch.bfloat16
+    generation = _generation_config(path)
+    if generation is not None:  # its stop ids and sampling defaults travel into every folder saved
+        model.generation_config = generation
     if not trainable:
         model.eval().requires_grad_(False)
         return model
@@ -129,9 +132,28 @@ def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True, weights: 
         for block in model.model.layers:  # per block, as FSDP2 wraps them: one graph serves every layer
             block.compile()
     if cfg.lora.enabled:
-        model = _wrap_lora(model, cfg)
+        model = _wrap_lora(model, cfg, path)
     model.train()
     return model
+
+
+def _generation_config(path: str):
+    """The folder's generation_config.json (a `GenerationConfig`), or None without one."""
+    from transformers import GenerationConfig
+
+    if not os.path.isfile(os.path.join(path, "generation_config.json")):
+        return None
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read generation_config.json: {one_line(e)}", where=path) from None
+
+
+def save_generation_config(model, out: str | Path) -> None:
+    """The model's generation config (from its folder) as OUT/generation_config.json, when it has one."""
+    generation = getattr(base_module(model), "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(str(out))
 
 
 def _checkpoint_blocks(model) -> None:
@@ -177,7 +199,7 @@ def to_device(host, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def _wrap_lora(model, cfg: ModelConfig):
+def _wrap_lora(model, cfg: ModelConfig, path: str):
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
@@ -187,7 +209,10 @@ def _wrap_lora(model, cfg: ModelConfig):
         targets = list(PROJECTIONS)
     lcfg = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                       target_modules=targets, task_type=None if own else "CAUSAL_LM")
-    return get_peft_model(model, lcfg)
+    wrapped = get_peft_model(model, lcfg)
+    # adapter_config.json names the base, as PEFT and TRL write it: from_pretrained(adapter folder) finds it
+    wrapped.peft_config["default"].base_model_name_or_path = os.path.abspath(path)
+    return wrapped
 
 
 def save_pretrained(model, tokenizer, out: str | Path, *, dtype: str | None = None) -> None:
@@ -201,6 +226,7 @@ def save_pretrained(model, tokenizer, out: str | Path, *, dtype: str | None = No
     if dtype is not None and DTYPES[dtype] != next(to_save.parameters()).dtype:
         state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in to_save.state_dict().items()}
     to_save.save_pretrained(str(out), safe_serialization=True, state_dict=state)
+    save_generation_config(to_save, out)
     if state is not None:  # transformers writes the in-memory dtype into config.json
         cfg_file = Path(out) / "config.json"
         cfg_json = json.loads(cfg_file.read_text())

@@ -21,7 +21,7 @@ import inspect
 import numbers
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +48,61 @@ class RewardState:
 
 
 @dataclass
+class RewardLog:
+    """What reward functions log through TRL's `log_metric(name, value)` and `log_extra(column, values)`:
+    per metric the sum and count of its values (TRL logs their mean), per column its values in order."""
+
+    metrics: dict[str, list[float]] = field(default_factory=dict)  # name -> [sum, count]
+    columns: dict[str, list] = field(default_factory=dict)
+
+    def metric(self, name: str, value: float) -> None:
+        if not isinstance(value, numbers.Real) and not (isinstance(value, torch.Tensor) and value.numel() == 1):
+            raise UserError(f"log_metric({name!r}, ...) needs one number, got {type(value).__name__}")
+        total = self.metrics.setdefault(str(name), [0.0, 0])
+        total[0] += float(value)
+        total[1] += 1
+
+    def extra(self, column: str, values: Sequence[Any]) -> None:
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise UserError(f"log_extra({column!r}, ...) needs a list of values, got {type(values).__name__}")
+        self.columns.setdefault(str(column), []).extend(_plain(v) for v in values)
+
+    def add(self, other: "RewardLog") -> "RewardLog":
+        """This log and `other` (a later round, another rank) together."""
+        for name, (s, n) in other.metrics.items():
+            total = self.metrics.setdefault(name, [0.0, 0])
+            total[0] += s
+            total[1] += n
+        for column, values in other.columns.items():
+            self.columns.setdefault(column, []).extend(values)
+        return self
+
+    def record(self) -> dict:
+        """The metrics.jsonl entries: each metric's mean under its own name (as TRL logs it), each column's
+        values as `extra/<column>`."""
+        return {**{k: s / n for k, (s, n) in self.metrics.items() if n},
+                **{f"extra/{k}": v for k, v in self.columns.items()}}
+
+
+def _plain(v: Any) -> Any:
+    """A logged value as JSON holds it: numbers, strings, booleans, None; anything else as its text."""
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        v = v.item()
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, numbers.Real):
+        return float(v)
+    return str(v)
+
+
+@dataclass
 class RewardResult:
     per_func: torch.Tensor  # (N, F) float32, NaN where a function returned None
     total: torch.Tensor  # (N,) weighted nansum over functions, NaN where every function returned None
     names: list[str]  # F metric names, unique
+    log: RewardLog = field(default_factory=RewardLog)  # what the functions logged (log_metric, log_extra)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,11 +286,8 @@ def as_completions(prompts: Sequence[Any], texts: Sequence[str]) -> list[Any]:
     return list(texts)
 
 
-def _noop(*args, **kwargs) -> None:
-    return None
-
-
-def _reward_kwargs(columns: Mapping[str, Sequence[Any]], n: int, extra_kwargs: Mapping[str, Any] | None) -> dict:
+def _reward_kwargs(columns: Mapping[str, Sequence[Any]], n: int, extra_kwargs: Mapping[str, Any] | None,
+                   log: RewardLog) -> dict:
     kwargs: dict[str, Any] = {}
     for key, values in columns.items():
         if key in _DROPPED_COLUMNS:
@@ -249,8 +297,8 @@ def _reward_kwargs(columns: Mapping[str, Sequence[Any]], n: int, extra_kwargs: M
         if len(values) != n:
             raise ValueError(f"column '{key}' has {len(values)} values for {n} completions")
         kwargs[key] = list(values)
-    # TRL passes these on every call; defaults keep TRL reward functions that use them working.
-    kwargs.update(trainer_state=RewardState(), log_extra=_noop, log_metric=_noop)
+    # TRL passes these on every call: what the functions log comes back in RewardResult.log
+    kwargs.update(trainer_state=RewardState(), log_extra=log.extra, log_metric=log.metric)
     kwargs.update(extra_kwargs or {})
     return kwargs
 
@@ -323,7 +371,8 @@ def compute_rewards(
     per_func[i, k] = f_k(...)[i] (NaN for None); total[i] = sum_k w_k * per_func[i, k] over the
     non-NaN entries (TRL's weighted `nansum`), and NaN when every function returned None for row i
     (TRL 1.16 marks such rows unscorable). `columns` hold one value per completion; `extra_kwargs`
-    (e.g. `trainer_state`, `log_metric`) override the defaults passed to every function.
+    (e.g. `trainer_state`) override the defaults passed to every function. What the functions log with
+    `log_metric` / `log_extra` is returned in `log`.
     """
     n = len(completions)
     if not funcs:
@@ -331,14 +380,15 @@ def compute_rewards(
     if len(prompts) != n or len(completion_ids) != n:
         raise ValueError(f"got {len(prompts)} prompts, {n} completions, {len(completion_ids)} completion_ids")
     w = _weights_tensor(weights, len(funcs))  # (F,)
-    kwargs = _reward_kwargs(columns, n, extra_kwargs)
+    log = RewardLog()
+    kwargs = _reward_kwargs(columns, n, extra_kwargs, log)
     names = _unique([reward_name(f) for f in funcs])
     args = dict(prompts=list(prompts), completions=list(completions), completion_ids=list(completion_ids), **kwargs)
     cols = [_to_column(_call_reward(f, name, args), name, n) for f, name in zip(funcs, names)]
     per_func = torch.tensor(cols, dtype=torch.float32).reshape(len(funcs), n).T.contiguous()  # (N, F)
     total = (per_func * w.unsqueeze(0)).nansum(dim=1)  # (N,)
     total[torch.isnan(per_func).all(dim=1)] = torch.nan
-    return RewardResult(per_func=per_func, total=total, names=names)
+    return RewardResult(per_func=per_func, total=total, names=names, log=log)
 
 
 def load_reward_funcs(specs: Sequence[str], grpo, base_dir: str | Path = ".", device: Any = "cpu") -> list[Callable]:

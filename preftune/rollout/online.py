@@ -12,7 +12,7 @@ from preftune.data.tokenize import PromptTruncation, encode_prompt
 from preftune.distributed import Parallel
 from preftune.errors import UserError
 from preftune.losses.advantages import group_spread
-from preftune.rewards.registry import RewardState, as_completions, compute_rewards
+from preftune.rewards.registry import RewardLog, RewardState, as_completions, compute_rewards
 from preftune.rollout.sampler import Rollout, concat, sample, select
 from preftune.rollout.scored import Scored
 
@@ -53,7 +53,7 @@ def score(tokenizer, reward_funcs, ro: Rollout, prompts: list, columns: dict, G:
     completions, comp_ids = completion_texts(tokenizer, ro, rep_prompts)
     res = compute_rewards(reward_funcs, rep_prompts, completions, comp_ids, rep_cols, weights=weights,
                           extra_kwargs={"trainer_state": state})
-    return Scored(ro, res.per_func, res.total, list(res.names), [G] * len(prompts))
+    return Scored(ro, res.per_func, res.total, list(res.names), [G] * len(prompts), log=res.log)
 
 
 def empty_scored(n_funcs: int, with_logps: bool = False) -> Scored:
@@ -129,13 +129,16 @@ class OnlineSource:
     def make_batch(self, model, step: int) -> Scored:
         """One generation batch. With dynamic sampling (DAPO), groups whose rewards are all equal are
         dropped and new prompts sampled until the batch is full or `max_resample_rounds` is spent."""
-        self.state.global_step, self.step, self.rounds = step, step, 0
+        # TRL's trainer_state.global_step counts the optimiser steps done: 0 while step 1 is built
+        self.state.global_step, self.step, self.rounds = step - 1, step, 0
         G, want = self.cfg.num_generations, self.cfg.prompts_per_step
         kept: list[Scored] = []
         n_groups, rounds, dropped, last = 0, 0, 0, None  # n_groups, dropped: over all ranks
+        logged = RewardLog()  # every round's calls, dropped groups' included: the functions ran on them
         while n_groups < want:
             s = self._round(model, want - n_groups)
             last, rounds = s, rounds + 1  # rounds: generation rounds done (1 = no resampling)
+            logged.add(s.log)
             if self.cfg.dynamic_sampling:
                 spread = group_spread(s.total, s.group_sizes) > 0  # (b,)
                 dropped += int(self.dp.sum(int((~spread).sum()))[0])
@@ -156,7 +159,7 @@ class OnlineSource:
         ro = select(concat([k.rollout for k in kept], self.tok.pad_token_id), list(range(n)))
         names = next((k.names for k in kept if k.names), last.names)
         out = Scored(ro, torch.cat([k.per_func for k in kept])[:n], torch.cat([k.total for k in kept])[:n],
-                     names, [G] * (n // G))
+                     names, [G] * (n // G), log=logged)
         if self.cfg.dynamic_sampling:
             out.extra = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/dropped_groups": dropped}
         return out

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from preftune.rewards.registry import RewardLog
 from preftune.rollout.sampler import Rollout
 
 
@@ -16,3 +17,4 @@ class Scored:
     names: list[str]
     group_sizes: list[int]  # rows per prompt, group-contiguous
     extra: dict = field(default_factory=dict)
+    log: RewardLog = field(default_factory=RewardLog)  # the reward functions' log_metric / log_extra

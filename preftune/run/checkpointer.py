@@ -34,7 +34,7 @@ from preftune import distributed as dist
 from preftune.errors import CheckpointDamaged, Unavailable, UserError, one_line
 from preftune.tensorfile import TensorFileError
 from preftune.model.llama import weight_files
-from preftune.model.load import load_model, save_pretrained
+from preftune.model.load import load_model, save_generation_config, save_pretrained
 from preftune.run import checkpoint as ckpt
 from preftune.run.resume import CONFIG_FILE, checkpoint_config
 
@@ -154,6 +154,7 @@ class Checkpointer:
             own["optimizer"] = dist.optimizer_state(model, self.optimizer)
         self.tokenizer.save_pretrained(str(tmp))
         model.config.save_pretrained(str(tmp))
+        save_generation_config(model, tmp)
         ckpt.save_state(tmp, {"step": step, "world_size": dp.world, **own, **(extra or {})})
         (tmp / CONFIG_FILE).write_text(checkpoint_config(self.cfg))
         if metrics_path is not None and metrics_path.is_file():

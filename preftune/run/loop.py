@@ -35,6 +35,7 @@ from preftune.algorithms.kto import KTOTask
 from preftune.algorithms.sft import SFTTask
 from preftune.distributed import Parallel
 from preftune.evaluation.evaluate import build_evaluator
+from preftune.run.callbacks import Callbacks
 from preftune.run.completion import completed
 from preftune.run.host_memory import keep_freed_memory
 from preftune.run.loggers import build_trackers
@@ -81,9 +82,10 @@ class Run:
         self.cfg, self.lock = cfg, lock  # lock: rank 0's hold on output_dir (run/lock.py), else None
         self.dp = dp = dp or Parallel()
         self.clock = clock = clock or StartupClock()
-        # called as cb(step, record) after each logged record; returning True stops the run at this step
-        self.callbacks = list(callbacks)
-        self.stop_asked = False
+        # functions cb(step, record) and TrainerCallbacks (run/callbacks.py), on rank 0
+        self.callbacks = callbacks if isinstance(callbacks, Callbacks) else Callbacks(callbacks, cfg)
+        if not dp.is_main:
+            self.callbacks = Callbacks((), cfg)
         self.tracker_state: dict | None = None  # tracker run ids from the checkpoint
         self.evaluated: int | None = None  # the step of the latest evaluation
         self.out = Path(cfg.output_dir)
@@ -105,6 +107,7 @@ class Run:
         self.task = build_task(cfg, self.model, self.tokenizer, self.device, dp)
         self.evaluator = build_evaluator(cfg, self.tokenizer, dp, engine=getattr(self.task, "engine", None))
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optim)
+        self.callbacks.bind(model=self.model, processing_class=self.tokenizer, optimizer=self.optimizer)
         self.checkpointer = Checkpointer(cfg, dp, model=self.model, tokenizer=self.tokenizer, optimizer=self.optimizer,
                                          task=self.task, mirror=self.mirror, lock=lock)
         if dp.is_main:
@@ -150,6 +153,7 @@ class Run:
             extra, path = {"trackers": self.metrics.state_dict()}, self.metrics.path
         folder = self.checkpointer.save(self.step, path, extra)
         self.saved_step = self.step
+        self.callbacks.event("on_save", self.step)
         return folder
 
     def _eval(self) -> None:
@@ -165,9 +169,7 @@ class Run:
         if self.metrics is None:  # not rank 0: every rank holds the same reduced metrics
             return
         record = self.metrics.log(self.step, m, advance=advance)
-        for cb in self.callbacks:
-            if cb(self.step, {k: v for k, v in record.items() if k != "step"}) is True:
-                self.stop_asked = True
+        self.callbacks.log(self.step, {k: v for k, v in record.items() if k != "step"}, evaluation=not advance)
 
     def _one_step(self, stop: Preemption) -> dict:
         self.step += 1
@@ -217,7 +219,7 @@ class Run:
     def _callback_stop(self) -> bool:
         """A callback (rank 0's) asked to stop, or rank 0 lost its lock on output_dir (the save that
         follows refuses to publish, exit 78): every rank stops at the same step."""
-        asked = self.stop_asked or (self.lock is not None and not self.lock.held)
+        asked = self.callbacks.stop or (self.lock is not None and not self.lock.held)
         return self.dp.any(asked) if self.dp.active else asked
 
     def _everywhere(self, ok: bool) -> bool:
@@ -226,15 +228,18 @@ class Run:
 
     def _run(self, stop: Preemption) -> Path:
         cfg = self.cfg
+        self.callbacks.event("on_train_begin", self.step)
         if self.resumed_from is None:
             self._eval()  # step 0; a resumed run has this record already
         self.clock.mark("eval")
         self.startup = self.clock.report()
         stop.training()
         while self.step < cfg.max_steps and not stop.requested and not self._callback_stop():
+            self.callbacks.event("on_step_begin", self.step)
             m = self._try_step(stop)
             if m is None:
                 break
+            self.callbacks.event("on_step_end", self.step)
             if self.on_first_step is not None:
                 self.on_first_step()
                 self.on_first_step = None
@@ -276,6 +281,7 @@ class Run:
             self._close_metrics("failed")
             raise Unavailable(f"the run finished at step {self.step} (model in {final}), but {missing}; "
                               "run again to upload (the run resumes from its end checkpoint)")
+        self.callbacks.event("on_train_end", self.step)
         stop.complete()
         self._close_metrics()
         return final

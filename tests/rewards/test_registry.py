@@ -181,6 +181,7 @@ def test_contract_arguments_columns_and_chat_completions():
     assert seen["answer"] == ["4", "4"] and seen["ids"] == [[7], [8, 9]] and seen["step"] == 5
     assert seen["extra"] == {"level": [1, 2]}  # `prompt` is dropped like TRL does
     assert res.total.tolist() == [0.0, 1.0]
+    assert res.log.record() == {"m": 1.0, "extra/col": [1, 2]}  # what the function logged comes back
     assert as_completions(["plain"], ["t"]) == ["t"]
 
 
