@@ -176,3 +176,14 @@ def test_the_plans_copies_of_model_facts_match_their_homes():
     assert planner.CHUNK_ELEMENTS == head.CHUNK_ELEMENTS
     assert planner.PROJECTIONS == llama.PROJECTIONS
     assert planner.OWN_MODEL_TYPES == llama.ARCHITECTURES
+
+
+def test_cpu_plan_is_per_process_against_this_machines_memory(capsys):
+    code, out, _ = run(capsys, "plan", ROOT / "examples" / "grpo.yaml", "--cpu", "--nproc", "2", "--json")
+    plan = json.loads(out)
+    total = next(int(line.split()[1]) * 1024 / 1e9 for line in open("/proc/meminfo") if line.startswith("MemTotal"))
+    assert code == 0 and "gpu" not in plan and "time" not in plan
+    assert plan["process"]["capacity_gb"] == pytest.approx(total / 2, abs=1e-3)
+    assert plan["job"]["ranks"] == 2 and plan["job"]["strategy"] == "fsdp"
+    rank0_load = _terms(plan, "load")
+    assert rank0_load["weights as stored (read)"] == rank0_load["model being built"] > 0  # float32 files
