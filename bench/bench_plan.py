@@ -23,6 +23,10 @@ EXAMPLES = ROOT / "examples"
 # hidden, layers (intermediate 4 x hidden, 4 heads, 2 key/value heads, the examples' 259-token vocabulary)
 SIZES = {"s": (512, 4), "m": (768, 6), "l": (1024, 6)}
 CASES = {  # algorithm and overrides of each workload: two short steps, final/ written
+    # examples/grpo.yaml's batch: 256 completions of 4 tokens in one micro-batch (activations dominate)
+    "grpo-demo": ["algorithm=grpo", "data.train=DATA/train_prompts.jsonl", "grpo.prompts_per_step=16",
+                  "grpo.num_generations=16", "grpo.micro_batch_size=256", "grpo.max_completion_length=4",
+                  "data.max_prompt_length=16"],
     "grpo": ["algorithm=grpo", "data.train=DATA/train_prompts.jsonl", "grpo.prompts_per_step=4",
              "grpo.num_generations=4", "grpo.micro_batch_size=16", "grpo.max_completion_length=8",
              "data.max_prompt_length=16"],
@@ -66,6 +70,11 @@ for model, config, overrides in runs:
           flush=True)
 os._exit(0)
 """
+
+
+def model_for(size: str, tmp: Path) -> Path:
+    """The embedded model for "demo", else a random one of SIZES[size]."""
+    return EXAMPLES / "model" if size == "demo" else make_model(tmp / f"model-{size}", *SIZES[size])
 
 
 def make_model(folder: Path, hidden: int, layers: int) -> Path:
@@ -152,19 +161,19 @@ def rank0_peak(plan: dict) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", nargs="*", default=list(SIZES), choices=list(SIZES))
+    ap.add_argument("--size", nargs="*", default=list(SIZES), choices=[*SIZES, "demo"])
     ap.add_argument("--case", nargs="*", default=list(CASES), choices=list(CASES))
     ap.add_argument("--ranks", nargs="*", type=int, default=[1, 2])
     args = ap.parse_args()
     print(f"{'size':5} {'case':9} {'ranks':>5} {'params':>8} {'plan GB':>8} {'measured GB':>12} {'ratio':>6}  phase")
     with tempfile.TemporaryDirectory() as tmp:
-        models = {size: make_model(Path(tmp) / f"model-{size}", *SIZES[size]) for size in args.size}
+        models = {size: model_for(size, Path(tmp)) for size in args.size}
         runs = [(case, models[size]) for size in args.size for case in args.case]
         for ranks in args.ranks:
             got = measure(runs, Path(tmp) / f"ranks-{ranks}", ranks)
             for (case, model), peaks in zip(runs, got):
                 plan = planned(case, model, ranks)
-                print(f"{model.name[6:]:5} {case:9} {ranks:>5} {plan['job']['params'] / 1e6:>7.1f}M "
+                print(f"{model.name.removeprefix('model-'):5} {case:9} {ranks:>5} {plan['job']['params'] / 1e6:>7.1f}M "
                       f"{rank0_peak(plan):>8.3f} {peaks[0]:>12.3f} {peaks[0] / rank0_peak(plan):>6.2f}  "
                       f"{plan['process']['peak_phase']}", flush=True)
 

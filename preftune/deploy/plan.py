@@ -156,6 +156,7 @@ class Job:
     rows: int  # sequences per rank per step (the generation batch's share)
     micro: int  # sequences per micro-batch
     seq: int  # tokens per sequence
+    tokens: int  # tokens of a micro-batch as laid out
     head_positions: int  # positions reaching the head per sequence
     checkpointing: bool
     own: bool  # preftune's own module (chunked head) rather than the Hugging Face module
@@ -186,8 +187,13 @@ def job_of(cfg, shape: Shape, world: int) -> Job:
             ("adapter" if m.lora.enabled else "model") if live else "precomputed")
     rows = max(1, math.ceil(rows / world))
     own = m.lean_forward and shape.model_type in OWN_MODEL_TYPES
+    micro = min(micro, rows)
+    tokens = micro * seq
+    if a == "grpo" and own:  # the packer lays a group's prompt out once (model/logps._plan)
+        g = cfg.grpo
+        tokens = micro * g.max_completion_length + math.ceil(micro / g.num_generations) * cfg.data.max_prompt_length
     return Job(a, world, strategy, m.lora.enabled, mixed, master, 2 if m.dtype == "bfloat16" else 4, trainable,
-               rows, min(micro, rows), seq, head, m.gradient_checkpointing, own, reference, sampler)
+               rows, micro, seq, tokens, head, m.gradient_checkpointing, own, reference, sampler)
 
 
 def check_lengths(cfg, shape: Shape) -> None:
@@ -239,7 +245,7 @@ def _activation_bytes(s: Shape, j: Job) -> tuple[float, float]:
 
 def _passes(p: Phase, s: Shape, j: Job, *, grad: bool) -> None:
     """A training (or no-grad) pass over one micro-batch: gathered blocks, activations, logits, mask."""
-    tokens = j.micro * j.seq
+    tokens = j.tokens
     if j.strategy == "fsdp":
         p.add("gathered block + prefetch", 2 * s.block * j.compute, f"2 x {_fmt(s.block)} x {j.compute} B")
         p.add("gathered embeddings + head", s.root * j.compute, f"{_fmt(s.root)} x {j.compute} B")
