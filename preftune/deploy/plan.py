@@ -334,7 +334,9 @@ def _generate(cfg, s: Shape, j: Job, gpu_gb: float | None) -> Phase:
     _state(gen, s, j, grads=False, adam=True)
     if j.sampler == "vllm":
         total, kv, how = _engine(s, j, cfg, gpu_gb)
-        gen.add("vLLM engine (weights + KV cache)", total * GB, how)
+        tp = cfg.grpo.vllm_tensor_parallel_size
+        gen.add("vLLM engine weights", (total - kv) * GB, f"{_fmt(s.params)} x 2 B / TP {tp}")
+        gen.terms.append(Term("vLLM KV cache", kv, f"{how} - weights"))  # below 0: the weights alone overflow
         gen.add("weight push: largest tensor gathered", s.embed * 4, f"{_fmt(s.embed)} x 4 B")
         return gen
     low = 2 if j.mixed else j.compute
@@ -426,7 +428,13 @@ def make_plan(cfg, shape: Shape, target: Target, *, mfu: float = 0.3, gen_tps: f
         per = {p.name: p.total(host=False) + p.total(host=True) for p in ph}
         plan["process"] = _verdict(per, target.host_gb / target.procs_per_node,
                                    "per process, above the interpreter and its libraries")
+    if j.sampler == "vllm":  # what the engine takes and, with sleep mode on a GPU, gives back for training
+        total, kv, _ = _engine(shape, j, cfg, gpu_gb)
+        plan["vllm"] = {"engine_gb": round(total, 3), "kv_cache_gb": round(kv, 3),
+                        "handed_back_gb": round(total, 3) if gpu_gb and cfg.grpo.vllm_enable_sleep_mode else 0.0}
     fits = [plan[k]["verdict"] for k in ("gpu", "host", "process") if k in plan]
+    if plan.get("vllm", {}).get("kv_cache_gb", 1) <= 0:
+        fits.append("does not fit")
     plan["verdict"] = "does not fit" if "does not fit" in fits else "tight" if "tight" in fits else "fits"
     return plan
 
@@ -560,6 +568,10 @@ def format_plan(plan: dict) -> str:
 
             lines.append(f"cost per iteration: {money(c['compute_usd'])} (compute, {c['inputs']['gpus']} GPUs at "
                          f"${number(c['inputs']['price_per_gpu_hour'])} per GPU-hour)")
+    if "vllm" in plan:
+        v = plan["vllm"]
+        lines.append(f"vLLM engine: {v['engine_gb']:.1f} GB per GPU, KV cache {v['kv_cache_gb']:.1f} GB; sleep mode "
+                     f"hands back {v['handed_back_gb']:.1f} GB for the training passes")
     lines.append(f"verdict: {plan['verdict']}")
     return "\n".join(lines)
 

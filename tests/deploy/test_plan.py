@@ -100,6 +100,12 @@ def test_vllm_sleep_mode_hands_the_engine_back_for_training():
     engine = _terms(awake, "train")["vLLM engine (awake)"]
     assert engine == pytest.approx(0.5 * 141)
     assert awake["gpu"]["per_phase_gb"]["train"] - asleep["gpu"]["per_phase_gb"]["train"] == pytest.approx(engine)
+    assert asleep["vllm"]["handed_back_gb"] == pytest.approx(engine) and awake["vllm"]["handed_back_gb"] == 0
+    gen = _terms(asleep, "generate")  # weights at TP 4 and the KV cache fill the engine's share
+    assert gen["vLLM engine weights"] == pytest.approx(shape.params * 2 / 4 / 1e9, abs=1e-3)
+    assert gen["vLLM engine weights"] + gen["vLLM KV cache"] == pytest.approx(engine, abs=1e-3)
+    whole = planner.make_plan(load_config(JOB70, ["grpo.vllm_tensor_parallel_size=1"]), shape, target)
+    assert whole["vllm"]["kv_cache_gb"] < 0 and whole["verdict"] == "does not fit"  # 141 GB of weights in 70.5
 
 
 def test_plan_prints_and_json(capsys):
