@@ -1,5 +1,5 @@
 """The `preftune` command: train | data inspect | data pairs | eval | registry list | report | launch | export
-| render | cost.
+| render | cost | plan.
 
 `script` is the process's first line (the console script, `python -m preftune`, `python -m preftune.cli`):
 it installs the SIGTERM/SIGINT handler (exit 75, never 143) before torch or anything heavy is imported,
@@ -86,7 +86,7 @@ def parser() -> argparse.ArgumentParser:
     export.add_parser(sub)
     from preftune.cli.deploy import add_parser as add_deploy_parsers
 
-    add_deploy_parsers(sub)  # render, cost
+    add_deploy_parsers(sub)  # render, cost, plan
     return ap
 
 

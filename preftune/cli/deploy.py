@@ -1,4 +1,4 @@
-"""`preftune render` and `preftune cost`: argparse setup and handlers (registered by cli.py)."""
+"""`preftune render`, `preftune cost` and `preftune plan`: argparse setup and handlers (registered by cli.py)."""
 from __future__ import annotations
 
 import json
@@ -9,6 +9,8 @@ import yaml
 from preftune.atomic import atomic_write
 from preftune.config import CHOICES, DeployConfig, apply_override, load_config, read_source
 from preftune.deploy import cost
+from preftune.deploy import plan as planner
+from preftune.deploy.nodes import instance_type
 from preftune.deploy.cost import format_estimate
 from preftune.deploy.render import render_objects
 from preftune.deploy.validate import schema_problems
@@ -42,6 +44,8 @@ def add_parser(sub) -> None:
                         help="also validate every object against the Kubernetes and CRD schemas")
     render.add_argument("--crd-dir", help="folder of CRD YAML files (kubectl get crd NAME -o yaml) for --check")
     _estimate_flags(render)
+    _plan_flags(render)
+    render.add_argument("--force", action="store_true", help="render a job the plan says does not fit")
     render.set_defaults(handler=render_command, price_per_gpu_hour=None)
 
     cost = sub.add_parser("cost", help="estimate what a training job costs (per iteration and per year)")
@@ -57,6 +61,24 @@ def add_parser(sub) -> None:
     cost.add_argument("--json", action="store_true", help="print the estimate as JSON")
     cost.set_defaults(handler=cost_command)
 
+    plan = sub.add_parser("plan", help="the memory a job needs per GPU and per host, its step time and cost")
+    plan.add_argument("config", help="YAML config (a job file for render, or any training config)")
+    plan.add_argument("overrides", nargs="*", default=[], help="dotted KEY=VALUE overrides")
+    plan.add_argument("--cpu", action="store_true", help="plan a run on this machine's CPU (host memory only)")
+    plan.add_argument("--nproc", type=int, default=1, help="with --cpu: processes (torchrun ranks)")
+    plan.add_argument("--prices", metavar="FILE", help="prices YAML (default: the one shipped with preftune)")
+    _plan_flags(plan)
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(handler=plan_command)
+
+
+def _plan_flags(p) -> None:
+    p.add_argument("--model-config", metavar="PATH", help="config.json (or its folder) when model.name_or_path "
+                   "is not a local folder here")
+    p.add_argument("--mfu", type=float, default=0.3, help="model FLOPs utilisation for the step time (default 0.3)")
+    p.add_argument("--gen-tokens-per-second-per-gpu", type=float, default=1000.0, dest="gen_tps",
+                   help="generation throughput for the step time (default 1000)")
+
 
 # ---------------------------------------------------------------- render
 
@@ -65,7 +87,9 @@ def render_command(args) -> int:
     if not args.output and not args.check:
         raise UserError("name an output folder with -o DIR (or pass --check to only validate)")
     cfg, data = _load(args.config, args.overrides)
-    objects, notes = render_objects(cfg, data)
+    plan, notes = _render_plan(args, cfg)
+    objects, more = render_objects(cfg, data, memory=plan["host"]["pod_memory"] if plan else None)
+    notes += more
     d = cfg.deploy
     report = _estimate(args, cfg, d.nodes, d.gpus_per_node, d.instance_types, d.capacity_type)
     if args.check:
@@ -131,6 +155,62 @@ def write_objects(objects: dict[str, dict], out_dir: Path) -> None:
             atomic_write(out_dir / fname, to_yaml(obj))
     except OSError as e:
         raise UserError(f"cannot write: {e.strerror}", where=str(out_dir)) from None
+
+
+def _render_plan(args, cfg) -> tuple[dict | None, list[str]]:
+    """The job's plan; a job that does not fit is refused (78, the numbers in one block) unless --force."""
+    path = args.model_config or cfg.model.name_or_path
+    if not args.model_config and ("://" in path or not Path(path).exists()):
+        return None, [f"no memory plan: model.name_or_path {path} is not a folder here (pass --model-config "
+                      f"CONFIG_JSON); the Pod requests deploy.memory ({cfg.deploy.memory})"]
+    plan = _plan(args, cfg)
+    if plan["verdict"] == "does not fit" and not args.force:
+        raise UserError("the job does not fit its node type (--force renders it anyway):\n"
+                        + planner.format_plan(plan))
+    return plan, [f"plan: {plan['verdict']}; GPU peak {plan['gpu']['peak_gb']:.1f} of "
+                  f"{plan['gpu']['capacity_gb']:.0f} GB, host peak {plan['host']['peak_gb']:.0f} GB "
+                  f"(`preftune plan` for the terms)"]
+
+
+# ---------------------------------------------------------------- plan
+
+
+def _plan(args, cfg, prices: dict | None = None) -> dict:
+    for flag, value in (("--mfu", args.mfu), ("--gen-tokens-per-second-per-gpu", args.gen_tps)):
+        if not value > 0 or (flag == "--mfu" and value > 1):
+            raise UserError(f"must be in (0, {'1]' if flag == '--mfu' else 'inf)'}, got {value}", where=flag)
+    where = "--model-config" if args.model_config else "model.name_or_path"
+    shape = planner.read_shape(args.model_config or cfg.model.name_or_path, where)
+    d = cfg.deploy
+    if getattr(args, "cpu", False):
+        if args.nproc < 1:
+            raise UserError(f"must be >= 1, got {args.nproc}", where="--nproc")
+        target = planner.Target("this machine's CPU", 1, args.nproc, host_gb=_host_gb())
+    else:
+        node = instance_type(d.instance_types[0])
+        if d.gpus_per_node > node.gpus:
+            raise UserError(f"{d.gpus_per_node} GPUs per node, but {d.instance_types[0]} has {node.gpus}",
+                            where="deploy.gpus_per_node")
+        target = planner.Target(d.instance_types[0], d.nodes, d.gpus_per_node, node, node.host_gb, d.capacity_type)
+    if prices is None and getattr(args, "prices", None):
+        prices = cost.load_prices(args.prices)
+    return planner.make_plan(cfg, shape, target, mfu=args.mfu, gen_tps=args.gen_tps, prices=prices)
+
+
+def _host_gb() -> float:
+    """This machine's memory (MemTotal), GB."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 / 1e9 for line in f if line.startswith("MemTotal:"))
+    except (OSError, StopIteration):
+        return 0.0
+
+
+def plan_command(args) -> int:
+    cfg = _load(args.config, args.overrides)[0]
+    plan = _plan(args, cfg)
+    print(json.dumps(plan, indent=1) if args.json else planner.format_plan(plan))
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------- cost

@@ -6,11 +6,43 @@ never take a node from a running job (budgets of zero for those reasons); only e
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from preftune.config import DeployConfig
 from preftune.deploy.manifests import CAPACITY_TYPE, GPU, INSTANCE_TYPE, ZONE, metadata, taints
 from preftune.deploy.settings import max_gpus, node_role
+from preftune.errors import UserError
 
 DISCOVERY_TAG = "karpenter.sh/discovery"
+
+
+@dataclass(frozen=True)
+class InstanceType:
+    """What `preftune plan` needs of a node: its GPUs (memory in GB = 1e9 bytes, dense bf16 peak)
+    and its host memory. From AWS's and NVIDIA's published specifications."""
+    gpus: int
+    gpu: str
+    gpu_gb: float
+    host_gb: float
+    bf16_tflops: float  # dense, per GPU
+
+
+GIB = 2 ** 30 / 1e9
+INSTANCE_TYPES = {
+    "p5en.48xlarge": InstanceType(8, "H200", 141, 2048 * GIB, 989),
+    "p5e.48xlarge": InstanceType(8, "H200", 141, 2048 * GIB, 989),
+    "p5.48xlarge": InstanceType(8, "H100", 80, 2048 * GIB, 989),
+    "p4de.24xlarge": InstanceType(8, "A100 80GB", 80, 1152 * GIB, 312),
+    "p4d.24xlarge": InstanceType(8, "A100 40GB", 40, 1152 * GIB, 312),
+    "g6e.48xlarge": InstanceType(8, "L40S", 48, 1536 * GIB, 362),
+}
+
+
+def instance_type(name: str, where: str = "deploy.instance_types") -> InstanceType:
+    """The hardware of an EC2 instance type; an unknown one is a UserError naming the known ones."""
+    if name not in INSTANCE_TYPES:
+        raise UserError(f"unknown node type {name!r} (known: {', '.join(INSTANCE_TYPES)})", where=where)
+    return INSTANCE_TYPES[name]
 
 
 def node_pool(deploy: DeployConfig) -> dict:

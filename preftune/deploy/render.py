@@ -16,10 +16,13 @@ LOCAL_PATH_KEYS = (("model", "name_or_path"), ("data", "train"), ("data", "eval"
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-def render_objects(cfg, data: dict) -> tuple[dict[str, dict], list[str]]:
+def render_objects(cfg, data: dict, *, memory: str | None = None) -> tuple[dict[str, dict], list[str]]:
     """(file name -> object, notes for the user). `cfg` is the checked config, `data` the config
-    as written, which the pods get in the ConfigMap."""
+    as written, which the pods get in the ConfigMap; `memory` the Pod's memory from the plan
+    (default: deploy.memory)."""
     d = cfg.deploy
+    if memory is not None:
+        d = dataclasses.replace(d, memory=memory)
     if cfg.algorithm == "grpo" and cfg.grpo.use_vllm:  # the engine lives in the training process
         d = dataclasses.replace(d, env={**VLLM_ENV, **d.env})
     grace = cfg.preemption_grace_seconds

@@ -1,0 +1,37 @@
+"""The plan against measurement on this CPU: the planned peak host memory of one process within ±20%
+of the measured one (VmHWM above the resident size once the libraries are imported) for random
+Qwen2 models of three sizes (63, 212 and 380 MB of float32) and GRPO with and without a reference,
+DPO and SFT, and the demo's GRPO batch on the embedded model, whose peak is mostly activations. The runs share one process (imports paid once); bench/bench_plan.py prints them all."""
+from __future__ import annotations
+
+import pytest
+
+from bench import bench_plan
+
+# The demo's batch on the embedded model (activations are most of its peak) runs first: its small
+# tensors come from the heap, which a run before it leaves with free pages that malloc_trim keeps
+RUNS = [("grpo-demo", "demo"), ("grpo", "s"), ("grpo", "m"), ("grpo", "l"), ("grpo-ref", "s"), ("dpo", "s"),
+        ("sft", "s")]
+TOLERANCE = 0.20
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("plan")
+    models = {size: bench_plan.model_for(size, tmp) for size in {s for _, s in RUNS}}
+    runs = [(case, models[size]) for case, size in RUNS]
+    peaks = bench_plan.measure(runs, tmp / "work", ranks=1, timeout=1200)  # minutes on a busy 2-core machine
+    return {run: (bench_plan.rank0_peak(bench_plan.planned(case, model)), got[0])
+            for run, (case, model), got in zip(RUNS, runs, peaks)}
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: f"{r[0]}-{r[1]}")
+def test_planned_peak_within_20_percent_of_measured(measured, run):
+    plan, got = measured[run]
+    assert abs(got - plan) <= TOLERANCE * plan, f"{run}: planned {plan:.3f} GB, measured {got:.3f} GB"
+
+
+def test_a_reference_model_adds_what_the_plan_says(measured):
+    """The reference's term, not only the total: GRPO with beta > 0 minus without, planned and measured."""
+    (plan_ref, got_ref), (plan, got) = measured[("grpo-ref", "s")], measured[("grpo", "s")]
+    assert abs((got_ref - got) - (plan_ref - plan)) <= TOLERANCE * plan
