@@ -36,10 +36,10 @@ MUST_MATCH = ("algorithm", "seed", "model.name_or_path", "model.dtype", "model.l
               "data.train", "data.prompt_column", "data.response_column", "data.reward_column",
               "data.shuffle", "data.reward_range", "data.invalid", "data.duplicates", "data.min_reward_threshold",
               "data.max_prompt_length", "data.prompt_truncation", "data.chosen_min", "data.rejected_max",
-              "data.pair_strategy", "data.max_pairs_per_prompt", "data.min_margin",
+              "data.pair_strategy", "data.max_pairs_per_prompt", "data.min_margin", "data.tools",
               "grpo.rollout", "grpo.prompts_per_step", "grpo.num_generations", "grpo.num_iterations",
               "dpo.batch_size", "dpo.loss_type", "kto.batch_size", "kto.loss_type", "kto.max_length",
-              "sft.min_reward", "sft.max_length", "sft.batch_size", "eval.split")
+              "sft.min_reward", "sft.max_length", "sft.batch_size", "sft.assistant_only_loss", "eval.split")
 _PATH_KEYS = (("model", "name_or_path"), ("data", "train"))
 
 
