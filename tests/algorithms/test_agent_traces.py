@@ -148,3 +148,26 @@ def test_a_short_sft_run_on_the_agent_traces_learns(tmp_path):
     assert len(losses) == 12 and sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3
     report = json.loads((result.output_dir / "data_report.json").read_text())
     assert report["sft"]["examples"] == report["encoded"]["examples"] > 100
+
+
+def test_a_pairs_file_keeps_the_tools_and_the_masks(tmp_path, agent_tok, agent_model):
+    from preftune.algorithms.dpo import DPOTask
+    from preftune.data.pairs import write_pairs
+    from preftune.data.pipeline import load_pairs
+
+    cfg = agent_config(tmp_path, "algorithm=dpo", "dpo.max_length=256")
+    pairs, _ = load_pairs(cfg)
+    write_pairs(pairs, str(tmp_path / "pairs.parquet"))
+    from_traces = DPOTask(cfg, agent_model, agent_tok, CPU).encoded
+    from_file = DPOTask(agent_config(tmp_path, "algorithm=dpo", "dpo.max_length=256",
+                                     f"data.train={tmp_path / 'pairs.parquet'}"), agent_model, agent_tok, CPU).encoded
+    assert from_file == from_traces and any(e.chosen_mask is not None and 0 in e.chosen_mask for e in from_file)
+
+
+def test_tools_with_a_template_without_tool_support_stop_at_start(tmp_path):
+    import preftune
+    from preftune.errors import UserError
+    from tests.conftest import MODEL_DIR
+
+    with pytest.raises(UserError, match=rf"^{MODEL_DIR}: the rows have tools .* no tool support"):
+        preftune.train(agent_config(tmp_path, "algorithm=sft", f"model.name_or_path={MODEL_DIR}"))
