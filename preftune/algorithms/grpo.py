@@ -197,9 +197,7 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
     """
     dp = dp or Parallel()
     ro = batch.rollout
-    mask = ro.completion_mask.float()  # (N, T)
-    if ro.tool_mask is not None:  # a tool's output inside a completion: not the policy's tokens
-        mask = mask * ro.tool_mask.float()
+    mask = ro.loss_mask().float()  # (N, T) sampled tokens: a tool's result is out of every term and count
     if cfg.mask_truncated_completions:
         mask = mask * (~ro.truncated).float()[:, None]
     all_tokens = mask.sum(1).tolist()  # one host sync: each row's tokens (normalisers, metric shares)

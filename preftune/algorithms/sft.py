@@ -87,7 +87,8 @@ class SFTTask:
 
     def step(self, model, step: int, stop) -> dict:
         batch = [self.encoded[i] for i in self.stream.take(self.s.batch_size)]  # the global batch
-        B, n_items = len(batch), sum(e.trained for e in batch)  # n_items: the whole step's loss normaliser
+        # n_items: the whole step's loss normaliser (>= 1: a cut agent row can keep only masked tokens)
+        B, n_items = len(batch), max(sum(e.trained for e in batch), 1)
         mine = batch[self.dp.split(B, "sft.batch_size")]  # this rank's share (all of it in one process)
         loss_sum = entropy_sum = 0.0
         for sl in microbatches(len(mine), self.s.micro_batch_size):

@@ -34,7 +34,11 @@ class Rollout:
     truncated: torch.Tensor  # (N,) bool: no EOS within max_new_tokens
     old_logps: torch.Tensor | None = None  # (N, T) recorded by the batch's first step when reused
     sampling_logps: torch.Tensor | None = None  # (N, T) each token's log-prob under the distribution that drew it
-    tool_mask: torch.Tensor | None = None  # (N, T) 0 at tokens a tool wrote inside a completion (TRL's tool_mask)
+    tool_mask: torch.Tensor | None = None  # (N, T) 1 sampled, 0 a tool's result (`rollout/agent.py`); None: all 1
+
+    def loss_mask(self) -> torch.Tensor:
+        """(N, T) the completion tokens the policy sampled: the completion mask without tool tokens."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
 
     def to(self, device) -> "Rollout":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
@@ -287,7 +291,6 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
 
     has_old = all(r.old_logps is not None for r in rollouts)
     has_sampling = all(r.sampling_logps is not None for r in rollouts)
-    tools = any(r.tool_mask is not None for r in rollouts)  # a rollout without one: every token the policy's
     return Rollout(
         prompt_ids=torch.cat([lpad(r.prompt_ids, P, pad_id) for r in rollouts]),
         prompt_mask=torch.cat([lpad(r.prompt_mask, P, 0) for r in rollouts]),
@@ -296,6 +299,4 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
         truncated=torch.cat([r.truncated for r in rollouts]),
         old_logps=torch.cat([rpad(r.old_logps, T, 0.0) for r in rollouts]) if has_old else None,
         sampling_logps=torch.cat([rpad(r.sampling_logps, T, 0.0) for r in rollouts]) if has_sampling else None,
-        tool_mask=torch.cat([rpad(torch.ones_like(r.completion_mask) if r.tool_mask is None else r.tool_mask, T, 1)
-                             for r in rollouts]) if tools else None,
     )
