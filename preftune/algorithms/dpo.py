@@ -18,7 +18,9 @@ from preftune.config import Config
 from preftune.data.pipeline import load_pairs
 from preftune.data.stream import IndexStream
 from preftune.data.tensors import read_once
-from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response, fit_prompt
+from preftune.data.tokenize import PromptTruncation
+from preftune.data.tools import default_tools
+from preftune.data.turns import encode_fitted
 from preftune.distributed import Parallel
 from preftune.errors import UserError
 from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
@@ -31,21 +33,24 @@ class EncodedPair:
     prompt: list[int]
     chosen: list[int]
     rejected: list[int]
-
+    chosen_mask: list[int] | None = None  # per response token, 0 at a tool's output (None: every token counts)
+    rejected_mask: list[int] | None = None
 
 
 def encode_pairs(pairs, tokenizer, cfg: Config) -> tuple[list[EncodedPair], dict]:
-    """Prompt and response form one sequence; over max_length, the response is cut (prompt kept)."""
+    """Prompt and response form one sequence; over max_length, the response is cut (prompt kept).
+    A multi-turn response counts its assistant turns only (`data/turns.py`)."""
     trunc = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
+    tools = default_tools(tokenizer, cfg.data.tools, cfg.model.name_or_path, (p.tools for p in pairs))
     out, cut = [], 0
     for i, p in enumerate(pairs):
-        prompt = fit_prompt(trunc, encode_prompt(tokenizer, p.prompt), cfg.dpo.max_length, where=f"pair {i}")
-        if prompt is None:
+        enc = encode_fitted(tokenizer, trunc, p.prompt, [p.chosen, p.rejected], max_length=cfg.dpo.max_length,
+                            tools=p.tools or tools, where=f"pair {i}")
+        if enc is None:
             continue
-        room = cfg.dpo.max_length - len(prompt)
-        chosen, rejected = encode_response(tokenizer, p.chosen), encode_response(tokenizer, p.rejected)
-        cut += (len(chosen) > room) + (len(rejected) > room)
-        out.append(EncodedPair(prompt, chosen[:room], rejected[:room]))
+        prompt, (chosen, rejected), n_cut = enc
+        cut += n_cut
+        out.append(EncodedPair(prompt, chosen.completion, rejected.completion, chosen.mask, rejected.mask))
     stats = {"pairs": len(out), "prompts_truncated": trunc.truncated, "prompts_dropped": trunc.dropped,
              "responses_truncated": cut}
     return out, stats
@@ -56,7 +61,8 @@ def sequence_logps(model, batch: list[EncodedPair], pad_id: int, device) -> tupl
     rejected. One pass: chosen_i and rejected_i are next to each other, so the packer can run each
     prompt once with both responses as its branches (`model/logps.py`)."""
     prompts, responses = [e.prompt for e in batch for _ in (0, 1)], [r for e in batch for r in (e.chosen, e.rejected)]
-    logps, _, c_mask = list_logps(model, prompts, responses, pad_id, device)  # (2b, T), 0 at padding
+    masks = [m for e in batch for m in (e.chosen_mask, e.rejected_mask)]
+    logps, _, c_mask = list_logps(model, prompts, responses, pad_id, device, masks=masks)  # (2b, T), 0 at padding
     sums, counts = logps.sum(-1).view(-1, 2), c_mask.sum(-1).view(-1, 2)  # (b, 2): chosen, rejected
     return sums.t().reshape(-1), counts.t().reshape(-1)
 
@@ -70,7 +76,12 @@ def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int,
         return torch.stack([lp[:len(batch)], lp[len(batch):]], dim=1)  # (b, 2)
 
     return cached_reference(model, encoded, pair_logps, cfg, micro_batch_size=cfg.dpo.micro_batch_size, what="pairs",
-                            key_rows=lambda: ((e.prompt, e.chosen, e.rejected) for e in encoded), dp=dp)
+                            key_rows=lambda: ((e.prompt, e.chosen, e.rejected, *_masks(e)) for e in encoded), dp=dp)
+
+
+def _masks(e: EncodedPair) -> tuple:
+    """The masks where a pair has any (so a cache of unmasked pairs keeps its fingerprint)."""
+    return () if e.chosen_mask is None and e.rejected_mask is None else (e.chosen_mask, e.rejected_mask)
 
 
 class DPOTask:

@@ -20,6 +20,7 @@ from preftune.data.prompts import load_prompts
 from preftune.data.split import split_prompt_set
 from preftune.data.tensors import read_once
 from preftune.data.tokenize import PromptTruncation, encode_prompt
+from preftune.data.tools import default_tools
 from preftune.data.traces import TraceOptions
 from preftune.distributed import Parallel
 from preftune.errors import UserError
@@ -29,7 +30,7 @@ from preftune.losses.grpo import CLIP_KEYS, batch_normaliser
 from preftune.losses.sampling import importance_weights, mismatch_stats
 from preftune.model.logps import Rows, completion_logps, microbatches
 from preftune.rewards.registry import RewardLog, load_reward_funcs
-from preftune.rollout.offline import OfflineSource
+from preftune.rollout.offline import OfflineSource, group_tools
 from preftune.rollout.online import OnlineSource
 from preftune.rollout.sampler import Rollout
 from preftune.rollout.vllm import VLLMEngine
@@ -199,7 +200,7 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
     """
     dp = dp or Parallel()
     ro = batch.rollout
-    mask = ro.completion_mask.float()  # (N, T)
+    mask = ro.loss_mask().float()  # (N, T) sampled tokens: a tool's result is out of every term and count
     if cfg.mask_truncated_completions:
         mask = mask * (~ro.truncated).float()[:, None]
     all_tokens = mask.sum(1).tolist()  # one host sync: each row's tokens (normalisers, metric shares)
@@ -351,8 +352,9 @@ class GRPOTask:
             self.engine = None
             groups, self.data_report = trace_items(cfg.data.train, TraceOptions.from_config(cfg.data), "groups",
                                                    group_builder, split=cfg.eval.split)
+            tools = default_tools(tokenizer, cfg.data.tools, cfg.model.name_or_path, map(group_tools, groups))
             self.source = OfflineSource(self.g, tokenizer, groups, reward_name=cfg.data.reward_column, dp=self.dp,
-                                        **common)
+                                        tools=tools, **common)
             texts = [g.prompt for g in groups]
         if cfg.data.prompt_truncation == "error":  # fail now, not when the long prompt is drawn hours later
             check_prompt_lengths(tokenizer, texts, cfg.data.max_prompt_length, cfg.data.train)

@@ -26,7 +26,9 @@ from preftune.config import Config
 from preftune.data.pipeline import load_labeled
 from preftune.data.stream import IndexStream
 from preftune.data.tensors import read_once
-from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response, fit_prompt
+from preftune.data.tokenize import PromptTruncation
+from preftune.data.tools import default_tools
+from preftune.data.turns import encode_fitted
 from preftune.distributed import Parallel
 from preftune.errors import UserError
 from preftune.losses.kto import kto_loss, kto_reference_point, weight_advice
@@ -41,20 +43,23 @@ class EncodedExample:
     prompt: list[int]
     completion: list[int]
     desirable: bool
+    mask: list[int] | None = None  # per completion token, 0 at a tool's output (None: every token counts)
 
 
 def encode_labeled(examples, tokenizer, cfg: Config) -> tuple[list[EncodedExample], dict]:
-    """Prompt and response form one sequence; over kto.max_length, the response is cut (prompt kept)."""
+    """Prompt and response form one sequence; over kto.max_length, the response is cut (prompt kept).
+    A multi-turn response counts its assistant turns only (`data/turns.py`)."""
     trunc = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
+    tools = default_tools(tokenizer, cfg.data.tools, cfg.model.name_or_path, (e.tools for e in examples))
     out, cut = [], 0
     for i, e in enumerate(examples):
-        prompt = fit_prompt(trunc, encode_prompt(tokenizer, e.prompt), cfg.kto.max_length, where=f"example {i}")
-        if prompt is None:
+        enc = encode_fitted(tokenizer, trunc, e.prompt, [e.completion], max_length=cfg.kto.max_length,
+                            tools=e.tools or tools, where=f"example {i}")
+        if enc is None:
             continue
-        room = cfg.kto.max_length - len(prompt)
-        completion = encode_response(tokenizer, e.completion)
-        cut += len(completion) > room
-        out.append(EncodedExample(prompt, completion[:room], e.desirable))
+        prompt, (completion,), n_cut = enc
+        cut += n_cut
+        out.append(EncodedExample(prompt, completion.completion, e.desirable, completion.mask))
     desirable = sum(e.desirable for e in out)
     return out, {"examples": len(out), "desirable": desirable, "undesirable": len(out) - desirable,
                  "prompts_truncated": trunc.truncated, "prompts_dropped": trunc.dropped, "responses_truncated": cut}
@@ -71,10 +76,12 @@ def fixed_batches(n: int, batch_size: int, seed: int, shuffle: bool) -> list[tup
     return slots
 
 
-def summed_logps(model, rows: list[tuple[list[int], list[int]]], pad_id: int, device) -> torch.Tensor:
-    """Summed completion log-probs (n,) of (prompt, completion) token lists: one pass of the packer
-    (consecutive rows with one prompt share it, `model/logps.py`)."""
-    logps, _, _ = list_logps(model, [p for p, _ in rows], [c for _, c in rows], pad_id, device)  # (n, T)
+def summed_logps(model, rows: list[tuple], pad_id: int, device) -> torch.Tensor:
+    """Summed completion log-probs (n,) of (prompt, completion) or (prompt, completion, mask) token
+    lists: one pass of the packer (consecutive rows with one prompt share it, `model/logps.py`);
+    masked tokens (a tool's output) are not in the sums."""
+    logps, _, _ = list_logps(model, [r[0] for r in rows], [r[1] for r in rows], pad_id, device,
+                             masks=[r[2] if len(r) > 2 else None for r in rows])  # (n, T)
     return logps.sum(-1)
 
 
@@ -102,14 +109,17 @@ class KTOTask:
         self.stream = IndexStream(len(self.slots) // self.k.batch_size, cfg.seed, cfg.data.shuffle)
         self.ref = None  # (n_slots, 2) [matched, mismatched], or (n_slots, 1): from a checkpoint, else prepare()
 
-    def rows(self, slots: list[int], mismatched: bool = False) -> list[tuple[list[int], list[int]]]:
-        """(prompt, completion) of each slot, or of its mismatched pair (the partner's completion, cut
-        to fit kto.max_length beside this prompt)."""
+    def rows(self, slots: list[int], mismatched: bool = False) -> list[tuple[list[int], list[int], list[int] | None]]:
+        """(prompt, completion, mask) of each slot, or of its mismatched pair (the partner's completion,
+        cut to fit kto.max_length beside this prompt)."""
         out = []
         for s in slots:
             e, partner = (self.encoded[i] for i in self.slots[s])
-            completion = partner.completion[:self.k.max_length - len(e.prompt)] if mismatched else e.completion
-            out.append((e.prompt, completion))
+            if not mismatched:
+                out.append((e.prompt, e.completion, e.mask))
+                continue
+            room = self.k.max_length - len(e.prompt)
+            out.append((e.prompt, partner.completion[:room], None if partner.mask is None else partner.mask[:room]))
         return out
 
     def prepare(self, model) -> None:
@@ -126,9 +136,10 @@ class KTOTask:
 
         every = list(range(len(self.slots)))
 
-        def key_rows():  # (prompt, completion, mismatched completion) of every slot
-            kl = self.rows(every, mismatched=True) if self.with_kl else [(None, None)] * len(every)
-            return ((p, c, k) for (p, c), (_, k) in zip(self.rows(every), kl))
+        def key_rows():  # (prompt, completion, mismatched completion) of every slot, masks where there are any
+            kl = self.rows(every, mismatched=True) if self.with_kl else [(None, None, None)] * len(every)
+            return ((p, c, k) + (() if m is None and km is None else (m, km))
+                    for (p, c, m), (_, k, km) in zip(self.rows(every), kl))
 
         with self.dp.gathered(model):  # each rank its share of the slots, on gathered parameters
             self.ref = cached_reference(model, every, slot_logps, self.cfg,
@@ -171,7 +182,7 @@ class KTOTask:
         read = read_once(parts)  # one host read for the step
         totals = {k: sum(r[k] for r in read) for k in read[0]}
         rows = self.rows(mine) + (self.rows(mine, mismatched=True) if self.with_kl else [])
-        totals["num_tokens"] = sum(len(p) + len(c) for p, c in rows)
+        totals["num_tokens"] = sum(len(p) + len(c) for p, c, _ in rows)
         return self.dp.reduce_metrics(totals)
 
     def state_dict(self) -> dict:

@@ -15,8 +15,10 @@ import torch
 from preftune.config import Config
 from preftune.data.pipeline import load_examples
 from preftune.data.stream import IndexStream
-from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response, fit_prompt
+from preftune.data.tokenize import PromptTruncation
+from preftune.data.tools import default_tools
 from preftune.data.traces import TraceOptions
+from preftune.data.turns import encode_fitted
 from preftune.distributed import Parallel
 from preftune.errors import UserError
 from preftune.losses.sft import sft_loss
@@ -27,23 +29,31 @@ from preftune.model.logps import list_logps, microbatches
 class EncodedExample:
     prompt: list[int]
     completion: list[int]
+    mask: list[int] | None = None  # per completion token, 1 where it trains (None: every token)
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.completion)
 
+    @property
+    def trained(self) -> int:
+        """The completion tokens in the loss."""
+        return len(self.completion) if self.mask is None else sum(self.mask)
+
 
 def encode_examples(examples, tokenizer, cfg: Config) -> tuple[list[EncodedExample], dict]:
-    """Prompt under data.max_prompt_length's policy; the completion (+ EOS) cut to fit sft.max_length."""
+    """Prompt under data.max_prompt_length's policy; the completion (+ EOS) cut to fit sft.max_length.
+    A multi-turn completion trains its assistant turns only (`sft.assistant_only_loss`, `data/turns.py`)."""
     trunc = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
+    tools = default_tools(tokenizer, cfg.data.tools, cfg.model.name_or_path, (e.tools for e in examples))
     out, cut = [], 0
     for i, e in enumerate(examples):
-        prompt = fit_prompt(trunc, encode_prompt(tokenizer, e.prompt), cfg.sft.max_length, where=f"example {i}")
-        if prompt is None:
+        enc = encode_fitted(tokenizer, trunc, e.prompt, [e.completion], max_length=cfg.sft.max_length,
+                            tools=e.tools or tools, assistant_only=cfg.sft.assistant_only_loss, where=f"example {i}")
+        if enc is None:
             continue
-        room = cfg.sft.max_length - len(prompt)
-        completion = encode_response(tokenizer, e.completion)
-        cut += len(completion) > room
-        out.append(EncodedExample(prompt, completion[:room]))
+        prompt, (completion,), n_cut = enc
+        cut += n_cut
+        out.append(EncodedExample(prompt, completion.completion, completion.mask))
     return out, {"examples": len(out), "prompts_truncated": trunc.truncated, "prompts_dropped": trunc.dropped,
                  "completions_truncated": cut}
 
@@ -52,8 +62,8 @@ def example_logps(model, batch: list[EncodedExample], pad_id: int, device, *, pa
     """Completion-token log-probs and entropies, flat (n,) in example order: one example per row, or
     several packed into a row where the packer's rule says so (`pack`; attention stays within each)."""
     logps, entropy, c_mask = list_logps(model, [e.prompt for e in batch], [e.completion for e in batch], pad_id,
-                                        device, with_entropy=True, pack=pack)  # (b, T)
-    real = c_mask.bool()
+                                        device, with_entropy=True, pack=pack, masks=[e.mask for e in batch])  # (b, T)
+    real = c_mask.bool()  # the trained tokens: not padding, not masked out (another turn's)
     return logps[real], entropy[real]  # row-major: example order
 
 
@@ -77,7 +87,8 @@ class SFTTask:
 
     def step(self, model, step: int, stop) -> dict:
         batch = [self.encoded[i] for i in self.stream.take(self.s.batch_size)]  # the global batch
-        B, n_items = len(batch), sum(len(e.completion) for e in batch)  # n_items: the whole step's loss normaliser
+        # n_items: the whole step's loss normaliser (>= 1: a cut agent row can keep only masked tokens)
+        B, n_items = len(batch), max(sum(e.trained for e in batch), 1)
         mine = batch[self.dp.split(B, "sft.batch_size")]  # this rank's share (all of it in one process)
         loss_sum = entropy_sum = 0.0
         for sl in microbatches(len(mine), self.s.micro_batch_size):

@@ -205,6 +205,8 @@ def build_config(data: dict, config_dir: str = ".") -> Config:
     cfg.data.train = resolve_local(cfg.data.train, config_dir)
     if cfg.data.eval:
         cfg.data.eval = resolve_local(cfg.data.eval, config_dir)
+    if cfg.data.tools:
+        cfg.data.tools = resolve_local(cfg.data.tools, config_dir)
     cfg.grpo.reward_funcs = [resolve_reward_file(s, config_dir) for s in cfg.grpo.reward_funcs]
     if cfg.eval.reward_funcs:
         cfg.eval.reward_funcs = [resolve_reward_file(s, config_dir) for s in cfg.eval.reward_funcs]

@@ -79,6 +79,9 @@ class DataConfig:
     pair_strategy: str = knob("best_vs_worst", "best_vs_worst or all_pairs", choices=("best_vs_worst", "all_pairs"))
     max_pairs_per_prompt: int | None = knob(None, "cap for all_pairs", range="[1, inf)")
     min_margin: float = knob(0.0, "skip pairs with a smaller reward margin", range="[0, inf)")
+    tools: str | None = knob(
+        None, "JSON/YAML file of tool schemas rendered into every prompt (a row's tools column wins); docs/agents.md",
+        peer="TRL tools (as JSON schemas)", resume=FIXED)
 
 
 @dataclass
@@ -235,6 +238,10 @@ class SFTConfig:
         16, "examples per forward/backward", range="[1, inf)", peer="TRL per_device_train_batch_size")
     packing: bool = knob(
         True, "pack several examples per row (attention within each) when it pays", peer="TRL packing + padding_free")
+    assistant_only_loss: bool = knob(
+        True, "multi-turn rows: train every assistant turn (its stop token included), mask system/user/tool turns; "
+        "false: every token after the prompt trains", peer="TRL assistant_only_loss (default false there)",
+        resume=FIXED)
 
 
 @dataclass

@@ -9,6 +9,7 @@ the dataset wins, i.e. the lower (file, row) position in load order.
 """
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from preftune.atomic import atomic_path
 from preftune.config import CHOICES, DataConfig
+from preftune.data.tools import TOOLS_COLUMN, parse_tools
 from preftune.data.traces import (
     Trace, display_path, is_local, normalize_messages, prompt_key, read_rows, require_columns, resolve_files,
     reward_problem, text_problem)
@@ -47,6 +49,7 @@ class Pair:
     rejected: Any
     chosen_reward: float | None = None
     rejected_reward: float | None = None
+    tools: list[dict] | None = None  # tool schemas rendered into the prompt (a `tools` column)
 
     @property
     def margin(self) -> float | None:
@@ -149,7 +152,7 @@ def build_pairs(traces: Sequence[Trace], *, chosen_min: float = _DATA.chosen_min
             elif max_pairs_per_prompt is not None and made >= max_pairs_per_prompt:
                 report.skipped_by_cap += 1
             else:
-                pairs.append(Pair(c.prompt, c.response, r.response, c.reward, r.reward))
+                pairs.append(Pair(c.prompt, c.response, r.response, c.reward, r.reward, c.extra.get(TOOLS_COLUMN)))
                 made += 1
         report.pairs_made += made
         report.prompts_with_pairs += made > 0
@@ -182,6 +185,8 @@ def pairs_table(pairs: Sequence[Pair]) -> pa.Table:
         cols[name] = pa.array([getattr(p, name) for p in pairs], type=pa.float64())
     if not pairs:  # pa.array([]) is of null type; give readers string columns instead
         cols.update({name: pa.array([], type=pa.string()) for name in PAIR_COLUMNS[:3]})
+    if any(p.tools is not None for p in pairs):  # JSON text: schemas differ per tool, a struct column would not
+        cols[TOOLS_COLUMN] = pa.array([None if p.tools is None else json.dumps(p.tools) for p in pairs], pa.string())
     return pa.table(cols)
 
 
@@ -248,4 +253,4 @@ def _row_to_pair(row: dict, where: str) -> Pair:
                 raise UserError(problem[1], where=f"{where} column {name}")
             v = float(v)
         values[name] = v
-    return Pair(**values)
+    return Pair(**values, tools=parse_tools(row.get(TOOLS_COLUMN), where=f"{where} column {TOOLS_COLUMN}"))

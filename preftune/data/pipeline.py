@@ -17,6 +17,7 @@ from preftune.data.groups import build_groups
 from preftune.data.pairs import build_pairs, pair_options, read_pairs
 from preftune.data.prompts import PromptSet, load_prompts
 from preftune.data.sft import TRACES, Example, detect_format, read_trl
+from preftune.data.tools import TOOLS_COLUMN
 from preftune.data.split import drop_held_out, is_held_out, split_prompt_set
 from preftune.data.traces import (Trace, TraceOptions, dropped_note, load_traces, prompt_key, read_rows,
                                   resolve_files)
@@ -63,6 +64,7 @@ class Labeled:
     prompt: Any
     completion: Any
     desirable: bool
+    tools: list[dict] | None = None  # tool schemas rendered into the prompt
 
 
 def label_builder(chosen_min: float, rejected_max: float) -> Builder:
@@ -72,7 +74,7 @@ def label_builder(chosen_min: float, rejected_max: float) -> Builder:
         kept, between = [], 0
         for t in traces:
             if t.reward >= chosen_min or t.reward < rejected_max:
-                kept.append(Labeled(t.prompt, t.response, t.reward >= chosen_min))
+                kept.append(Labeled(t.prompt, t.response, t.reward >= chosen_min, t.extra.get(TOOLS_COLUMN)))
             else:
                 between += 1
         desirable = sum(e.desirable for e in kept)
@@ -94,7 +96,7 @@ def group_builder(traces: list[Trace]) -> Built:
 def example_builder(min_reward: float) -> Builder:
     """SFT on the responses with reward >= sft.min_reward (rejection sampling)."""
     def build(traces: list[Trace]) -> Built:
-        kept = [Example(t.prompt, t.response) for t in traces if t.reward >= min_reward]
+        kept = [Example(t.prompt, t.response, t.extra.get(TOOLS_COLUMN)) for t in traces if t.reward >= min_reward]
         return Built(kept, {"examples": len(kept), "below_min_reward": len(traces) - len(kept)},
                      f"no response has reward >= sft.min_reward={min_reward} ({len(traces)} valid rows)")
     return build

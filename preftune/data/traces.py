@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from preftune.config import CHOICES, DataConfig
 from preftune.data import memory
 from preftune.data.messages import is_messages
+from preftune.data.tools import TOOLS_COLUMN, drop_nulls, parse_tools
 from preftune.errors import UserError, one_line
 
 if TYPE_CHECKING:  # annotations only; arrow is imported where a file is read or written
@@ -109,12 +110,20 @@ class DropReport:
 # ---------------------------------------------------------------------------------------------
 
 def normalize_messages(messages: list[dict]) -> list[dict]:
-    """Drop keys whose value is None.
+    """Drop keys whose value is None (inside `tool_calls` too); a turn that only calls tools gets
+    `content: ""`.
 
     Parquet stores messages as list<struct>, which gives every message every key seen in the
     column (absent ones as null); chat templates test `'key' in message`, so nulls must go.
     """
-    return [{k: v for k, v in m.items() if v is not None} for m in messages]
+    out = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if v is not None}
+        if "tool_calls" in m:
+            m["tool_calls"] = drop_nulls(m["tool_calls"])
+            m.setdefault("content", "")
+        out.append(m)
+    return out
 
 
 def prompt_key(prompt: Any) -> str:
@@ -133,13 +142,19 @@ def text_problem(value: Any, what: str) -> tuple[str, str] | None:
     if isinstance(value, list):
         if not value:
             return f"empty_{what}", f"{what} is an empty message list"
-        if not is_messages(value) or not all(isinstance(m["content"], str) for m in value):
+        if not is_messages(value) or not all(_text_or_calls(m) for m in value):
             return (f"bad_{what}_type",
                     f"{what} is a list but not chat messages (each needs string 'role' and 'content')")
-        if not any(m["content"].strip() for m in value):
+        if not any((m.get("content") or "").strip() or m.get("tool_calls") for m in value):
             return f"empty_{what}", f"{what} messages are all empty"
         return None
     return f"bad_{what}_type", f"{what} must be a string or a list of chat messages, got {type(value).__name__}"
+
+
+def _text_or_calls(message: dict) -> bool:
+    """A string content, or no content beside tool calls (an assistant turn that only calls tools)."""
+    content = message.get("content")
+    return isinstance(content, str) or (content is None and bool(message.get("tool_calls")))
 
 
 def reward_problem(value: Any, lo: float, hi: float) -> tuple[str, str] | None:
@@ -347,11 +362,13 @@ def _row_problem(row: dict, opts: TraceOptions) -> tuple[str, str, str] | None:
 def _to_trace(row: dict, opts: TraceOptions, where: str, i: int) -> Trace:
     prompt, response = row[opts.prompt_column], row[opts.response_column]
     core = (opts.prompt_column, opts.response_column, opts.reward_column)
+    extra = {k: v for k, v in row.items() if k not in core}
+    if TOOLS_COLUMN in extra:  # an agent trace's tool schemas, parsed once (a bad one always raises)
+        extra[TOOLS_COLUMN] = parse_tools(extra[TOOLS_COLUMN], where=f"{where} row {i} column {TOOLS_COLUMN}")
     return Trace(
         prompt=normalize_messages(prompt) if isinstance(prompt, list) else prompt,
         response=normalize_messages(response) if isinstance(response, list) else response,
-        reward=float(row[opts.reward_column]), source=where, row=i,
-        extra={k: v for k, v in row.items() if k not in core})
+        reward=float(row[opts.reward_column]), source=where, row=i, extra=extra)
 
 
 def load_traces(path: str, opts: TraceOptions | None = None) -> tuple[Traces, DropReport]:

@@ -74,12 +74,26 @@ class Rows:
 
 def completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
                      temperature: float = 1.0, with_entropy: bool = False, rows: Rows | None = None,
-                     pack: bool = True, top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     pack: bool = True, top_k: int = 0, top_p: float = 1.0,
+                     loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(y_t | x, y_<t) for each completion token -> (B, T), and optionally the entropy (B, T),
     0 at padding. Logits are divided by the sampling temperature (the ratio is taken against the
     distribution the completions were drawn from, as TRL does). `rows` (these rows' `Rows`)
     saves the one host read that sizes the pass; `pack` False keeps the plain layout. `top_k`/`top_p`
-    give the sampler's log-probs instead (softmax over the kept tokens; no gradient, no entropy)."""
+    give the sampler's log-probs instead (softmax over the kept tokens; no gradient, no entropy).
+    `loss_mask` (B, T): 0 at completion tokens that are not the policy's (a tool's output inside an
+    agent response): they stay in the sequence (attended to) but their log-prob and entropy are 0,
+    with no gradient; None or all ones gives exactly the unmasked result."""
+    logps, entropy = _completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                       temperature, with_entropy, rows, pack, top_k, top_p)
+    if loss_mask is None:
+        return logps, entropy
+    keep = loss_mask.to(device=logps.device).bool()  # (B, T)
+    return torch.where(keep, logps, 0.0), None if entropy is None else torch.where(keep, entropy, 0.0)
+
+
+def _completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy,
+                      rows, pack, top_k, top_p) -> tuple[torch.Tensor, torch.Tensor | None]:
     if rows is None:
         rows = Rows.read(prompt_ids, prompt_mask, completion_mask)
     if rows.prompt and min(rows.prompt) < 1:
@@ -107,17 +121,23 @@ def completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_
 
 
 def list_logps(model, prompts: list[list[int]], completions: list[list[int]], pad_id: int, device, *,
-               with_entropy: bool = False, pack: bool = True):
+               with_entropy: bool = False, pack: bool = True, masks: list[list[int] | None] | None = None):
     """`completion_logps` of rows given as token lists -> log-probs (n, T), entropy (n, T) or None,
-    completion mask (n, T). Sized from the lists (no host read); consecutive rows with one prompt
-    share it (DPO's pairs, KTO's mismatched pairs)."""
+    completion mask (n, T): 1 at the tokens that count. Sized from the lists (no host read);
+    consecutive rows with one prompt share it (DPO's pairs, KTO's mismatched pairs). `masks`: per
+    row its completion's loss mask (`completion_logps`' loss_mask), None for a row whose every
+    token counts; the returned mask is the padding mask times it."""
     p_ids, p_mask = left_pad(prompts, pad_id)  # (n, P)
     c_ids, c_mask = right_pad(completions, pad_id)  # (n, T)
     rows = Rows.of(prompts, [len(c) for c in completions])
     p_ids, p_mask, c_ids, c_mask = (to_device(t, device) for t in (p_ids, p_mask, c_ids, c_mask))
+    loss_mask = None
+    if masks is not None and any(m is not None for m in masks):
+        loss_mask, _ = right_pad([[1] * len(c) if m is None else m for m, c in zip(masks, completions)], 0)
+        loss_mask = to_device(loss_mask, device)  # (n, T) 0 at padding and at tokens that are not the policy's
     logps, entropy = completion_logps(model, p_ids, p_mask, c_ids, c_mask, with_entropy=with_entropy, rows=rows,
-                                      pack=pack)
-    return logps, entropy, c_mask
+                                      pack=pack, loss_mask=loss_mask)
+    return logps, entropy, c_mask if loss_mask is None else c_mask * loss_mask
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """Offline GRPO batches: the labeled responses of one prompt form its group; no generation.
 
 The importance ratio is taken against the current policy (old log-probs = logps.detach()), so the
-clipped surrogate reduces to an advantage-weighted log-likelihood of the logged responses.
+clipped surrogate reduces to an advantage-weighted log-likelihood of the logged responses. A
+multi-turn response (assistant -> tool -> assistant) is encoded by `data/turns.py`: the tokens a
+tool wrote go into the rollout's `tool_mask` as 0, so they are out of the loss and its sums.
 """
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import torch
 from preftune.config import GRPOConfig
 from preftune.data.stream import IndexStream
 from preftune.data.tensors import left_pad, right_pad
-from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response
+from preftune.data.tokenize import PromptTruncation
+from preftune.data.tools import TOOLS_COLUMN
+from preftune.data.turns import encode_row
 from preftune.distributed import Parallel
 from preftune.errors import UserError
 from preftune.rollout.sampler import Rollout
@@ -19,8 +23,10 @@ from preftune.rollout.scored import Scored
 
 class OfflineSource:
     def __init__(self, cfg: GRPOConfig, tokenizer, groups: list, *, seed: int, shuffle: bool,
-                 truncation: PromptTruncation, reward_name: str, dp=None):
+                 truncation: PromptTruncation, reward_name: str, dp=None, tools: list[dict] | None = None):
+        """`tools`: the set's tool schemas (`data.tools`), for groups whose rows have none."""
         self.cfg, self.tok, self.groups, self.truncation = cfg, tokenizer, groups, truncation
+        self.tools = tools
         self.dp = dp or Parallel()  # ranks read the same global order and keep their share of it
         self.stream = IndexStream(len(groups), seed, shuffle)
         self.reward_name = reward_name
@@ -28,17 +34,15 @@ class OfflineSource:
 
     def _encode(self, idx: int):
         g = self.groups[idx]
-        p = self.truncation.apply(encode_prompt(self.tok, g.prompt), where=f"group {idx}")
+        tools = group_tools(g) or self.tools
+        rows = [encode_row(self.tok, g.prompt, r, tools=tools, where=f"group {idx}") for r in g.responses]
+        p = self.truncation.apply(rows[0].prompt, where=f"group {idx}")
         if p is None:
             return None
         limit = self.cfg.max_completion_length
-        comps, cut = [], []
-        for r in g.responses:
-            ids = encode_response(self.tok, r)
-            cut.append(len(ids) > limit)
-            comps.append(ids[:limit])
+        cut = [len(r.completion) > limit for r in rows]
         self.responses_truncated += sum(cut)
-        return p, comps, cut, list(g.rewards)
+        return p, [r.cut(limit) for r in rows], cut, list(g.rewards)
 
     def _draw(self) -> list:
         """Encoded groups for one step; when data.prompt_truncation=drop leaves none, draw again
@@ -64,9 +68,13 @@ class OfflineSource:
             rewards += r
             sizes.append(len(c))
         p_ids, p_mask = left_pad(prompts, self.tok.pad_token_id)
-        c_ids, c_mask = right_pad(comps, self.tok.pad_token_id)
+        c_ids, c_mask = right_pad([c.completion for c in comps], self.tok.pad_token_id)
+        tool_mask = None
+        if any(c.mask is not None for c in comps):  # (N, T) 0 at a tool's tokens; padding is out by c_mask
+            tool_mask, _ = right_pad([[1] * len(c.completion) if c.mask is None else c.mask for c in comps], 1)
+            tool_mask = tool_mask.masked_fill(c_mask == 0, 1)
         ro = Rollout(prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids, completion_mask=c_mask,
-                     truncated=torch.tensor(cut, dtype=torch.bool))
+                     truncated=torch.tensor(cut, dtype=torch.bool), tool_mask=tool_mask)
         total = torch.tensor(rewards, dtype=torch.float32)  # (N,)
         return Scored(ro, total[:, None].clone(), total, [self.reward_name], sizes)
 
@@ -75,3 +83,8 @@ class OfflineSource:
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state["stream"])
+
+
+def group_tools(group) -> list[dict] | None:
+    """A group's tool schemas: its first row's `tools` column (one prompt, one set of tools)."""
+    return group.extras[0].get(TOOLS_COLUMN) if group.extras else None

@@ -205,6 +205,7 @@ def test_batch_state_dict_round_trip(tokenizer):
     ro = synthetic_rollout(tokenizer)
     ro.old_logps = torch.randn(ro.completion_ids.shape)
     ro.sampling_logps = torch.randn(ro.completion_ids.shape)
+    ro.tool_mask = (torch.rand(ro.completion_ids.shape) > 0.2).long()  # an agent rollout's
     b = GRPOBatch(ro, torch.randn(N), torch.randn(ro.completion_ids.shape), {"reward": 0.5},
                   is_weights=torch.rand(N, 1))
     again = GRPOBatch.from_state_dict(b.state_dict())
