@@ -13,7 +13,7 @@ from preftune.data.tensors import left_pad, right_pad
 from preftune.distributed import Parallel, init
 from preftune.config import DistributedConfig
 from preftune.model import logps as L
-from preftune.model import llama
+from preftune.model import ops
 from preftune.model.llama import Llama
 from tests.model.test_llama import tiny
 
@@ -70,7 +70,7 @@ def float64_norms() -> None:
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
     modeling_qwen2.Qwen2RMSNorm.forward = lambda self, h: f64(h, self.weight, self.variance_epsilon)
-    llama.rms = f64
+    ops.rms = f64
 
 
 def main(out: Path, which: str, n_rows: int) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from preftune.data.tensors import left_pad, positions_from_mask
-from preftune.model import llama as D
+from preftune.model import llama as D, ops
 from preftune.model.llama import Llama
 from tests.conftest import MODEL_DIR
 
@@ -142,7 +142,7 @@ def test_prefill_then_step_equals_the_full_forward(arch):
 
 def test_kv_buffers_select_copies_filled_columns_of_kept_rows():
     keys = torch.arange(2 * 4 * 1 * 5 * 3, dtype=torch.float64).view(2, 4, 1, 5, 3)  # (layers, N, h, cap, d)
-    kv = D.KVBuffers(keys.clone(), -keys.clone())
+    kv = ops.KVBuffers(keys.clone(), -keys.clone())
     kv.select(torch.tensor([3, 1]), filled=2)
     assert kv.keys.shape == kv.values.shape == (2, 2, 1, 5, 3)
     assert torch.equal(kv.keys[:, :, :, :2], keys[:, [3, 1], :, :2])
@@ -168,7 +168,7 @@ def test_tree_mask_by_hand():
              [0, 0, 0, 1, 1, 0, 0],
              [0, 0, 0, 1, 1, 1, 0],
              [0, 0, 0, 1, 1, 0, 1]]
-    mask = D.tree_mask(segment, branch)
+    mask = ops.tree_mask(segment, branch)
     assert mask.shape == (2, 1, 7, 7) and mask.dtype == torch.bool
     assert mask[0, 0].int().tolist() == want0 and mask[1, 0].int().tolist() == want1
 

@@ -4,7 +4,7 @@ picks the cheaper layout by multiply-adds."""
 import pytest
 import torch
 
-from preftune.model import llama as D, logps as L
+from preftune.model import llama as D, logps as L, ops
 from preftune.model.head import token_logps
 from tests.model.test_llama import VOCAB, grads, tiny
 
@@ -50,7 +50,7 @@ def float64_norms(monkeypatch):
 
     for cls in (modeling_qwen2.Qwen2RMSNorm, modeling_qwen3.Qwen3RMSNorm):
         monkeypatch.setattr(cls, "forward", f64)
-    monkeypatch.setattr(D, "rms", lambda x, w, eps: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)))
+    monkeypatch.setattr(ops, "rms", lambda x, w, eps: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
