@@ -14,7 +14,7 @@ from preftune.distributed import Parallel, init
 from preftune.config import DistributedConfig
 from preftune.model import logps as L
 from preftune.model import ops
-from preftune.model.llama import Llama
+from preftune.model.families import own_class
 from tests.model.test_llama import tiny
 
 # (prompt, completion length) per row: two prompts shared by three completions each, and one alone
@@ -76,14 +76,14 @@ def float64_norms() -> None:
 def main(out: Path, which: str, n_rows: int) -> None:
     float64_norms()
     dp = init(DistributedConfig(strategy="fsdp"))
-    hf = tiny("qwen2")
-    make = (lambda: Llama.of(hf)) if which == "own" else (lambda: tiny("qwen2"))
+    hf = tiny("glm4", head_dim=8) if which == "glm4" else tiny("qwen2")
+    make = (lambda: tiny("qwen2")) if which == "hf" else (lambda: own_class(hf.config).of(hf))
     global ROWS
     ROWS = ROWS[:n_rows]
     model = Parallel(dp.rank, dp.world, 0, "fsdp", dp.device).wrap(make().train())
     share = dp.share(len(ROWS))
     results = {}
-    for name, (masked, pack) in (LAYOUTS.items() if which == "own" else [("hf", (1.0, True))]):
+    for name, (masked, pack) in (LAYOUTS.items() if which != "hf" else [("hf", (1.0, True))]):
         logps = loss_and_logps(model, share, masked, pack)
         results[name] = (logps, full_grads(model))
         if dp.rank == 0:

@@ -8,6 +8,7 @@ import torch
 
 from preftune.data.tensors import left_pad, positions_from_mask
 from preftune.model import llama as D, ops
+from preftune.model.families import own_class, unsupported
 from preftune.model.llama import Llama
 from tests.conftest import MODEL_DIR
 
@@ -43,14 +44,18 @@ ARCHS = {
     "qwen3": ("qwen3", {"head_dim": 16}),  # q_norm/k_norm, head_dim != hidden / heads
     "qwen3-mqa": ("qwen3", {"head_dim": 8, "num_key_value_heads": 1}),
     "mistral": ("mistral", {"sliding_window": None}),
+    # GLM-4: post-norms, interleaved RoPE on half of each head, fused gate_up_proj, q/k/v biases
+    "glm4": ("glm4", {"head_dim": 8}),
+    "glm4-wide-rope": ("glm4", {"head_dim": 16, "partial_rotary_factor": 0.75, "attention_bias": False}),
+    "glm4-tied-mqa": ("glm4", {"head_dim": 8, "num_key_value_heads": 1, "tie_word_embeddings": True}),
 }
 
 
 def pair(arch: str, dtype=torch.float64):
-    """(the Hugging Face module, preftune's module with the same weights)."""
+    """(the Hugging Face module, preftune's module of its family with the same weights)."""
     model_type, kw = ARCHS[arch]
     hf = tiny(model_type, dtype=dtype, **kw)
-    return hf, Llama.of(hf)
+    return hf, own_class(hf.config).of(hf)
 
 
 def grads(model) -> dict[str, torch.Tensor]:
@@ -62,7 +67,7 @@ def grads(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_forward_and_gradients_equal_hf(arch):
     hf, own = pair(arch)
-    assert D.unsupported(hf.config) is None and set(own.state_dict()) == set(hf.state_dict())
+    assert unsupported(hf.config) is None and set(own.state_dict()) == set(hf.state_dict())
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, VOCAB, (2, 11), generator=g)
     pos = torch.arange(11)[None] + torch.tensor([[0], [5]])  # the second row starts at position 5
@@ -87,7 +92,7 @@ def padded_mask(attn: torch.Tensor) -> torch.Tensor:
     return (torch.ones(L, L, dtype=torch.bool).tril() & attn.bool()[:, None, None, :]) | torch.eye(L, dtype=torch.bool)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama-bias"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama-bias", "glm4"])
 def test_left_padded_prompts_with_mask_equal_hf(arch):
     hf, own = pair(arch)
     g = torch.Generator().manual_seed(2)
@@ -103,7 +108,7 @@ def test_left_padded_prompts_with_mask_equal_hf(arch):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen2-tied", "llama-bias", "llama-mha", "llama-yarn", "mistral",
-                                  "qwen3-mqa"])
+                                  "qwen3-mqa", "glm4", "glm4-wide-rope", "glm4-tied-mqa"])
 def test_prefill_then_step_equals_the_full_forward(arch):
     """Prefill left-padded prompts into the cache, then decode token by token with `step` (fused
     weights, rows leaving the batch half-way, one row's later tokens unattended as after its EOS):
@@ -250,17 +255,18 @@ def test_passes_with_and_without_grad_compute_the_same_bits(dtype):
     assert policy.requires_grad and torch.equal(policy.detach(), ref)
 
 
-def test_lora_on_the_own_module_equals_peft_on_the_hugging_face_module(tmp_path):
-    """The same adapters (PEFT, all linear layers but the head) on both modules: the same logits and
-    adapter gradients, adapters saved under the same names, and the step's merged weights decode
-    as the adapted module does."""
+@pytest.mark.parametrize("arch", ["qwen2", "glm4"])
+def test_lora_on_the_own_module_equals_peft_on_the_hugging_face_module(tmp_path, arch):
+    """The same adapters (PEFT, all linear layers but the head; GLM-4's fused gate_up_proj is one
+    target) on both modules: the same logits and adapter gradients, adapters saved under the same
+    names, and the step's merged weights decode as the adapted module does."""
     pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
 
     from preftune.config import ModelConfig
     from preftune.model.load import _wrap_lora
 
-    hf, own = pair("qwen2")
+    hf, own = pair(arch)
     lora = ModelConfig().lora
     lora.enabled, lora.r, lora.alpha = True, 4, 8
     want_model = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
@@ -281,7 +287,7 @@ def test_lora_on_the_own_module_equals_peft_on_the_hugging_face_module(tmp_path)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     wg = {n: p.grad for n, p in want_model.named_parameters() if p.grad is not None}
     gg = {n: p.grad for n, p in got_model.named_parameters() if p.grad is not None}
-    assert len(wg) == 2 * 7 * 2 and wg.keys() == gg.keys()
+    assert len(wg) == 2 * len(type(own).PROJECTIONS) * 2 and wg.keys() == gg.keys()
     for k in wg:
         torch.testing.assert_close(gg[k], wg[k], rtol=0, atol=1e-10 * wg[k].abs().max().item())
     want_model.save_pretrained(str(tmp_path / "hf"))
