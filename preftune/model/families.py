@@ -5,8 +5,9 @@ from __future__ import annotations
 from preftune.model.core import CausalLM
 from preftune.model.glm4 import Glm4
 from preftune.model.llama import Llama
+from preftune.model.qwen3_moe import Qwen3Moe
 
-FAMILIES: dict[str, type[CausalLM]] = {t: cls for cls in (Llama, Glm4) for t in cls.ARCHITECTURES}
+FAMILIES: dict[str, type[CausalLM]] = {t: cls for cls in (Llama, Glm4, Qwen3Moe) for t in cls.ARCHITECTURES}
 
 
 def own_class(config) -> type[CausalLM] | None:

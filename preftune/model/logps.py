@@ -140,7 +140,8 @@ class Plan:
 def unit_costs(config) -> tuple[int, int]:
     """Multiply-adds per token of the decoder blocks, and per token pair of attention."""
     H, layers = getattr(config, "hidden_size", 1), getattr(config, "num_hidden_layers", 1)
-    inter = getattr(config, "intermediate_size", 4 * H)
+    inter = getattr(config, "intermediate_size", 4 * H)  # a mixture of experts: the k experts a token runs
+    inter = getattr(config, "moe_intermediate_size", 0) * getattr(config, "num_experts_per_tok", 0) or inter
     return layers * (4 * H * H + 3 * H * inter), layers * 2 * H
 
 
