@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from preftune.model import llama as D, ops
+from preftune.model.families import own_class
 from tests.model.test_llama import ARCHS, VOCAB, grads, tiny
 
 Llama = D.Llama
@@ -34,10 +35,10 @@ def _case(arch: str, seed: int):
     model = tiny(model_type, dtype=torch.float32, **kw)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (2, 11), generator=g)
-    return model, Llama.of(model), ids, torch.arange(11)[None].expand(2, 11), torch.randn(2, 11, VOCAB, generator=g)
+    return model, own_class(model.config).of(model), ids, torch.arange(11)[None].expand(2, 11), torch.randn(2, 11, VOCAB, generator=g)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama-bias"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama-bias", "glm4"])
 def test_bf16_autocast_training_pass_is_the_modules(arch):
     """Under bf16 autocast (float32 masters, `model.dtype: bfloat16`) `_Rope` meets bf16 q/k and
     float32 cos/sin, and `_RMSNorm` the float32 residual stream: logits and gradients equal HF's to
