@@ -390,3 +390,13 @@ def test_grpo_bench_with_vllm_times_the_push(tmp_path):
                    cwd=workload.ROOT, check=True, capture_output=True)
     r = json.loads(out.read_text())["results"]["preftune"]
     assert r["timed_steps"] == 2 and 0 < r["push_s"] < r["median_s"] and r["phase_s"]["sampling"] > 0
+
+
+def test_families_bench_runs_each_family_on_both_modules(capsys):
+    from bench import bench_families
+
+    out = bench_families.main(["--hidden", "128", "--layers", "1", "--rows", "2", "--group", "2", "--prompt", "4",
+                               "--completion", "2", "--repeats", "1", "--rounds", "1"])
+    assert set(out) == {f"{f}/{p}" for f in bench_families.FAMILIES for p in ("log-probs fwd+bwd", "rollout")}
+    assert all(r["hf"] > 0 and r["own"] > 0 for r in out.values())
+    assert "HF/own" in capsys.readouterr().out

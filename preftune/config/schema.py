@@ -44,7 +44,7 @@ class ModelConfig:
     trust_remote_code: bool = knob(
         False, "allow model code from the model folder", peer="TRL model_init_kwargs.trust_remote_code", resume=FREE)
     lean_forward: bool = knob(
-        True, "preftune's own forward for Llama-family weights (false: the Hugging Face module's)",
+        True, "preftune's own module for the families it runs (docs/models.md; false: the Hugging Face module)",
         peer="TRL use_liger_kernel (a different kernel set)")
     compile: bool = knob(False, "torch.compile each block of preftune's own module (the training passes)")
     lora: LoraConfig = section(LoraConfig, resume=FIXED)

@@ -16,7 +16,8 @@ import torch
 from preftune.atomic import atomic_write
 from preftune.config import ModelConfig
 from preftune.errors import UserError, one_line
-from preftune.model.llama import PROJECTIONS, Llama, unsupported
+from preftune.model.core import CausalLM
+from preftune.model.families import own_class, unsupported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the names of CHOICES["model.dtype"]
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 
 def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True, weights: bool = True):
     """The policy (trainable, optionally LoRA-wrapped) or a frozen copy for the reference: preftune's
-    own module (`llama.Llama`) for the Llama family, else the Hugging Face module (also with
+    own module (`families.own_class`: the Llama family, GLM-4), else the Hugging Face module (also with
     `model.lean_forward: false`). Without `weights`, the same module on the meta device, from
     config.json alone (shapes, no storage: the FSDP2 ranks that receive their shards from rank 0)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -107,9 +108,11 @@ def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True, weights: 
     dtype, remote = torch.float32 if mixed else DTYPES[cfg.dtype], bool(cfg.trust_remote_code)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
-        if cfg.lean_forward and unsupported(config) is None:
-            model = Llama.from_pretrained(path, config, dtype=dtype, weights=weights,
-                                          autocast_dtype=torch.bfloat16 if mixed else None)
+        own = own_class(config) if cfg.lean_forward else None
+        _say_path(config, own, cfg.lean_forward)
+        if own is not None:
+            model = own.from_pretrained(path, config, dtype=dtype, weights=weights,
+                                        autocast_dtype=torch.bfloat16 if mixed else None)
         elif weights:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=remote)
         else:
@@ -118,7 +121,7 @@ def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True, weights: 
     except _load_errors() as e:  # corrupt or truncated weights, bad config.json
         _refuse_remote_code(e, path, "model")
         raise UserError(f"cannot load model: {one_line(e, with_type=True)}", where=path) from None
-    if mixed and not isinstance(model, Llama):
+    if mixed and not isinstance(model, CausalLM):
         _MIXED[model] = torch.bfloat16
     generation = _generation_config(path)
     if generation is not None:  # its stop ids and sampling defaults travel into every folder saved
@@ -128,7 +131,7 @@ def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True, weights: 
         return model
     if cfg.gradient_checkpointing:
         _checkpoint_blocks(model)
-    if cfg.compile and isinstance(model, Llama):
+    if cfg.compile and isinstance(model, CausalLM):
         for block in model.model.layers:  # per block, as FSDP2 wraps them: one graph serves every layer
             block.compile()
     if cfg.lora.enabled:
@@ -156,9 +159,22 @@ def save_generation_config(model, out: str | Path) -> None:
         generation.save_pretrained(str(out))
 
 
+_SAID: set = set()  # (model_type, path taken): each said once per process
+
+
+def _say_path(config, own, lean_forward: bool) -> None:
+    """Log once which module runs this model type and why."""
+    why = "model.lean_forward: false" if not lean_forward else unsupported(config)
+    path = f"preftune's own module ({own.__name__})" if own is not None else f"the Hugging Face module ({why})"
+    key = (getattr(config, "model_type", None), path)
+    if key not in _SAID:
+        _SAID.add(key)
+        log.info("model %s runs on %s", key[0], path)
+
+
 def _checkpoint_blocks(model) -> None:
     """Activation checkpointing per block: its activations are recomputed in backward."""
-    if isinstance(model, Llama):
+    if isinstance(model, CausalLM):
         model.checkpointing = True
         return
     kwargs = {"use_reentrant": False}
@@ -177,7 +193,7 @@ def base_module(model):
 def compute_dtype(model) -> torch.dtype | None:
     """bf16 for a model loaded with float32 master weights for bf16 compute, else None."""
     base = base_module(model)
-    return base.autocast_dtype if isinstance(base, Llama) else _MIXED.get(base)
+    return base.autocast_dtype if isinstance(base, CausalLM) else _MIXED.get(base)
 
 
 def autocast(model):
@@ -204,9 +220,9 @@ def _wrap_lora(model, cfg: ModelConfig, path: str):
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise UserError("model.lora.enabled needs peft: pip install 'preftune[lora]'", where="model.lora") from None
-    targets, own = cfg.lora.target_modules, isinstance(model, Llama)
+    targets, own = cfg.lora.target_modules, isinstance(model, CausalLM)
     if own and targets == "all-linear":  # PEFT's rule for a transformers model: every linear but the head
-        targets = list(PROJECTIONS)
+        targets = list(type(model).PROJECTIONS)
     lcfg = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                       target_modules=targets, task_type=None if own else "CAUSAL_LM")
     wrapped = get_peft_model(model, lcfg)

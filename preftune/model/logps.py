@@ -3,7 +3,7 @@
 A batch is rows of (left-padded prompt, right-padded completion); consecutive rows with the same
 prompt form a unit (a GRPO group, a DPO pair), whose prompt is a trunk and whose completions are
 branches. One packer lays units out as the rows of one forward pass of preftune's own model
-(`model/llama.py`), and one rule (`_plan`) chooses the layout by a multiply-add count:
+(`model/core.py` and its families), and one rule (`_plan`) chooses the layout by a multiply-add count:
 
 - plain: each completion row its own sequence [prompt | completion], left-aligned, padding after:
   causal attention with no mask (SDPA's flash kernel on CUDA);
@@ -24,8 +24,9 @@ import torch
 
 from preftune.data.tensors import left_pad, positions_from_mask, right_pad
 from preftune.model.head import filter_logits, token_logps, upcast_logits
-from preftune.model.llama import Llama, tree_mask
 from preftune.model.load import autocast, base_module, to_device
+from preftune.model.core import CausalLM
+from preftune.model.ops import tree_mask
 
 MASKED = 1.5  # attention under a mask costs more than the causal kernel (bench/bench_passes.py)
 
@@ -98,7 +99,7 @@ def _completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion
         rows = Rows.read(prompt_ids, prompt_mask, completion_mask)
     if rows.prompt and min(rows.prompt) < 1:
         raise ValueError("every prompt needs at least one token")
-    if not isinstance(base_module(model), Llama):
+    if not isinstance(base_module(model), CausalLM):
         return _module_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
                              with_entropy, top_k, top_p)
     B, T = completion_ids.shape
@@ -159,7 +160,8 @@ class Plan:
 def unit_costs(config) -> tuple[int, int]:
     """Multiply-adds per token of the decoder blocks, and per token pair of attention."""
     H, layers = getattr(config, "hidden_size", 1), getattr(config, "num_hidden_layers", 1)
-    inter = getattr(config, "intermediate_size", 4 * H)
+    inter = getattr(config, "intermediate_size", 4 * H)  # a mixture of experts: the k experts a token runs
+    inter = getattr(config, "moe_intermediate_size", 0) * getattr(config, "num_experts_per_tok", 0) or inter
     return layers * (4 * H * H + 3 * H * inter), layers * 2 * H
 
 

@@ -19,7 +19,7 @@ import torch
 from preftune.data.tensors import positions_from_mask
 from preftune.distributed import whole
 from preftune.model.head import filter_logits
-from preftune.model.llama import Llama
+from preftune.model.core import CausalLM
 from preftune.model.load import autocast, base_module, cache_kwarg
 
 
@@ -124,7 +124,7 @@ def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id, t
 def _decoder(model, capacity: int):
     """preftune's own model decodes with its `step`; any other module with its forward and a cache."""
     base = base_module(model)
-    return _OwnDecoder(base, capacity) if isinstance(base, Llama) else _HFDecoder(model, capacity)
+    return _OwnDecoder(base, capacity) if isinstance(base, CausalLM) else _HFDecoder(model, capacity)
 
 
 class _HFDecoder:
@@ -156,10 +156,10 @@ class _HFDecoder:
 
 
 class _OwnDecoder:
-    """Prefill by the model's forward, then `Llama.step` on weights fused once for the rollout, a
+    """Prefill by the model's forward, then `CausalLM.step` on weights fused once for the rollout, a
     rotary table built once, keys/values written in place into buffers of the final length."""
 
-    def __init__(self, model: Llama, capacity: int):
+    def __init__(self, model: CausalLM, capacity: int):
         self.inference = not hasattr(model, "unshard")  # an FSDP2 module's hooks run in the prefill
         device = model.model.embed_tokens.weight.device
         on = torch.is_autocast_enabled(device.type)

@@ -13,9 +13,9 @@ from preftune.data.tensors import left_pad, right_pad
 from preftune.distributed import Parallel, init
 from preftune.config import DistributedConfig
 from preftune.model import logps as L
-from preftune.model import llama
-from preftune.model.llama import Llama
-from tests.model.test_llama import tiny
+from preftune.model import ops, qwen3_moe
+from preftune.model.families import own_class
+from tests.model.test_llama import ARCHS, tiny
 
 # (prompt, completion length) per row: two prompts shared by three completions each, and one alone
 ROWS = [([5, 6, 7, 8, 9], 4), ([5, 6, 7, 8, 9], 2), ([5, 6, 7, 8, 9], 3),
@@ -70,20 +70,22 @@ def float64_norms() -> None:
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
     modeling_qwen2.Qwen2RMSNorm.forward = lambda self, h: f64(h, self.weight, self.variance_epsilon)
-    llama.rms = f64
+    qwen3_moe.ROUTER_DTYPE = torch.float64
+    ops.rms = f64
 
 
 def main(out: Path, which: str, n_rows: int) -> None:
     float64_norms()
     dp = init(DistributedConfig(strategy="fsdp"))
-    hf = tiny("qwen2")
-    make = (lambda: Llama.of(hf)) if which == "own" else (lambda: tiny("qwen2"))
+    model_type, kw = ARCHS["qwen2" if which in ("own", "hf") else which]
+    hf = tiny(model_type, **kw)
+    make = (lambda: tiny("qwen2")) if which == "hf" else (lambda: own_class(hf.config).of(hf))
     global ROWS
     ROWS = ROWS[:n_rows]
     model = Parallel(dp.rank, dp.world, 0, "fsdp", dp.device).wrap(make().train())
     share = dp.share(len(ROWS))
     results = {}
-    for name, (masked, pack) in (LAYOUTS.items() if which == "own" else [("hf", (1.0, True))]):
+    for name, (masked, pack) in (LAYOUTS.items() if which != "hf" else [("hf", (1.0, True))]):
         logps = loss_and_logps(model, share, masked, pack)
         results[name] = (logps, full_grads(model))
         if dp.rank == 0:

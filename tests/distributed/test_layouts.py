@@ -22,11 +22,12 @@ def run_ranks(tmp_path, which: str, n_rows: int) -> list[dict]:
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
 
-@pytest.mark.parametrize("which, n_rows", [("own", 7), ("own", 1), ("hf", 7)])
+@pytest.mark.parametrize("which, n_rows", [("own", 7), ("own", 1), ("hf", 7), ("glm4", 7),
+                                           ("qwen3-moe", 7)])
 def test_two_ranks_compute_like_one_in_every_layout(which, n_rows, tmp_path):
     ranks = run_ranks(tmp_path, which, n_rows)
     layouts = [k for k in ranks[0]["results"] if "/" not in k]
-    assert layouts == (["shared", "causal", "plain"] if which == "own" else ["hf"])
+    assert layouts == (["shared", "causal", "plain"] if which != "hf" else ["hf"])
     for name in layouts:
         want_logps, want_grads = ranks[0]["results"][name + "/one"]
         for r in ranks:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from preftune.data.tensors import left_pad, positions_from_mask
-from preftune.model import llama as D
+from preftune.model import llama as D, ops
+from preftune.model.families import own_class, unsupported
 from preftune.model.llama import Llama
 from tests.conftest import MODEL_DIR
 
@@ -22,6 +23,8 @@ def tiny(model_type: str, dtype=torch.float64, seed: int = 0, **overrides):
     kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, pad_token_id=0,
               bos_token_id=None, eos_token_id=1)
+    if model_type.endswith("_moe"):  # a loop over experts: transformers' grouped matmul takes no float64
+        kw["experts_implementation"] = "eager"
     cfg = AutoConfig.for_model(model_type, **(kw | overrides))
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     g = torch.Generator().manual_seed(seed)
@@ -43,14 +46,23 @@ ARCHS = {
     "qwen3": ("qwen3", {"head_dim": 16}),  # q_norm/k_norm, head_dim != hidden / heads
     "qwen3-mqa": ("qwen3", {"head_dim": 8, "num_key_value_heads": 1}),
     "mistral": ("mistral", {"sliding_window": None}),
+    # GLM-4: post-norms, interleaved RoPE on half of each head, fused gate_up_proj, q/k/v biases
+    "glm4": ("glm4", {"head_dim": 8}),
+    "glm4-wide-rope": ("glm4", {"head_dim": 16, "partial_rotary_factor": 0.75, "attention_bias": False}),
+    "glm4-tied-mqa": ("glm4", {"head_dim": 8, "num_key_value_heads": 1, "tie_word_embeddings": True}),
+    # Qwen3-MoE: 4 experts, top 2; layer 1 dense (mlp_only_layers), or every other layer sparse
+    "qwen3-moe": ("qwen3_moe", {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "qwen3-moe-sparse-step": ("qwen3_moe", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                            "moe_intermediate_size": 16, "decoder_sparse_step": 2}),
 }
 
 
 def pair(arch: str, dtype=torch.float64):
-    """(the Hugging Face module, preftune's module with the same weights)."""
+    """(the Hugging Face module, preftune's module of its family with the same weights)."""
     model_type, kw = ARCHS[arch]
     hf = tiny(model_type, dtype=dtype, **kw)
-    return hf, Llama.of(hf)
+    return hf, own_class(hf.config).of(hf)
 
 
 def grads(model) -> dict[str, torch.Tensor]:
@@ -62,7 +74,7 @@ def grads(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_forward_and_gradients_equal_hf(arch):
     hf, own = pair(arch)
-    assert D.unsupported(hf.config) is None and set(own.state_dict()) == set(hf.state_dict())
+    assert unsupported(hf.config) is None and set(own.state_dict()) == set(hf.state_dict())
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, VOCAB, (2, 11), generator=g)
     pos = torch.arange(11)[None] + torch.tensor([[0], [5]])  # the second row starts at position 5
@@ -87,7 +99,7 @@ def padded_mask(attn: torch.Tensor) -> torch.Tensor:
     return (torch.ones(L, L, dtype=torch.bool).tril() & attn.bool()[:, None, None, :]) | torch.eye(L, dtype=torch.bool)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama-bias"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama-bias", "glm4", "qwen3-moe"])
 def test_left_padded_prompts_with_mask_equal_hf(arch):
     hf, own = pair(arch)
     g = torch.Generator().manual_seed(2)
@@ -103,7 +115,8 @@ def test_left_padded_prompts_with_mask_equal_hf(arch):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen2-tied", "llama-bias", "llama-mha", "llama-yarn", "mistral",
-                                  "qwen3-mqa"])
+                                  "qwen3-mqa", "glm4", "glm4-wide-rope", "glm4-tied-mqa", "qwen3-moe",
+                                  "qwen3-moe-sparse-step"])
 def test_prefill_then_step_equals_the_full_forward(arch):
     """Prefill left-padded prompts into the cache, then decode token by token with `step` (fused
     weights, rows leaving the batch half-way, one row's later tokens unattended as after its EOS):
@@ -142,7 +155,7 @@ def test_prefill_then_step_equals_the_full_forward(arch):
 
 def test_kv_buffers_select_copies_filled_columns_of_kept_rows():
     keys = torch.arange(2 * 4 * 1 * 5 * 3, dtype=torch.float64).view(2, 4, 1, 5, 3)  # (layers, N, h, cap, d)
-    kv = D.KVBuffers(keys.clone(), -keys.clone())
+    kv = ops.KVBuffers(keys.clone(), -keys.clone())
     kv.select(torch.tensor([3, 1]), filled=2)
     assert kv.keys.shape == kv.values.shape == (2, 2, 1, 5, 3)
     assert torch.equal(kv.keys[:, :, :, :2], keys[:, [3, 1], :, :2])
@@ -168,7 +181,7 @@ def test_tree_mask_by_hand():
              [0, 0, 0, 1, 1, 0, 0],
              [0, 0, 0, 1, 1, 1, 0],
              [0, 0, 0, 1, 1, 0, 1]]
-    mask = D.tree_mask(segment, branch)
+    mask = ops.tree_mask(segment, branch)
     assert mask.shape == (2, 1, 7, 7) and mask.dtype == torch.bool
     assert mask[0, 0].int().tolist() == want0 and mask[1, 0].int().tolist() == want1
 
@@ -250,20 +263,25 @@ def test_passes_with_and_without_grad_compute_the_same_bits(dtype):
     assert policy.requires_grad and torch.equal(policy.detach(), ref)
 
 
-def test_lora_on_the_own_module_equals_peft_on_the_hugging_face_module(tmp_path):
-    """The same adapters (PEFT, all linear layers but the head) on both modules: the same logits and
-    adapter gradients, adapters saved under the same names, and the step's merged weights decode
-    as the adapted module does."""
+@pytest.mark.parametrize("arch", ["qwen2", "glm4", "qwen3-moe"])
+def test_lora_on_the_own_module_equals_peft_on_the_hugging_face_module(tmp_path, arch):
+    """The same adapters (PEFT, all linear layers but the head; GLM-4's fused gate_up_proj is one
+    target) on both modules: the same logits and adapter gradients, adapters saved under the same
+    names, and the step's merged weights decode as the adapted module does."""
     pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
 
     from preftune.config import ModelConfig
     from preftune.model.load import _wrap_lora
 
-    hf, own = pair("qwen2")
+    hf, own = pair(arch)
     lora = ModelConfig().lora
     lora.enabled, lora.r, lora.alpha = True, 4, 8
-    want_model = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    # on a mixture of experts PEFT wraps the router and the 3-D experts (also for a list naming
+    # down_proj), which the own module leaves out: the attention projections there
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"] if "moe" in arch else "all-linear"
+    lora.target_modules = targets
+    want_model = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"))
     got_model = _wrap_lora(own, ModelConfig(lora=lora))
     with torch.no_grad():  # the same non-zero B matrices, so the adapters change the output
         for (n, a), (m, b) in zip(sorted(want_model.named_parameters()), sorted(got_model.named_parameters())):
@@ -281,7 +299,8 @@ def test_lora_on_the_own_module_equals_peft_on_the_hugging_face_module(tmp_path)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     wg = {n: p.grad for n, p in want_model.named_parameters() if p.grad is not None}
     gg = {n: p.grad for n, p in got_model.named_parameters() if p.grad is not None}
-    assert len(wg) == 2 * 7 * 2 and wg.keys() == gg.keys()
+    adapted = [n for n, m in hf.named_modules() if n.split(".")[-1] in type(own).PROJECTIONS and hasattr(m, "lora_A")]
+    assert len(wg) == 2 * len(adapted) and wg.keys() == gg.keys()  # A and B of each
     for k in wg:
         torch.testing.assert_close(gg[k], wg[k], rtol=0, atol=1e-10 * wg[k].abs().max().item())
     want_model.save_pretrained(str(tmp_path / "hf"))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from preftune.model import llama as D
+from preftune.model import llama as D, ops
+from preftune.model.families import own_class
 from tests.model.test_llama import ARCHS, VOCAB, grads, tiny
 
 Llama = D.Llama
@@ -18,13 +19,13 @@ def test_hand_written_backward_passes_are_the_gradients():
     x = torch.randn(2, 3, 4, 8, generator=g, dtype=torch.float64, requires_grad=True)  # (B, L, h, d)
     w = torch.randn(8, generator=g, dtype=torch.float64, requires_grad=True)
     cos, sin = torch.randn(2, 2, 3, 1, 8, generator=g, dtype=torch.float64)  # (B, L, 1, d), halves differ
-    assert torch.autograd.gradcheck(lambda x, w: D._RMSNorm.apply(x, w, 1e-6), (x, w))
-    assert torch.autograd.gradcheck(lambda x: D._Rope.apply(x, cos, sin), (x,))
+    assert torch.autograd.gradcheck(lambda x, w: ops._RMSNorm.apply(x, w, 1e-6), (x, w))
+    assert torch.autograd.gradcheck(lambda x: ops._Rope.apply(x, cos, sin), (x,))
     with torch.no_grad():
         x1, x2 = x.chunk(2, -1)
-        torch.testing.assert_close(D._Rope.apply(x, cos, sin), x * cos + torch.cat([-x2, x1], -1) * sin)
+        torch.testing.assert_close(ops._Rope.apply(x, cos, sin), x * cos + torch.cat([-x2, x1], -1) * sin)
         norm = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
-        torch.testing.assert_close(D._RMSNorm.apply(x, w, 1e-6), norm, rtol=0, atol=0)  # the same ops
+        torch.testing.assert_close(ops._RMSNorm.apply(x, w, 1e-6), norm, rtol=0, atol=0)  # the same ops
 
 
 def _case(arch: str, seed: int):
@@ -34,10 +35,10 @@ def _case(arch: str, seed: int):
     model = tiny(model_type, dtype=torch.float32, **kw)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (2, 11), generator=g)
-    return model, Llama.of(model), ids, torch.arange(11)[None].expand(2, 11), torch.randn(2, 11, VOCAB, generator=g)
+    return model, own_class(model.config).of(model), ids, torch.arange(11)[None].expand(2, 11), torch.randn(2, 11, VOCAB, generator=g)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama-bias"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama-bias", "glm4"])
 def test_bf16_autocast_training_pass_is_the_modules(arch):
     """Under bf16 autocast (float32 masters, `model.dtype: bfloat16`) `_Rope` meets bf16 q/k and
     float32 cos/sin, and `_RMSNorm` the float32 residual stream: logits and gradients equal HF's to
@@ -68,9 +69,9 @@ def test_float32_training_pass_equals_hf(arch):
     (want * w).sum().backward()
     want_grads = grads(model)
     calls = []
-    apply = D._RMSNorm.apply
+    apply = ops._RMSNorm.apply
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(D._RMSNorm, "apply", lambda *a: calls.append(1) or apply(*a))
+        mp.setattr(ops._RMSNorm, "apply", lambda *a: calls.append(1) or apply(*a))
         got = own.logits(own.hidden(ids, pos))
     (got * w).sum().backward()
     got_grads = grads(own)

@@ -4,9 +4,10 @@ picks the cheaper layout by multiply-adds."""
 import pytest
 import torch
 
-from preftune.model import llama as D, logps as L
+from preftune.model import llama as D, logps as L, ops, qwen3_moe
 from preftune.model.head import token_logps
-from tests.model.test_llama import VOCAB, grads, tiny
+from preftune.model.families import own_class
+from tests.model.test_llama import ARCHS, VOCAB, grads, tiny
 
 LAYOUTS = {"plain": 1e9, "packed": 0.0}  # logps.MASKED: the cost factor of masked attention
 
@@ -39,26 +40,42 @@ def _reference(hf, p_ids, p_mask, c_ids, c_mask):
     return out
 
 
+def _router_f64(self, h):
+    """transformers' Qwen3-MoE router with its softmax in float64 (not float32)."""
+    logits = torch.nn.functional.linear(h.reshape(-1, self.hidden_dim), self.weight)  # (N, E)
+    weights, experts = logits.softmax(-1).topk(self.top_k, dim=-1)
+    if self.norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return logits, weights, experts
+
+
 def float64_norms(monkeypatch):
-    """RMSNorm in the input's dtype, in both modules: HF computes it in float32 even for a float64
-    model, which would cap a comparison of layouts that sum gradients in other orders at float32."""
+    """RMSNorm (and the MoE router's softmax) in the input's dtype, in both modules: HF computes
+    them in float32 even for a float64 model, which would cap a comparison of layouts that sum
+    gradients in other orders at float32."""
+    from transformers.models.glm4 import modeling_glm4
     from transformers.models.qwen2 import modeling_qwen2
     from transformers.models.qwen3 import modeling_qwen3
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
 
     def f64(self, h):
         return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
-    for cls in (modeling_qwen2.Qwen2RMSNorm, modeling_qwen3.Qwen3RMSNorm):
+    for cls in (modeling_qwen2.Qwen2RMSNorm, modeling_qwen3.Qwen3RMSNorm, modeling_glm4.Glm4RMSNorm,
+                modeling_qwen3_moe.Qwen3MoeRMSNorm):
         monkeypatch.setattr(cls, "forward", f64)
-    monkeypatch.setattr(D, "rms", lambda x, w, eps: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)))
+    monkeypatch.setattr(modeling_qwen3_moe.Qwen3MoeTopKRouter, "forward", _router_f64)
+    monkeypatch.setattr(qwen3_moe, "ROUTER_DTYPE", torch.float64)
+    monkeypatch.setattr(ops, "rms", lambda x, w, eps: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "glm4", "qwen3-moe"])
 def test_every_layout_gives_the_modules_logps_and_gradients(arch, layout, monkeypatch):
     float64_norms(monkeypatch)
-    hf = tiny(arch, **({"head_dim": 16} if arch == "qwen3" else {}))
-    own = D.Llama.of(hf)
+    model_type, kw = ARCHS[arch]
+    hf = tiny(model_type, **kw)
+    own = own_class(hf.config).of(hf)
     p_ids, p_mask, c_ids, c_mask, rows = _batch()
     w = torch.randn(c_ids.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * c_mask
     want = _reference(hf, p_ids, p_mask, c_ids, c_mask)

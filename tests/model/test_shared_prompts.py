@@ -10,7 +10,7 @@ import torch
 
 from preftune.algorithms.grpo import GRPOBatch, grpo_step, reference_logps, trained_rows
 from preftune.config import GRPOConfig
-from preftune.model import llama as D, logps as L
+from preftune.model import llama as D, logps as L, ops
 from tests.conftest import MODEL_DIR
 from tests.model.test_logps import LAYOUTS
 from tests.algorithms.test_grpo_step import N, T, perturbed, run_step, synthetic_rollout
@@ -26,7 +26,7 @@ def setup(tokenizer):
     from transformers import AutoConfig
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(D, "rms", lambda x, w, eps: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)))
+    mp.setattr(ops, "rms", lambda x, w, eps: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)))
     model = D.Llama.from_pretrained(MODEL_DIR, AutoConfig.from_pretrained(str(MODEL_DIR)), dtype=torch.float64)
     ro = synthetic_rollout(tokenizer)
     cfg = GRPOConfig(micro_batch_size=N)

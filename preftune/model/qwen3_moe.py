@@ -1,0 +1,142 @@
+"""Qwen3-MoE (`Qwen3MoeForCausalLM`) in preftune's own module: the Qwen3 block (`core.Block`,
+q/k norms) whose MLP is, on the sparse layers, a mixture of experts: a softmax router over all
+experts in float32, the top k kept (renormalised to sum 1 when `norm_topk_prob`), each expert a
+SwiGLU. Dense layers (`mlp_only_layers`, or off the `decoder_sparse_step` grid) keep `core.MLP`.
+
+The experts run grouped: the (token, expert) assignments are sorted by expert and each expert
+multiplies its tokens in one matmul (a loop over experts, never over tokens). Parameters carry
+transformers 5's names and layout (`mlp.gate.weight`, `mlp.experts.gate_up_proj` (E, 2I, H) with
+gate first, `mlp.experts.down_proj` (E, H, I)); a checkpoint with one module per expert
+(`mlp.experts.{e}.gate_proj.weight`, ...) is stacked on load, and saves are in the 3-D layout.
+LoRA's "all-linear" adapts the attention projections and the dense layers' MLPs; the router and
+the experts (3-D parameters) train only in a full fine-tune (PEFT's "all-linear" on the HF module
+also wraps those two)."""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from preftune.model.core import MLP, Attention, Block, CausalLM
+from preftune.model.ops import cast, merged
+
+ROUTER_DTYPE = torch.float32  # the router's softmax, as transformers computes it (even for a float64 model)
+
+
+def route(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits (N, E) -> the top-k experts' weights (N, k) in the logits' dtype and their
+    ids (N, k): softmax over all experts in float32, the k largest, divided by their sum when
+    `renormalise` (`norm_topk_prob`)."""
+    probs = logits.softmax(-1, dtype=ROUTER_DTYPE)  # (N, E)
+    weights, experts = probs.topk(k, dim=-1)  # (N, k)
+    if renormalise:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(logits.dtype), experts
+
+
+def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor) -> torch.Tensor:
+    """sum over a token's k experts e of weight x down_e (silu(gate_e x) * up_e x) -> (N, H).
+    x (N, H); experts, weights (N, k); gate_up (E, 2I, H); down (E, H, I). Assignments are sorted
+    by expert (one host read of the counts), each expert's tokens go through one matmul pair."""
+    N, k = experts.shape
+    flat = experts.reshape(-1)  # (N k,)
+    order = flat.argsort(stable=True)  # (N k,) assignments grouped by expert, tokens ascending
+    token = order // k
+    counts = torch.bincount(flat, minlength=gate_up.size(0)).tolist()  # (E,) on the host
+    parts = []
+    for e, xs in enumerate(x[token].split(counts)):  # (n_e, H) each
+        if xs.size(0):
+            gate, up = F.linear(xs, gate_up[e]).chunk(2, dim=-1)  # (n_e, I) each
+            parts.append(F.linear(F.silu(gate) * up, down[e]))  # (n_e, H)
+    out = x.new_zeros(x.shape)
+    if parts:
+        y = torch.cat(parts) * weights.reshape(-1)[order, None]  # (N k, H)
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+class Experts(nn.Module):
+    """Every expert's SwiGLU weights as 3-D parameters (transformers 5's names)."""
+
+    def __init__(self, config):
+        super().__init__()
+        E, H, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, inter))
+
+
+class SparseMoE(nn.Module):
+    """The router (`gate`, no bias) and the experts of one sparse layer."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = Experts(config)
+        self.top_k, self.renormalise = config.num_experts_per_tok, bool(config.norm_topk_prob)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.size(-1))  # (N, H)
+        weights, experts = route(self.gate(h), self.top_k, self.renormalise)  # (N, k)
+        return grouped_experts(h, experts, weights, self.experts.gate_up_proj, self.experts.down_proj).view(x.shape)
+
+    def fused(self, dtype: torch.dtype) -> dict:
+        return {"router": cast(merged(self.gate)[0], dtype), "experts_gate_up": cast(self.experts.gate_up_proj, dtype),
+                "experts_down": cast(self.experts.down_proj, dtype)}
+
+    def step(self, residual: torch.Tensor, h: torch.Tensor, w: dict) -> torch.Tensor:
+        """residual + this layer's experts on normed h (n, H)."""
+        weights, experts = route(F.linear(h, w["router"]), self.top_k, self.renormalise)  # (n, k)
+        out = grouped_experts(h, experts, weights, w["experts_gate_up"], w["experts_down"])  # (n, H)
+        return residual + out.to(residual.dtype)
+
+
+def sparse(config, index: int) -> bool:
+    """Whether layer `index` is a mixture of experts (else a dense MLP), as transformers decides."""
+    return index not in (config.mlp_only_layers or []) and config.num_experts > 0 \
+        and (index + 1) % config.decoder_sparse_step == 0
+
+
+_PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+class Qwen3Moe(CausalLM):
+    """A Qwen3-MoE causal LM with the Hugging Face (transformers 5) parameter names."""
+
+    ARCHITECTURES = ("qwen3_moe",)
+    # LoRA's "all-linear": the attention projections and the dense layers' gate/up/down_proj. PEFT on
+    # the HF module also wraps the router and the 3-D experts (its ParamWrapper); the own module does not
+    PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    @classmethod
+    def unsupported(cls, config) -> str | None:
+        why = super().unsupported(config)
+        if why is None and getattr(config, "use_sliding_window", False):
+            return "sliding-window attention"
+        return why
+
+    def block(self, like, config, index: int) -> Block:
+        mlp = SparseMoE(config) if sparse(config, index) else MLP(like.mlp)
+        return Block(config, Attention(like.self_attn, config), mlp)
+
+    @classmethod
+    def hf_state(cls, state: dict, config) -> dict:
+        """Per-expert modules (checkpoints before transformers 5) stacked into the 3-D layout."""
+        experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+        out = {}
+        for name, t in state.items():
+            m = _PER_EXPERT.fullmatch(name)
+            if m is None:
+                out[name] = t
+            else:
+                experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = t
+        for prefix, per in experts.items():
+            ids = sorted(per)
+            if ids != list(range(config.num_experts)):
+                raise KeyError(f"{prefix}: experts {ids[:3]}... of {config.num_experts}")
+            gate_up = [torch.cat([per[e]["gate_proj"], per[e]["up_proj"]]) for e in ids]  # (2I, H) each, gate first
+            out[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+            out[f"{prefix}.down_proj"] = torch.stack([per[e]["down_proj"] for e in ids])
+        return out

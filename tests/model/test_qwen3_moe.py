@@ -1,0 +1,112 @@
+"""Qwen3-MoE in the own module, beyond the per-architecture equality tests it shares with the
+Llama family (tests/model/test_llama.py, test_logps.py): the router by hand, the grouped experts
+against a per-token sum, both checkpoint layouts in, the transformers-5 layout out."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from preftune.model import qwen3_moe as M
+from preftune.model.families import own_class
+from tests.conftest import MODEL_DIR
+from tests.model.test_llama import ARCHS, VOCAB, tiny
+
+
+def test_route_by_hand():
+    """Softmax in float32 over all experts, the top k, renormalised only with norm_topk_prob."""
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]], dtype=torch.float64))  # softmax = these
+    w, e = M.route(logits, 2, renormalise=False)
+    assert e.tolist() == [[3, 2]] and w.dtype == torch.float64
+    torch.testing.assert_close(w, torch.tensor([[0.4, 0.3]], dtype=torch.float64), rtol=0, atol=1e-7)
+    w, _ = M.route(logits, 2, renormalise=True)
+    torch.testing.assert_close(w, torch.tensor([[4 / 7, 3 / 7]], dtype=torch.float64), rtol=0, atol=1e-7)
+
+
+def test_grouped_experts_is_the_per_token_sum_with_one_matmul_pair_per_expert(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    N, H, inter, E, k = 9, 6, 5, 4, 2
+    x = torch.randn(N, H, generator=g, dtype=torch.float64)
+    gate_up, down = torch.randn(E, 2 * inter, H, generator=g, dtype=torch.float64), \
+        torch.randn(E, H, inter, generator=g, dtype=torch.float64)
+    experts = torch.stack([torch.randperm(3, generator=g)[:k] for _ in range(N)])  # expert 3 never chosen
+    weights = torch.rand(N, k, generator=g, dtype=torch.float64)
+    want = torch.zeros(N, H, dtype=torch.float64)
+    for t in range(N):
+        for j in range(k):
+            e = int(experts[t, j])
+            gate, up = (gate_up[e] @ x[t]).chunk(2)
+            want[t] += weights[t, j] * (down[e] @ (F.silu(gate) * up))
+    calls = []
+    linear = F.linear
+    monkeypatch.setattr(M.F, "linear", lambda *a: calls.append(1) or linear(*a))
+    got = M.grouped_experts(x, experts, weights, gate_up, down)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert len(calls) == 2 * 3  # two matmuls per expert that has tokens, none for the idle one
+
+
+def _folder(tmp_path, per_expert: bool):
+    """A tiny random Qwen3-MoE folder (float32) with the example tokenizer; `per_expert`: the
+    weights in the layout before transformers 5 (one module per expert)."""
+    from safetensors.torch import save_file
+
+    model_type, kw = ARCHS["qwen3-moe"]
+    hf = tiny(model_type, dtype=torch.float32, **kw)
+    out = tmp_path / ("old" if per_expert else "new")
+    hf.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(MODEL_DIR / name, out / name)
+    if per_expert:
+        state = {}
+        for name, t in hf.state_dict().items():
+            if name.endswith("experts.gate_up_proj"):
+                for e, w in enumerate(t):
+                    gate, up = w.chunk(2)
+                    stem = name.removesuffix("gate_up_proj") + str(e)
+                    state[f"{stem}.gate_proj.weight"], state[f"{stem}.up_proj.weight"] = gate.clone(), up.clone()
+            elif name.endswith("experts.down_proj"):
+                for e, w in enumerate(t):
+                    state[name.removesuffix("down_proj") + f"{e}.down_proj.weight"] = w.clone()
+            else:
+                state[name] = t.clone()
+        for f in out.glob("*.safetensors"):
+            f.unlink()
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return hf, out
+
+
+@pytest.mark.parametrize("per_expert", [False, True], ids=["fused-3d", "per-expert"])
+def test_both_expert_layouts_load_and_saves_are_the_transformers_5_layout(tmp_path, per_expert):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from preftune.config import ModelConfig
+    from preftune.model.load import load_model
+
+    hf, folder = _folder(tmp_path, per_expert)
+    own = load_model(ModelConfig(), str(folder))
+    assert isinstance(own, M.Qwen3Moe) and own_class(hf.config) is M.Qwen3Moe
+    assert all(torch.equal(own.state_dict()[k], v) for k, v in hf.state_dict().items())
+    own.save_pretrained(tmp_path / "saved")
+    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    assert saved["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 32)
+    assert not any(".experts.0." in k for k in saved)
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"), experts_implementation="eager")
+    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits
+        torch.testing.assert_close(again(input_ids=ids).logits, want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(own.logits(own.hidden(ids, torch.arange(7).expand(2, 7))), want, rtol=0, atol=1e-5)
+
+
+def test_a_checkpoint_missing_an_expert_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf, folder = _folder(tmp_path, per_expert=True)
+    state = load_file(str(folder / "model.safetensors"))
+    state = {k: v for k, v in state.items() if ".experts.3." not in k}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(KeyError, match="experts"):
+        M.Qwen3Moe.from_pretrained(folder, hf.config, dtype=torch.float32)
