@@ -93,6 +93,12 @@ main() {
     timeout "${VLLM_TIMEOUT:-600}" "$PY" bench/suite.py --size gpu-vllm --json "$OUT/bench-gpu-vllm.json" \
       --model-cache "$cache" || rc=$((rc ? rc : $?))
   fi
+  # what full_determinism costs on this GPU, and whether two runs of each setting agree (DETERMINISM=0 skips it)
+  if [ "${DETERMINISM:-1}" != 0 ]; then
+    echo "== $PY bench/bench_determinism.py --json $OUT/bench-determinism.json"
+    timeout "${DETERMINISM_TIMEOUT:-300}" "$PY" bench/bench_determinism.py --json "$OUT/bench-determinism.json" \
+      || rc=$((rc ? rc : $?))
+  fi
   [ "${SUITE:-1}" != 0 ] || return "$rc"  # SUITE=0: the steps above only
   echo "== $PY bench/suite.py $* --json $OUT/bench-gpu.json --model-cache $cache"
   time "$PY" bench/suite.py "$@" --json "$OUT/bench-gpu.json" --model-cache "$cache" || rc=$((rc ? rc : $?))

@@ -407,6 +407,10 @@ class Config:
         50, "checkpoint every N steps (0 = only on preemption)", range="[0, inf)",
         peer="TRL save_steps; NeMo-RL checkpointing.save_period", resume=FREE)
     seed: int = knob(0, "seeds data order, sampling and init", range="[0, 4294967295]", peer="TRL seed", resume=FIXED)
+    full_determinism: bool = knob(
+        False, "deterministic kernels everywhere (CUDA: deterministic algorithms, cuBLAS workspace, no TF32, no "
+        "memory-efficient SDPA); CPU runs are bitwise reproducible without it; docs/reliability.md",
+        peer="HF TrainingArguments.full_determinism")
     save_total_limit: int | None = knob(
         None, "keep the newest K checkpoints (null = all)", range="[1, inf)",
         peer="TRL save_total_limit; NeMo-RL checkpointing.keep_top_k", resume=FREE)

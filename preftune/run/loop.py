@@ -37,6 +37,7 @@ from preftune.distributed import Parallel
 from preftune.evaluation.evaluate import build_evaluator
 from preftune.run.callbacks import Callbacks
 from preftune.run.completion import completed
+from preftune.run.determinism import enable_full_determinism
 from preftune.run.host_memory import keep_freed_memory
 from preftune.run.loggers import build_trackers
 from preftune.run.metrics import MetricsLog
@@ -100,6 +101,8 @@ class Run:
         self.resumed_from = Path(found) if found else None
         clock.mark("restore")
         seed_everything(cfg.seed)
+        if cfg.full_determinism:
+            enable_full_determinism(self.device)
         base_path = check_model_path(cfg.model.name_or_path)
         self.tokenizer = load_tokenizer(base_path, cfg.model.trust_remote_code)
         self.model = dp.load(cfg.model, base_path, reshard_after_forward=cfg.distributed.reshard_after_forward)

@@ -132,3 +132,17 @@ def test_sigkill_and_resume_beside_a_neighbour(neighbour, data_dir, tmp_path):
     resumed = _train_process(tmp_path, tmp_path / "run", data_dir, extra)
     assert resumed.wait(300) == 0
     assert_same_run(tmp_path / "ref", tmp_path / "run")
+
+
+def test_full_determinism_sets_the_deterministic_kernels_and_trains(data_dir, tmp_path):
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        loop.train(load_config(None, overrides("online", tmp_path / "run", data_dir, full_determinism="true",
+                                               max_steps=2, save_steps=0)))
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert not torch.backends.cuda.matmul.allow_tf32 and os.environ["CUBLAS_WORKSPACE_CONFIG"]
+        assert (tmp_path / "run" / "final" / "model.safetensors").exists()
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cuda.matmul.allow_tf32 = tf32
