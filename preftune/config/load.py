@@ -12,6 +12,7 @@ from preftune.config.deploy import check_deploy
 from preftune.config.fields import check_section, check_value, from_dict, keys, to_dict
 from preftune.config.redact import redact
 from preftune.config.schema import TRACKERS, Config
+from preftune.config.trl import translate
 from preftune.errors import UserError
 
 
@@ -176,8 +177,9 @@ def load_config(source: str | Path | dict | Config | None, overrides: list[str] 
 
 
 def build_config(data: dict, config_dir: str = ".") -> Config:
-    """Check, resolve relative paths against `config_dir`, and validate a nested config dict."""
-    cfg = from_dict(Config, data)
+    """Check, resolve relative paths against `config_dir`, and validate a nested config dict. TRL's
+    flat names and values are read as preftune's (config/trl.py)."""
+    cfg = from_dict(Config, translate(data))
     cfg.config_dir = config_dir
     cfg.model.name_or_path = resolve_local(cfg.model.name_or_path, config_dir)
     cfg.data.train = resolve_local(cfg.data.train, config_dir)
