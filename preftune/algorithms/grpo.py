@@ -235,7 +235,7 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
                             epsilon_high=cfg.epsilon_high, delta=cfg.delta,
                             importance_sampling_level=cfg.importance_sampling_level,
                             normaliser=norm, kl_ratio_correction=cfg.use_bias_correction_kl, sync_metrics=False,
-                            importance_weights=None if is_all is None else is_all[sl])
+                            importance_weights=None if is_all is None else is_all[sl], vespo=vespo_options(cfg))
         loss.backward()
         parts.append((sl, m | {"loss": loss.detach(), "entropy_sum": (entropy.detach() * mask[sl]).sum()}))
     totals, ent_sum = _fold(parts, row_tokens, batch_tokens, batch_seqs,
@@ -298,8 +298,14 @@ def _accumulate(totals: dict, m: dict, loss: float, *, token_share: float, row_s
             pick = min if k.endswith("_min") else max
             totals[k] = pick(totals[k], v) if k in totals else v
         else:
-            rows = by_rows and k.startswith("clip_ratio/")
+            rows = by_rows and k.startswith("clip_ratio/") or k == "vespo/phi_seq_mean"  # a mean over rows
             totals[k] = totals.get(k, 0.0) + v * (row_share if rows else token_share)
+
+
+def vespo_options(cfg: GRPOConfig) -> dict[str, float]:
+    """VESPO's k and lambda per advantage sign, from the config (TRL's vespo_* keys)."""
+    return {"k_pos": cfg.vespo_k_pos, "lambda_pos": cfg.vespo_lambda_pos, "k_neg": cfg.vespo_k_neg,
+            "lambda_neg": cfg.vespo_lambda_neg}
 
 
 def _zero_missing_grads(model) -> None:

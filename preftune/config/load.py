@@ -97,6 +97,10 @@ def validate(cfg: Config) -> None:
         raise UserError("no training data: set data.train", where="data.train")
     if cfg.algorithm == "grpo" and cfg.grpo.use_vllm:
         check_vllm(cfg.grpo.rollout)
+        if (cfg.grpo.loss_type == "vespo" and cfg.grpo.vllm_importance_sampling_correction
+                and not cfg.grpo.vllm_importance_sampling_mode.startswith("token_")):
+            raise UserError("vespo folds the engine's per-token weights into its own: use token_truncate or "
+                            "token_mask", where="grpo.vllm_importance_sampling_mode")
 
     check_report_to(cfg.log.report_to)
     check_deploy(cfg.deploy, cfg.preemption_grace_seconds, cfg.checkpoint_uri)

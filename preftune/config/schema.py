@@ -131,6 +131,12 @@ class GRPOConfig:
         None, "upper clip (DAPO clip-higher, e.g. 0.28)", range="[0, inf)",
         peer="TRL epsilon_high; NeMo-RL loss_fn.ratio_clip_max")
     delta: float | None = knob(None, "two-sided clip: cap on the unclipped ratio", range="(1, inf)", peer="TRL delta")
+    vespo_k_pos: float = knob(2.0, "vespo: power k of the weight for A >= 0", range="[0, inf)", peer="TRL vespo_k_pos")
+    vespo_lambda_pos: float = knob(
+        3.0, "vespo: decay lambda of the weight for A >= 0", range="[0, inf)", peer="TRL vespo_lambda_pos")
+    vespo_k_neg: float = knob(3.0, "vespo: power k of the weight for A < 0", range="[0, inf)", peer="TRL vespo_k_neg")
+    vespo_lambda_neg: float = knob(
+        2.0, "vespo: decay lambda of the weight for A < 0", range="[0, inf)", peer="TRL vespo_lambda_neg")
     use_bias_correction_kl: bool = knob(
         False, "multiply k3 by the importance ratio (false: plain k3; TRL 1.16 defaults to true)",
         peer="TRL use_bias_correction_kl")
