@@ -24,7 +24,7 @@ from preftune.data.traces import TraceOptions
 from preftune.distributed import Parallel
 from preftune.errors import UserError
 from preftune.losses import grpo_loss
-from preftune.losses.advantages import group_advantages, group_spread, nanmean
+from preftune.losses.advantages import group_advantages, group_spread, nan_mean_std, nanmean
 from preftune.losses.grpo import CLIP_KEYS, batch_normaliser
 from preftune.losses.sampling import importance_weights, mismatch_stats
 from preftune.model.logps import Rows, completion_logps, microbatches
@@ -74,15 +74,38 @@ class GRPOBatch:
 
 
 def reward_metrics(s: Scored, lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
-    """Reward and completion metrics of a whole generation batch (`lengths`, `truncated`: (N,))."""
+    """Reward and completion metrics of a whole generation batch (`lengths`, `truncated`: (N,)),
+    TRL 1.16's names and definitions (NaN = a function that did not apply, left out; stds are
+    Bessel-corrected), plus preftune's `reward_group_std` (the mean within-group std)."""
     spread = group_spread(s.total, s.group_sizes)  # (n_groups,)
-    m = {"reward": nanmean(s.total), "reward_std": spread.mean().item() if spread.numel() else 0.0}
+    m = {"reward": nanmean(s.total), "reward_std": _nanstd(s.total),
+         "reward_group_std": spread.mean().item() if spread.numel() else 0.0}
     for j, name in enumerate(s.names):
-        m[f"reward/{name}"] = nanmean(s.per_func[:, j])
+        m[f"rewards/{name}/mean"] = nanmean(s.per_func[:, j])
+        m[f"rewards/{name}/std"] = _nanstd(s.per_func[:, j])
     m["frac_reward_zero_std"] = (spread == 0).float().mean().item() if spread.numel() else 0.0
-    m["completion_length"] = lengths.float().mean().item()
-    m["completions/clipped_ratio"] = truncated.float().mean().item()
+    m |= length_metrics(lengths, truncated)
     return m | s.extra
+
+
+def _nanstd(x: torch.Tensor) -> float:
+    return nan_mean_std(x.reshape(-1), dim=None)[1].item()
+
+
+def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
+    """TRL's completions/*: mean, min, max length, the share cut at max_completion_length, and the
+    lengths of the completions that ended (0 when none did). (N,) -> floats."""
+    lengths = lengths.float()
+    ended = lengths[~truncated.bool()] if lengths.numel() else lengths
+    ended = ended if ended.numel() else lengths.new_zeros(1)
+    empty = lengths.numel() == 0
+    return {"completions/mean_length": 0.0 if empty else lengths.mean().item(),
+            "completions/min_length": 0.0 if empty else lengths.min().item(),
+            "completions/max_length": 0.0 if empty else lengths.max().item(),
+            "completions/clipped_ratio": 0.0 if empty else truncated.float().mean().item(),
+            "completions/mean_terminated_length": ended.mean().item(),
+            "completions/min_terminated_length": ended.min().item(),
+            "completions/max_terminated_length": ended.max().item()}
 
 
 def global_view(s: Scored, dp) -> tuple[Scored, torch.Tensor, torch.Tensor, int]:

@@ -107,9 +107,10 @@ def _columns(path: str) -> list[str]:
 
 
 def load_pairs(cfg) -> tuple[list, dict]:
-    """A pairs file (prompt/chosen/rejected columns, TRL's format) or labeled traces paired (data.*)."""
+    """A pairs file (prompt/chosen/rejected columns, or chosen/rejected with the prompt implicit:
+    TRL's formats) or labeled traces paired (data.*)."""
     path, split = cfg.data.train, cfg.eval.split
-    if {"prompt", "chosen", "rejected"} <= set(_columns(path)):
+    if {"chosen", "rejected"} <= set(_columns(path)):
         pairs, held_out = drop_held_out(read_pairs(path), split)
         return pairs, {"pairs_file": len(pairs)} | ({"held_out_pairs": held_out} if split else {})
     return trace_items(path, TraceOptions.from_config(cfg.data), "pairs", pair_builder(cfg.data), split=split)

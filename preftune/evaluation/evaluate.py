@@ -78,9 +78,9 @@ def summarize(r: EvalResult, prefix: str = "eval/") -> dict:
     """Mean reward, per function, mean completion length; with k > 1 samples, pass@k and mean@k of
     every 0/1 reward (the total and each function)."""
     out = {f"{prefix}reward": nanmean(r.total), f"{prefix}num_prompts": r.total.size(0),
-           f"{prefix}completion_length": r.lengths.mean().item()}
+           f"{prefix}completions/mean_length": r.lengths.mean().item()}
     for j, name in enumerate(r.names):
-        out[f"{prefix}reward/{name}"] = nanmean(r.per_func[..., j])
+        out[f"{prefix}rewards/{name}/mean"] = nanmean(r.per_func[..., j])
     k = r.total.size(1)
     if k > 1:
         series = [("", r.total)] + [(f"/{n}", r.per_func[..., j]) for j, n in enumerate(r.names)]

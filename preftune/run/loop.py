@@ -38,7 +38,7 @@ from preftune.evaluation.evaluate import build_evaluator
 from preftune.run.completion import completed
 from preftune.run.host_memory import keep_freed_memory
 from preftune.run.loggers import build_trackers
-from preftune.run.metrics import MetricsLog
+from preftune.run.metrics import MetricsLog, Window
 from preftune.run.optim import build_optimizer, lr_at, set_lr
 from preftune.run.lock import RunLock
 from preftune.run.mirror import RemoteMirror
@@ -84,6 +84,7 @@ class Run:
         # called as cb(step, record) after each logged record; returning True stops the run at this step
         self.callbacks = list(callbacks)
         self.stop_asked = False
+        self.window, self.num_tokens = Window(), 0  # the steps since the last record; tokens seen
         self.tracker_state: dict | None = None  # tracker run ids from the checkpoint
         self.evaluated: int | None = None  # the step of the latest evaluation
         self.out = Path(cfg.output_dir)
@@ -136,6 +137,7 @@ class Run:
         state = self.checkpointer.restore(folder)
         self.step = int(state["step"])
         self.tracker_state = state.get("trackers")
+        self.window, self.num_tokens = Window(state.get("log_window")), int(state.get("num_tokens", 0))
         if self.dp.is_main and (folder / METRICS).is_file():  # the records as they were at the save
             copy_atomic(folder / METRICS, self.out / METRICS)
         log.info("resumed from %s (step %d)", folder, self.step)
@@ -145,7 +147,8 @@ class Run:
         extra, path = {}, None
         if self.metrics is not None:
             self.metrics.file.flush()
-            extra, path = {"trackers": self.metrics.state_dict()}, self.metrics.path
+            extra, path = {"trackers": self.metrics.state_dict(), "log_window": self.window.state_dict(),
+                           "num_tokens": self.num_tokens}, self.metrics.path
         folder = self.checkpointer.save(self.step, path, extra)
         self.saved_step = self.step
         return folder
@@ -178,7 +181,10 @@ class Run:
         optim.step(self.optimizer)
         m["learning_rate"] = lr
         m["step_time"] = time.perf_counter() - t0
-        m["tokens_per_second"] = m.pop("num_tokens", 0) / max(m["step_time"], 1e-9)
+        tokens = m.pop("num_tokens", 0)
+        m["tokens_per_second"] = tokens / max(m["step_time"], 1e-9)
+        self.num_tokens += int(tokens)
+        m["num_tokens"] = self.num_tokens  # TRL's: prompt and completion tokens seen so far
         return m
 
     def _try_step(self, stop: Preemption) -> dict | None:
@@ -236,8 +242,9 @@ class Run:
             if self.on_first_step is not None:
                 self.on_first_step()
                 self.on_first_step = None
+            self.window.add(m)
             if self.step % cfg.log.logging_steps == 0 or self.step == cfg.max_steps:
-                self._log(m, advance=True)
+                self._log(self.window.take(), advance=True)  # the window's mean, as TRL logs
             elif self.metrics is not None and self.metrics.bar is not None:
                 self.metrics.bar.update(1)
             if cfg.eval.eval_steps and self.step % cfg.eval.eval_steps == 0 and self.step < cfg.max_steps:

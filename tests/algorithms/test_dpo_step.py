@@ -220,6 +220,9 @@ def test_pairs_file_equals_pairs_from_traces(make_config, traces_file, model, to
     eos = tokenizer.eos_token_id
     assert e.prompt == tokenizer("1+2=").input_ids
     assert e.chosen == tokenizer("3").input_ids + [eos] and e.rejected == tokenizer("4").input_ids + [eos]
+    # and TRL's implicit-prompt pairs (chosen / rejected only) train on the same pair
+    implicit = write_parquet(tmp_path / "implicit.parquet", [{"chosen": "1+2=3", "rejected": "1+2=4"}])
+    assert vars(make_task(_cfg(make_config, implicit, "dpo.reference_free=true"), model, tokenizer).encoded[0]) == vars(e)
 
 
 def test_pairs_never_exceed_max_length(make_config, tokenizer, tmp_path):
