@@ -21,7 +21,7 @@ from preftune.data.tensors import read_once
 from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response, fit_prompt
 from preftune.distributed import Parallel
 from preftune.errors import UserError
-from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
+from preftune.losses.dpo import TOKEN_SUMS, check_dpo_options, dpo_loss_multi, token_metrics, token_sums, wpo_weights
 from preftune.model.load import to_device
 from preftune.model.logps import list_logps, microbatches
 
@@ -61,6 +61,21 @@ def sequence_logps(model, batch: list[EncodedPair], pad_id: int, device) -> tupl
     return sums.t().reshape(-1), counts.t().reshape(-1)
 
 
+def policy_logps(model, batch: list[EncodedPair], pad_id: int, device, *, weighting: bool):
+    """`sequence_logps` of the policy, plus the sums behind TRL's per-token metrics (`token_sums`,
+    (7,)) and, with `weighting`, each pair's WPO weight w(y_c) w(y_r) (b,) (else None): one pass."""
+    b = len(batch)
+    prompts, responses = [e.prompt for e in batch for _ in (0, 1)], [r for e in batch for r in (e.chosen, e.rejected)]
+    logps, stats, mask = list_logps(model, prompts, responses, pad_id, device, stats=True)  # (2b, T), (2b, T, 4)
+    order = torch.cat([torch.arange(0, 2 * b, 2), torch.arange(1, 2 * b, 2)]).to(logps.device)  # chosen, rejected
+    logps, stats, mask = logps[order], stats[order], mask[order].to(logps.dtype)
+    weights = None
+    if weighting:
+        w = wpo_weights(logps.detach(), stats[..., 3], mask)  # (2b,)
+        weights = w[:b] * w[b:]  # (b,)
+    return logps.sum(-1), mask.sum(-1), token_sums(stats, mask), weights
+
+
 @torch.no_grad()
 def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int, device, *, dp=None) -> torch.Tensor:
     """(n, 2) reference [chosen, rejected] log-probs, cached in the output folder (`cached_reference`:
@@ -71,6 +86,9 @@ def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int,
 
     return cached_reference(model, encoded, pair_logps, cfg, micro_batch_size=cfg.dpo.micro_batch_size, what="pairs",
                             key_rows=lambda: ((e.prompt, e.chosen, e.rejected) for e in encoded), dp=dp)
+
+
+_SUMS = tuple(f"token_sums/{k}" for k in TOKEN_SUMS)  # summed over micro-batches and ranks, then divided
 
 
 class DPOTask:
@@ -111,7 +129,8 @@ class DPOTask:
             stop.check()
             part = idx[sl]
             batch = [self.encoded[i] for i in part]
-            lp, lengths = sequence_logps(model, batch, self.pad_id, self.device)  # (2b,), (2b,)
+            lp, lengths, sums, pair_w = policy_logps(model, batch, self.pad_id, self.device,
+                                                     weighting=self.d.use_weighting)  # (2b,), (2b,), (7,), (b,)
             b = len(part)
             ref_c = ref_r = None
             if self.ref is not None:
@@ -123,15 +142,16 @@ class DPOTask:
             loss, m = dpo_loss_multi(lp[:b], lp[b:], ref_c, ref_r, loss_types=self.loss_types,
                                      loss_weights=self.d.loss_weights, beta=self.d.beta,
                                      label_smoothing=self.d.label_smoothing, chosen_lengths=lengths[:b],
-                                     rejected_lengths=lengths[b:], sync_metrics=False)
+                                     rejected_lengths=lengths[b:], pair_weights=pair_w, sync_metrics=False)
             (loss * (b / B)).backward()  # per-pair means: a micro-batch of b pairs weighs b/B
-            parts.append((b, m | {"loss": loss.detach()}))
+            parts.append((b, m | {"loss": loss.detach()} | dict(zip(_SUMS, sums.unbind()))))
             tokens += sum(2 * len(e.prompt) + len(e.chosen) + len(e.rejected) for e in batch)
         for (b, _), m in zip(parts, read_once([m for _, m in parts])):
-            for k, v in m.items():
-                totals[k] = totals.get(k, 0.0) + v * b / B
+            for k, v in m.items():  # pair means by the micro-batch's share; token sums as they are
+                totals[k] = totals.get(k, 0.0) + (v if k in _SUMS else v * b / B)
         totals["num_tokens"] = tokens
-        return self.dp.reduce_metrics(totals)
+        totals = self.dp.reduce_metrics(totals)  # sums over the ranks
+        return totals | token_metrics([totals.pop(k, 0.0) for k in _SUMS])
 
     @torch.no_grad()
     def _live_reference(self, model, batch: list[EncodedPair]) -> torch.Tensor:

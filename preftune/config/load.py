@@ -95,6 +95,10 @@ def validate(cfg: Config) -> None:
                         f"got {cfg.grpo.overlong_buffer_len}", where="grpo.overlong_buffer_len")
     if not cfg.data.train:
         raise UserError("no training data: set data.train", where="data.train")
+    dpo_types = [cfg.dpo.loss_type] if isinstance(cfg.dpo.loss_type, str) else cfg.dpo.loss_type
+    if cfg.algorithm == "dpo" and cfg.dpo.use_weighting and {"aot", "aot_unpaired"} & set(dpo_types):
+        raise UserError("WPO weighting is per pair; aot and aot_unpaired sort terms across pairs",
+                        where="dpo.use_weighting")
     if cfg.algorithm == "grpo" and cfg.grpo.use_vllm:
         check_vllm(cfg.grpo.rollout)
         if (cfg.grpo.loss_type == "vespo" and cfg.grpo.vllm_importance_sampling_correction

@@ -195,6 +195,9 @@ class DPOConfig:
     label_smoothing: float = knob(
         0.0, "\u03b5 of robust / exo_pair / aot", range="[0, 0.5]", peer="TRL label_smoothing")
     reference_free: bool = knob(False, "no reference (log-probs 0)", peer="TRL reference_free")
+    use_weighting: bool = knob(
+        False, "WPO: weigh each pair by its responses' probability under the policy (arXiv:2406.11827)",
+        peer="TRL use_weighting")
     precompute_ref_logps: bool = knob(
         True, "compute reference log-probs once and cache them (false: run a frozen reference on each batch)",
         peer="TRL precompute_ref_log_probs")

@@ -74,19 +74,21 @@ class Rows:
 
 def completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
                      temperature: float = 1.0, with_entropy: bool = False, rows: Rows | None = None,
-                     pack: bool = True, top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     pack: bool = True, top_k: int = 0, top_p: float = 1.0,
+                     stats: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(y_t | x, y_<t) for each completion token -> (B, T), and optionally the entropy (B, T),
     0 at padding. Logits are divided by the sampling temperature (the ratio is taken against the
     distribution the completions were drawn from, as TRL does). `rows` (these rows' `Rows`)
     saves the one host read that sizes the pass; `pack` False keeps the plain layout. `top_k`/`top_p`
-    give the sampler's log-probs instead (softmax over the kept tokens; no gradient, no entropy)."""
+    give the sampler's log-probs instead (softmax over the kept tokens; no gradient, no entropy).
+    `stats`: instead of the entropy, `head.token_stats` (B, T, 4), 0 at padding."""
     if rows is None:
         rows = Rows.read(prompt_ids, prompt_mask, completion_mask)
     if rows.prompt and min(rows.prompt) < 1:
         raise ValueError("every prompt needs at least one token")
     if not isinstance(base_module(model), Llama):
         return _module_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
-                             with_entropy, top_k, top_p)
+                             with_entropy, top_k, top_p, stats)
     B, T = completion_ids.shape
     plan = _plan(rows, prompt_ids.size(1), T, base_module(model).config, pack=pack)
     device = completion_ids.device
@@ -100,14 +102,15 @@ def completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_
     with autocast(model):
         logps, entropy = model(ids, pos, mask, index=to_device(plan.src, device),
                                targets=completion_ids.reshape(-1)[dst], temperature=temperature,
-                               with_entropy=with_entropy, top_k=top_k, top_p=top_p)  # (K,)
+                               with_entropy=with_entropy, top_k=top_k, top_p=top_p, stats=stats)  # (K,)
     out = logps.new_zeros(B * T).index_copy(0, dst, logps).view(B, T)
-    ent = None if entropy is None else entropy.new_zeros(B * T).index_copy(0, dst, entropy).view(B, T)
+    ent = None if entropy is None else \
+        entropy.new_zeros(B * T, *entropy.shape[1:]).index_copy(0, dst, entropy).view(B, T, *entropy.shape[1:])
     return out, ent
 
 
 def list_logps(model, prompts: list[list[int]], completions: list[list[int]], pad_id: int, device, *,
-               with_entropy: bool = False, pack: bool = True):
+               with_entropy: bool = False, pack: bool = True, stats: bool = False):
     """`completion_logps` of rows given as token lists -> log-probs (n, T), entropy (n, T) or None,
     completion mask (n, T). Sized from the lists (no host read); consecutive rows with one prompt
     share it (DPO's pairs, KTO's mismatched pairs)."""
@@ -116,7 +119,7 @@ def list_logps(model, prompts: list[list[int]], completions: list[list[int]], pa
     rows = Rows.of(prompts, [len(c) for c in completions])
     p_ids, p_mask, c_ids, c_mask = (to_device(t, device) for t in (p_ids, p_mask, c_ids, c_mask))
     logps, entropy = completion_logps(model, p_ids, p_mask, c_ids, c_mask, with_entropy=with_entropy, rows=rows,
-                                      pack=pack)
+                                      pack=pack, stats=stats)
     return logps, entropy, c_mask
 
 
@@ -213,7 +216,7 @@ def pack_rows(lengths: list[int], width: int | None = None) -> tuple[list[list[i
 
 
 def _module_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy,
-                  top_k=0, top_p=1.0):
+                  top_k=0, top_p=1.0, stats=False):
     """The Hugging Face module's forward over [left-padded prompt | right-padded completion], logits
     for the last T + 1 positions only."""
     T = completion_ids.size(1)
@@ -227,11 +230,11 @@ def _module_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mas
     if top_k or top_p < 1.0:  # the sampler's distribution (`head.filter_logits`); no entropy
         B, T, V = logits.shape
         logits, with_entropy = filter_logits(logits.reshape(B * T, V), top_k, top_p).view(B, T, V), False
-    logps, entropy = token_logps(logits, completion_ids, with_entropy=with_entropy)
+    logps, entropy = token_logps(logits, completion_ids, with_entropy=with_entropy, stats=stats)
     keep = completion_mask.to(logps.dtype)
     if top_k or top_p < 1.0:  # a dropped padding target is -inf, and -inf * 0 is NaN
         return torch.where(keep.bool(), logps, 0.0), None
-    return logps * keep, None if entropy is None else entropy * keep
+    return logps * keep, None if entropy is None else entropy * (keep[..., None] if stats else keep)
 
 
 def microbatches(n: int, size: int) -> list[slice]:

@@ -69,6 +69,26 @@ def test_micro_batch_invariance(make_config, traces_file, model, tokenizer, loss
         assert m_part["num_tokens"] == m_full["num_tokens"]
 
 
+def test_trl_token_metrics_and_wpo_weighting(make_config, traces_file, model, tokenizer):
+    """TRL's DPO metrics (logits/chosen|rejected, mean_token_accuracy, entropy) are logged, and
+    use_weighting (WPO) scales the update without breaking micro-batch invariance."""
+    plain = make_task(_cfg(make_config, traces_file), model, tokenizer)
+    weighted = make_task(_cfg(make_config, traces_file, "use_weighting=true"), model, tokenizer)  # TRL's name
+    assert weighted.d.use_weighting
+    _shift(model)
+    g_plain, m = _step(plain, model, 6)
+    for k in ("logits/chosen", "logits/rejected", "mean_token_accuracy", "entropy"):
+        assert k in m and math.isfinite(m[k]), k
+    assert 0 <= m["mean_token_accuracy"] <= 1 and m["entropy"] > 0 and m["logits/chosen"] != m["logits/rejected"]
+    full, m_full = _step(weighted, model, 6)
+    assert not torch.allclose(full, g_plain) and m_full["loss"] != pytest.approx(m["loss"])  # the weights matter
+    for micro in (1, 4):
+        part, m_part = _step(weighted, model, micro)
+        torch.testing.assert_close(part, full, rtol=0, atol=1e-5 * full.abs().max().item())
+        for k in ("loss", "logits/chosen", "mean_token_accuracy", "entropy"):
+            assert m_part[k] == pytest.approx(m_full[k], rel=1e-5, abs=1e-7), k
+
+
 def test_reference_logps_cached_and_reused(make_config, traces_file, model, tokenizer, monkeypatch, tmp_path):
     import os
     import shutil
