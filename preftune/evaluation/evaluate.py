@@ -7,10 +7,11 @@ from dataclasses import dataclass
 import torch
 
 from preftune.data.prompts import load_prompts
-from preftune.data.pipeline import held_out_prompts
+from preftune.data.pipeline import columns, held_out_prompts
 from preftune.data.tensors import left_pad
 from preftune.data.tokenize import PromptTruncation
 from preftune.data.traces import TraceOptions
+from preftune.errors import UserError
 from preftune.evaluation.stats import is_binary, pass_and_mean_at_k
 from preftune.losses.advantages import nanmean
 from preftune.rewards.registry import RewardState, load_reward_funcs
@@ -121,6 +122,10 @@ def evaluate(model, tokenizer, prompt_set, reward_funcs, *, weights, max_new_tok
 
 def eval_prompt_set(cfg):
     """data.eval, else with eval.split the held-out prompts of data.train, else None."""
+    if cfg.data.eval and {"chosen", "rejected"} <= set(columns(cfg.data.eval)):
+        raise UserError("is a pairs file: held-out pairs are evaluated during DPO training (eval/loss, "
+                        "eval/rewards/accuracies); here data.eval takes prompts, scored by eval.reward_funcs",
+                        where="data.eval")
     if cfg.data.eval:
         return load_prompts(cfg.data.eval, prompt_column=cfg.data.prompt_column)
     if cfg.eval.split:

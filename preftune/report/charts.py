@@ -23,8 +23,8 @@ CHARTS = [
     ("completion_length", "completions: mean, min, max length",
      ["completions/mean_length", "completions/min_length", "completions/max_length", "eval/completions/mean_length"]),
     ("clip_ratio", "clip ratios", ["clip_ratio/*"]),
-    ("dpo_margins", "rewards/margins", ["rewards/margins"]),
-    ("dpo_accuracies", "rewards/accuracies", ["rewards/accuracies"]),
+    ("dpo_margins", "rewards/margins", ["rewards/margins", "eval/rewards/margins"]),
+    ("dpo_accuracies", "rewards/accuracies", ["rewards/accuracies", "eval/rewards/accuracies"]),
     ("dpo_rewards", "rewards/chosen, rewards/rejected", ["rewards/chosen", "rewards/rejected"]),
     ("dpo_logps", "logps/chosen, logps/rejected", ["logps/chosen", "logps/rejected"]),
     ("learning_rate", "learning_rate", ["learning_rate"]),
@@ -32,7 +32,7 @@ CHARTS = [
     ("tokens_per_second", "tokens_per_second", ["tokens_per_second"]),
     ("eval", "held-out evaluation", ["eval/*"]),
 ]
-SKIP = {"eval/num_prompts"}
+SKIP = {"eval/num_prompts", "eval/num_pairs"}
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -104,7 +104,8 @@ class Run:
         self.model = dp.load(cfg.model, base_path, reshard_after_forward=cfg.distributed.reshard_after_forward)
         clock.mark("model")
         self.task = build_task(cfg, self.model, self.tokenizer, self.device, dp)
-        self.evaluator = build_evaluator(cfg, self.tokenizer, dp, engine=getattr(self.task, "engine", None))
+        own = getattr(self.task, "evaluator", lambda: None)()  # DPO's held-out pairs
+        self.evaluator = own or build_evaluator(cfg, self.tokenizer, dp, engine=getattr(self.task, "engine", None))
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optim)
         self.checkpointer = Checkpointer(cfg, dp, model=self.model, tokenizer=self.tokenizer, optimizer=self.optimizer,
                                          task=self.task, mirror=self.mirror, lock=lock)
