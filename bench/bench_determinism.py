@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run(out: Path, determinism: bool, overrides: list[str]) -> tuple[float, str]:
     cmd = [sys.executable, "-m", "preftune", "train", "examples/grpo.yaml", f"output_dir={out}", "max_steps=20",
-           "save_steps=0", "eval.eval_steps=0", "log.progress_bar=false", f"full_determinism={str(determinism).lower()}",
-           *overrides]
+           "save_steps=0", "eval.eval_steps=0", "log.progress_bar=false",
+           f"full_determinism={str(determinism).lower()}", *overrides]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     times = [r["step_time"] for r in rows if "step_time" in r and r.get("step", 0) >= 3]

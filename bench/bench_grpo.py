@@ -347,7 +347,7 @@ def run_preftune_grpo(args) -> dict:
         run.run()
         wall = time.perf_counter() - t0
         records = read_metrics(os.path.join(out, "run"))
-        completion = statistics.fmean(r["completion_length"] for r in records)
+        completion = statistics.fmean(r["completions/mean_length"] for r in records)
         flops = grpo_work(args, model, completion)
     result = summarize([r["step_time"] for r in records], args.warmup) | {"wall_s": wall}
     result["extra"] = {"train reward first->last": first_last([r.get("reward") for r in records])}

@@ -64,7 +64,7 @@ def measure(name: str, args) -> dict:
         for variant, vllm in (("own sampler", False), ("vLLM", True)):
             load = os.getloadavg()[0]
             recs = run(argv, vllm, Path(tmp) / variant.replace(" ", "-"))[args.warmup:]
-            tokens = statistics.median(r["completion_length"] * spec[2] * spec[3] / r["step_time"] for r in recs)
+            tokens = statistics.median(r["completions/mean_length"] * spec[2] * spec[3] / r["step_time"] for r in recs)
             out[variant] = {"median_s": statistics.median(r["step_time"] for r in recs), "tokens_per_s": tokens,
                             "steps": len(recs), "load_avg": [load, os.getloadavg()[0]]}
             if vllm:

@@ -103,8 +103,8 @@ def test_grpo_with_a_python_reward_a_dataset_and_callbacks(tmp_path, own_handler
     assert result.step == 2 and not result.stopped_early
     recs = records(out)
     assert seen == [(r["step"], {k: v for k, v in r.items() if k != "step"}) for r in recs]
-    assert result.metrics == recs[-2] and result.metrics["step"] == 2 and "reward/brevity" in result.metrics
-    assert [r["step"] for r in result.eval] == [0, 2] and all("eval/reward/brevity" in r for r in result.eval)
+    assert result.metrics == recs[-2] and result.metrics["step"] == 2 and "rewards/brevity/mean" in result.metrics
+    assert [r["step"] for r in result.eval] == [0, 2] and all("eval/rewards/brevity/mean" in r for r in result.eval)
     saved = load_config(out / "config.yaml")
     assert saved.grpo.reward_funcs == ["callable:tests.test_api.brevity", "accuracy"]
     assert saved.data.train.startswith("in-memory:train_data@") and saved.data.eval.startswith("in-memory:eval_data@")

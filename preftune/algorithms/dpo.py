@@ -15,7 +15,8 @@ import torch
 
 from preftune.algorithms.reference import cached_reference
 from preftune.config import Config
-from preftune.data.pipeline import load_pairs
+from preftune.data.pairs import read_pairs
+from preftune.data.pipeline import columns, load_pairs
 from preftune.data.stream import IndexStream
 from preftune.data.tensors import read_once
 from preftune.data.tokenize import PromptTruncation
@@ -23,7 +24,7 @@ from preftune.data.tools import default_tools
 from preftune.data.turns import encode_fitted
 from preftune.distributed import Parallel
 from preftune.errors import UserError
-from preftune.losses.dpo import check_dpo_options, dpo_loss_multi
+from preftune.losses.dpo import TOKEN_SUMS, check_dpo_options, dpo_loss_multi, token_metrics, token_sums, wpo_weights
 from preftune.model.load import to_device
 from preftune.model.logps import list_logps, microbatches
 
@@ -67,6 +68,32 @@ def sequence_logps(model, batch: list[EncodedPair], pad_id: int, device) -> tupl
     return sums.t().reshape(-1), counts.t().reshape(-1)
 
 
+def held_out_pairs(cfg: Config, tokenizer) -> list[EncodedPair]:
+    """The encoded pairs of data.eval when it is a pairs file (TRL's eval_dataset), else []."""
+    if not cfg.data.eval or not {"chosen", "rejected"} <= set(columns(cfg.data.eval)):
+        return []
+    encoded, stats = encode_pairs(read_pairs(cfg.data.eval), tokenizer, cfg)
+    if not encoded:
+        raise UserError(f"no held-out pair left: {stats['prompts_dropped']} dropped by data.prompt_truncation",
+                        where="data.eval")
+    return encoded
+
+
+def policy_logps(model, batch: list[EncodedPair], pad_id: int, device, *, weighting: bool):
+    """`sequence_logps` of the policy, plus the sums behind TRL's per-token metrics (`token_sums`,
+    (7,)) and, with `weighting`, each pair's WPO weight w(y_c) w(y_r) (b,) (else None): one pass."""
+    b = len(batch)
+    prompts, responses = [e.prompt for e in batch for _ in (0, 1)], [r for e in batch for r in (e.chosen, e.rejected)]
+    logps, stats, mask = list_logps(model, prompts, responses, pad_id, device, stats=True)  # (2b, T), (2b, T, 4)
+    order = torch.cat([torch.arange(0, 2 * b, 2), torch.arange(1, 2 * b, 2)]).to(logps.device)  # chosen, rejected
+    logps, stats, mask = logps[order], stats[order], mask[order].to(logps.dtype)
+    weights = None
+    if weighting:
+        w = wpo_weights(logps.detach(), stats[..., 3], mask)  # (2b,)
+        weights = w[:b] * w[b:]  # (b,)
+    return logps.sum(-1), mask.sum(-1), token_sums(stats, mask), weights
+
+
 @torch.no_grad()
 def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int, device, *, dp=None) -> torch.Tensor:
     """(n, 2) reference [chosen, rejected] log-probs, cached in the output folder (`cached_reference`:
@@ -82,6 +109,9 @@ def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int,
 def _masks(e: EncodedPair) -> tuple:
     """The masks where a pair has any (so a cache of unmasked pairs keeps its fingerprint)."""
     return () if e.chosen_mask is None and e.rejected_mask is None else (e.chosen_mask, e.rejected_mask)
+
+
+_SUMS = tuple(f"token_sums/{k}" for k in TOKEN_SUMS)  # summed over micro-batches and ranks, then divided
 
 
 class DPOTask:
@@ -104,45 +134,82 @@ class DPOTask:
             self.ref_model = model if cfg.model.lora.enabled else self.dp.load(
                 cfg.model, cfg.model.name_or_path, trainable=False)
         self.stream = IndexStream(len(self.encoded), cfg.seed, cfg.data.shuffle)
+        self.held_out, self.eval_ref = held_out_pairs(cfg, tokenizer), None  # TRL's eval_dataset of pairs
 
     def prepare(self, model) -> None:
-        """The reference log-probs, with `model` still holding the initial (reference) weights,
-        unless the restored checkpoint brought them."""
+        """The reference log-probs (of the held-out pairs too), with `model` still holding the
+        initial (reference) weights, unless the restored checkpoint brought them."""
         if self.ref is None and not self.d.reference_free and self.d.precompute_ref_logps:
             # each rank computes its share of the pairs on gathered parameters (no collective per
             # pass); the shares are gathered and rank 0 writes the cache
             with self.dp.gathered(model):
-                self.ref = reference_logps(model, self.encoded, self.cfg, self.pad_id, self.device, dp=self.dp)
+                ref = reference_logps(model, self.encoded + self.held_out, self.cfg, self.pad_id, self.device,
+                                      dp=self.dp)  # (n + n_eval, 2): one cache
+            self.ref, self.eval_ref = ref[:len(self.encoded)], ref[len(self.encoded):]
 
     def step(self, model, step: int, stop) -> dict:
         idx = self.stream.take(self.d.batch_size)
-        B, totals, tokens, parts = len(idx), {}, 0, []  # B: the global batch; this rank trains on its share
+        B, tokens, parts = len(idx), 0, []  # B: the global batch; this rank trains on its share
         idx = idx[self.dp.split(B, "dpo.batch_size")]
         for sl in microbatches(len(idx), self.d.micro_batch_size):
             stop.check()
             part = idx[sl]
             batch = [self.encoded[i] for i in part]
-            lp, lengths = sequence_logps(model, batch, self.pad_id, self.device)  # (2b,), (2b,)
-            b = len(part)
-            ref_c = ref_r = None
-            if self.ref is not None:
-                ref = to_device(self.ref[part], lp.device)  # (b, 2)
-                ref_c, ref_r = ref[:, 0], ref[:, 1]
-            elif self.ref_model is not None:
-                ref = self._live_reference(model, batch)  # (2b,)
-                ref_c, ref_r = ref[:b], ref[b:]
-            loss, m = dpo_loss_multi(lp[:b], lp[b:], ref_c, ref_r, loss_types=self.loss_types,
-                                     loss_weights=self.d.loss_weights, beta=self.d.beta,
-                                     label_smoothing=self.d.label_smoothing, chosen_lengths=lengths[:b],
-                                     rejected_lengths=lengths[b:], sync_metrics=False)
-            (loss * (b / B)).backward()  # per-pair means: a micro-batch of b pairs weighs b/B
-            parts.append((b, m | {"loss": loss.detach()}))
+            loss, m = self._pair_loss(model, batch, None if self.ref is None else self.ref[part])
+            (loss * (len(part) / B)).backward()  # per-pair means: a micro-batch of b pairs weighs b/B
+            parts.append((len(part), m))
             tokens += sum(2 * len(e.prompt) + len(e.chosen) + len(e.rejected) for e in batch)
+        return self._fold(parts, B, {"num_tokens": tokens})
+
+    def _pair_loss(self, model, batch: list[EncodedPair], ref: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+        """The loss of b pairs and their metrics (device tensors, with the token sums); `ref` (b, 2)
+        precomputed reference log-probs, else the live reference or none."""
+        lp, lengths, sums, pair_w = policy_logps(model, batch, self.pad_id, self.device,
+                                                 weighting=self.d.use_weighting)  # (2b,), (2b,), (7,), (b,)
+        b = len(batch)
+        ref_c = ref_r = None
+        if ref is not None:
+            ref = to_device(ref, lp.device)  # (b, 2)
+            ref_c, ref_r = ref[:, 0], ref[:, 1]
+        elif self.ref_model is not None:
+            ref = self._live_reference(model, batch)  # (2b,)
+            ref_c, ref_r = ref[:b], ref[b:]
+        loss, m = dpo_loss_multi(lp[:b], lp[b:], ref_c, ref_r, loss_types=self.loss_types,
+                                 loss_weights=self.d.loss_weights, beta=self.d.beta,
+                                 label_smoothing=self.d.label_smoothing, chosen_lengths=lengths[:b],
+                                 rejected_lengths=lengths[b:], pair_weights=pair_w, sync_metrics=False)
+        return loss, m | {"loss": loss.detach()} | dict(zip(_SUMS, sums.unbind()))
+
+    def _fold(self, parts: list, B: int, extra: dict) -> dict:
+        """Micro-batches' metrics (read in one host sync) -> the batch's over every rank: pair means
+        by each micro-batch's share b/B, token metrics from their summed parts."""
+        totals = dict(extra)
         for (b, _), m in zip(parts, read_once([m for _, m in parts])):
             for k, v in m.items():
-                totals[k] = totals.get(k, 0.0) + v * b / B
-        totals["num_tokens"] = tokens
-        return self.dp.reduce_metrics(totals)
+                totals[k] = totals.get(k, 0.0) + (v if k in _SUMS else v * b / B)
+        totals = self.dp.reduce_metrics(totals)  # sums over the ranks
+        return totals | token_metrics([totals.pop(k, 0.0) for k in _SUMS])
+
+    def evaluator(self):
+        """With held-out pairs (data.eval a pairs file): (model, step) -> TRL's eval metrics of the
+        pairs (eval/loss, eval/rewards/accuracies, eval/rewards/margins, ...); else None."""
+        return self.evaluate if self.held_out else None
+
+    @torch.no_grad()
+    def evaluate(self, model, step: int) -> dict:
+        if self.eval_ref is None and self.ref_model is None and not self.d.reference_free:
+            raise UserError("the held-out pairs have no reference log-probs in this checkpoint (added on a resume?): "
+                            "start over with resume=never", where="data.eval")
+        share = self.dp.share(len(self.held_out))
+        mine, parts = self.held_out[share], []
+        was_training = model.training
+        model.eval()
+        for sl in microbatches(len(mine), self.d.micro_batch_size):
+            ref = None if self.eval_ref is None else self.eval_ref[share][sl]
+            parts.append((len(mine[sl]), self._pair_loss(model, mine[sl], ref)[1]))
+        model.train(was_training)
+        m = self._fold(parts, len(self.held_out), {})
+        return {f"eval/{k}": v for k, v in m.items()} | {"eval/num_pairs": len(self.held_out)}
 
     @torch.no_grad()
     def _live_reference(self, model, batch: list[EncodedPair]) -> torch.Tensor:
@@ -157,9 +224,11 @@ class DPOTask:
 
     def state_dict(self) -> dict:
         # the reference log-probs too: a resume on a fresh node then needs no reference pass
-        return {"stream": self.stream.state_dict(), "ref": self.ref}
+        return {"stream": self.stream.state_dict(), "ref": self.ref, "eval_ref": self.eval_ref}
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state["stream"])
         if self.d.precompute_ref_logps and state.get("ref") is not None and len(state["ref"]) == len(self.encoded):
             self.ref = state["ref"]
+            eval_ref = state.get("eval_ref")
+            self.eval_ref = eval_ref if eval_ref is not None and len(eval_ref) == len(self.held_out) else None

@@ -25,7 +25,7 @@ from preftune.data.traces import TraceOptions
 from preftune.distributed import Parallel
 from preftune.errors import UserError
 from preftune.losses import grpo_loss
-from preftune.losses.advantages import group_advantages, group_spread, nanmean
+from preftune.losses.advantages import group_advantages, group_spread, nan_mean_std, nanmean
 from preftune.losses.grpo import CLIP_KEYS, batch_normaliser
 from preftune.losses.sampling import importance_weights, mismatch_stats
 from preftune.model.logps import Rows, completion_logps, microbatches
@@ -75,15 +75,38 @@ class GRPOBatch:
 
 
 def reward_metrics(s: Scored, lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
-    """Reward and completion metrics of a whole generation batch (`lengths`, `truncated`: (N,))."""
+    """Reward and completion metrics of a whole generation batch (`lengths`, `truncated`: (N,)),
+    TRL 1.16's names and definitions (NaN = a function that did not apply, left out; stds are
+    Bessel-corrected), plus preftune's `reward_group_std` (the mean within-group std)."""
     spread = group_spread(s.total, s.group_sizes)  # (n_groups,)
-    m = {"reward": nanmean(s.total), "reward_std": spread.mean().item() if spread.numel() else 0.0}
+    m = {"reward": nanmean(s.total), "reward_std": _nanstd(s.total),
+         "reward_group_std": spread.mean().item() if spread.numel() else 0.0}
     for j, name in enumerate(s.names):
-        m[f"reward/{name}"] = nanmean(s.per_func[:, j])
+        m[f"rewards/{name}/mean"] = nanmean(s.per_func[:, j])
+        m[f"rewards/{name}/std"] = _nanstd(s.per_func[:, j])
     m["frac_reward_zero_std"] = (spread == 0).float().mean().item() if spread.numel() else 0.0
-    m["completion_length"] = lengths.float().mean().item()
-    m["completions/clipped_ratio"] = truncated.float().mean().item()
+    m |= length_metrics(lengths, truncated)
     return m | s.extra | s.log.record()
+
+
+def _nanstd(x: torch.Tensor) -> float:
+    return nan_mean_std(x.reshape(-1), dim=None)[1].item()
+
+
+def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
+    """TRL's completions/*: mean, min, max length, the share cut at max_completion_length, and the
+    lengths of the completions that ended (0 when none did). (N,) -> floats."""
+    lengths = lengths.float()
+    ended = lengths[~truncated.bool()] if lengths.numel() else lengths
+    ended = ended if ended.numel() else lengths.new_zeros(1)
+    empty = lengths.numel() == 0
+    return {"completions/mean_length": 0.0 if empty else lengths.mean().item(),
+            "completions/min_length": 0.0 if empty else lengths.min().item(),
+            "completions/max_length": 0.0 if empty else lengths.max().item(),
+            "completions/clipped_ratio": 0.0 if empty else truncated.float().mean().item(),
+            "completions/mean_terminated_length": ended.mean().item(),
+            "completions/min_terminated_length": ended.min().item(),
+            "completions/max_terminated_length": ended.max().item()}
 
 
 def global_view(s: Scored, dp) -> tuple[Scored, torch.Tensor, torch.Tensor, int]:
@@ -239,7 +262,7 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
                             epsilon_high=cfg.epsilon_high, delta=cfg.delta,
                             importance_sampling_level=cfg.importance_sampling_level,
                             normaliser=norm, kl_ratio_correction=cfg.use_bias_correction_kl, sync_metrics=False,
-                            importance_weights=None if is_all is None else is_all[sl])
+                            importance_weights=None if is_all is None else is_all[sl], vespo=vespo_options(cfg))
         loss.backward()
         parts.append((sl, m | {"loss": loss.detach(), "entropy_sum": (entropy.detach() * mask[sl]).sum()}))
     totals, ent_sum = _fold(parts, row_tokens, batch_tokens, batch_seqs,
@@ -302,8 +325,14 @@ def _accumulate(totals: dict, m: dict, loss: float, *, token_share: float, row_s
             pick = min if k.endswith("_min") else max
             totals[k] = pick(totals[k], v) if k in totals else v
         else:
-            rows = by_rows and k.startswith("clip_ratio/")
+            rows = by_rows and k.startswith("clip_ratio/") or k == "vespo/phi_seq_mean"  # a mean over rows
             totals[k] = totals.get(k, 0.0) + v * (row_share if rows else token_share)
+
+
+def vespo_options(cfg: GRPOConfig) -> dict[str, float]:
+    """VESPO's k and lambda per advantage sign, from the config (TRL's vespo_* keys)."""
+    return {"k_pos": cfg.vespo_k_pos, "lambda_pos": cfg.vespo_lambda_pos, "k_neg": cfg.vespo_k_neg,
+            "lambda_neg": cfg.vespo_lambda_neg}
 
 
 def _zero_missing_grads(model) -> None:

@@ -100,7 +100,7 @@ class SFTTask:
             entropy_sum += entropy.sum().item()
         # partial sums of this rank's share, added up over the ranks
         return self.dp.reduce_metrics({"loss": loss_sum, "entropy": entropy_sum / n_items,
-                                       "completion_length": sum(len(e.completion) for e in mine) / B,
+                                       "completions/mean_length": sum(len(e.completion) for e in mine) / B,
                                        "num_tokens": sum(len(e) for e in mine)})
 
     def state_dict(self) -> dict:

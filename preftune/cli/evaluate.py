@@ -107,7 +107,7 @@ def run_eval(args) -> int:
     if args.baseline:
         base, base_greedy = evaluate_model(cfg, args.baseline, prompt_set, funcs, weights)
         comparison = compare(ckpt_greedy.total[:, 0], base_greedy.total[:, 0], cfg.gate, cfg.seed,
-                             ckpt["completion_length"], base["completion_length"])
+                             ckpt["completions/mean_length"], base["completions/mean_length"])
     verdict = decide(cfg.gate, ckpt, comparison)
     report = {"checkpoint": os.path.abspath(args.checkpoint),
               "baseline": os.path.abspath(args.baseline) if args.baseline else None,
@@ -167,9 +167,9 @@ def _write_json(path: Path, data: dict) -> Path:
 def format_eval(report: dict) -> str:
     ckpt, base = report["metrics"]["checkpoint"], report["metrics"]["baseline"]
     keys = [k for k in ckpt if k != "num_prompts"]
-    lines = [f"{'':<28}{'checkpoint':>12}{'baseline':>12}" if base else f"{'':<28}{'checkpoint':>12}"]
+    lines = [f"{'':<34}{'checkpoint':>12}{'baseline':>12}" if base else f"{'':<34}{'checkpoint':>12}"]
     for k in keys:
-        row = f"{k:<28}{_fmt(ckpt[k]):>12}"
+        row = f"{k:<34}{_fmt(ckpt[k]):>12}"
         lines.append(row + (f"{_fmt(base.get(k)):>12}" if base else ""))
     c = report["comparison"]
     if c:

@@ -184,13 +184,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 
 def _unknown_key(key: str, cls, prefix: str) -> UserError:
-    """The error for a key `cls` does not have: the key whose peer is that name (a TRL user's
-    `vllm_importance_sampling_cap`), else the nearest spelling, else the valid keys."""
-    declared = [f for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
-    for f in declared:
-        if re.search(rf"(?<![\w.]){re.escape(key)}(?![\w.]| /)", f.metadata.get("peer") or ""):
-            return UserError(f"unknown config key '{prefix}{key}'; preftune calls it '{prefix}{f.name}'")
-    valid = [f.name for f in declared]
+    """The error for a key `cls` does not have: the nearest spelling, else the valid keys (TRL's
+    names were read or answered before, config/trl.py)."""
+    valid = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
     near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     hint = f"; did you mean '{prefix}{near[0]}'?" if near else f"; valid keys: {', '.join(valid)}"
     return UserError(f"unknown config key '{prefix}{key}'{hint}")

@@ -13,6 +13,7 @@ from preftune.config.deploy import check_deploy
 from preftune.config.fields import check_section, check_value, from_dict, keys, to_dict
 from preftune.config.redact import redact
 from preftune.config.schema import TRACKERS, Config, DPOConfig, GRPOConfig, KTOConfig, SFTConfig
+from preftune.config.trl import translate as trl_names
 from preftune.config.trl_config import is_peft_lora, is_trl_config, lora_section, translate
 from preftune.errors import UserError
 
@@ -96,8 +97,16 @@ def validate(cfg: Config) -> None:
                         f"got {cfg.grpo.overlong_buffer_len}", where="grpo.overlong_buffer_len")
     if not cfg.data.train:
         raise UserError("no training data: set data.train", where="data.train")
+    dpo_types = [cfg.dpo.loss_type] if isinstance(cfg.dpo.loss_type, str) else cfg.dpo.loss_type
+    if cfg.algorithm == "dpo" and cfg.dpo.use_weighting and {"aot", "aot_unpaired"} & set(dpo_types):
+        raise UserError("WPO weighting is per pair; aot and aot_unpaired sort terms across pairs",
+                        where="dpo.use_weighting")
     if cfg.algorithm == "grpo" and cfg.grpo.use_vllm:
         check_vllm(cfg.grpo.rollout)
+        if (cfg.grpo.loss_type == "vespo" and cfg.grpo.vllm_importance_sampling_correction
+                and not cfg.grpo.vllm_importance_sampling_mode.startswith("token_")):
+            raise UserError("vespo folds the engine's per-token weights into its own: use token_truncate or "
+                            "token_mask", where="grpo.vllm_importance_sampling_mode")
 
     check_report_to(cfg.log.report_to)
     check_deploy(cfg.deploy, cfg.preemption_grace_seconds, cfg.checkpoint_uri)
@@ -198,8 +207,9 @@ def load_config(source: str | Path | dict | Config | None, overrides: list[str] 
 
 
 def build_config(data: dict, config_dir: str = ".") -> Config:
-    """Check, resolve relative paths against `config_dir`, and validate a nested config dict."""
-    cfg = from_dict(Config, data)
+    """Check, resolve relative paths against `config_dir`, and validate a nested config dict. TRL's
+    flat names and values are read as preftune's (config/trl.py)."""
+    cfg = from_dict(Config, trl_names(data))
     cfg.config_dir = config_dir
     cfg.model.name_or_path = resolve_local(cfg.model.name_or_path, config_dir)
     cfg.data.train = resolve_local(cfg.data.train, config_dir)

@@ -22,11 +22,13 @@ TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "w
 class LoraConfig:
     """LoRA adapters (peft) on the policy."""
 
-    enabled: bool = knob(False, "train LoRA adapters (peft); saved models are merged", peer="TRL peft_config")
-    r: int = knob(16, "LoRA rank", range="[1, inf)", peer="peft r")
-    alpha: int = knob(32, "LoRA alpha", range="[1, inf)", peer="peft lora_alpha")
-    dropout: float = knob(0.0, "LoRA dropout", range="[0, 1)", peer="peft lora_dropout")
-    target_modules: str | list[str] = knob("all-linear", "modules to adapt", peer="peft target_modules")
+    enabled: bool = knob(
+        False, "train LoRA adapters (peft); saved models are merged", peer="TRL use_peft; \u2248 TRL peft_config")
+    r: int = knob(16, "LoRA rank", range="[1, inf)", peer="peft r; TRL lora_r")
+    alpha: int = knob(32, "LoRA alpha", range="[1, inf)", peer="peft lora_alpha; TRL lora_alpha")
+    dropout: float = knob(0.0, "LoRA dropout", range="[0, 1)", peer="peft lora_dropout; TRL lora_dropout")
+    target_modules: str | list[str] = knob(
+        "all-linear", "modules to adapt", peer="peft target_modules; TRL lora_target_modules")
 
 
 @dataclass
@@ -34,15 +36,15 @@ class ModelConfig:
     """The model to train: a local Hugging Face folder."""
 
     name_or_path: str = knob(
-        "examples/model", "local Hugging Face causal-LM folder", peer="TRL model; NeMo-RL policy.model_name",
-        resume=FIXED)
+        "examples/model", "local Hugging Face causal-LM folder",
+        peer="TRL model_name_or_path; TRL model (the trainer's argument); NeMo-RL policy.model_name", resume=FIXED)
     dtype: str = knob(
         "float32", "float32, or bfloat16 (full fine-tuning: float32 masters under bf16 autocast)",
         choices=("float32", "bfloat16"), peer="TRL model_init_kwargs.dtype; NeMo-RL policy.precision", resume=FIXED)
     gradient_checkpointing: bool = knob(
         False, "recompute activations in backward", peer="TRL gradient_checkpointing", resume=FREE)
     trust_remote_code: bool = knob(
-        False, "allow model code from the model folder", peer="TRL model_init_kwargs.trust_remote_code", resume=FREE)
+        False, "allow model code from the model folder", peer="TRL trust_remote_code", resume=FREE)
     lean_forward: bool = knob(
         True, "preftune's own module for the families it runs (docs/models.md; false: the Hugging Face module)",
         peer="TRL use_liger_kernel (a different kernel set)")
@@ -56,8 +58,9 @@ class DataConfig:
 
     train: str = knob(
         "", "prompts (online GRPO), labeled traces (DPO, KTO, SFT, offline GRPO) or a pairs file (DPO)",
-        peer="TRL train_dataset; NeMo-RL data.train_data_path")
-    eval: str | None = knob(None, "held-out prompt set for eval/reward (greedy)", peer="TRL eval_dataset", resume=FREE)
+        peer="\u2248 TRL train_dataset (a path here); NeMo-RL data.train_data_path")
+    eval: str | None = knob(
+        None, "held-out prompt set for eval/reward (greedy)", peer="\u2248 TRL eval_dataset (a path here)", resume=FREE)
     prompt_column: str = knob(
         "input", "prompt column (prompt is accepted when input is missing)", peer="NeMo-RL data.prompt_key")
     response_column: str = knob("output", "response column of traces")
@@ -99,7 +102,7 @@ class GRPOConfig:
         peer="TRL num_generations; NeMo-RL grpo.num_generations_per_prompt", resume=FIXED)
     micro_batch_size: int = knob(
         64, "completions per forward/backward; gradients accumulate exactly", range="[1, inf)",
-        peer="TRL per_device_train_batch_size; NeMo-RL policy.train_micro_batch_size")
+        peer="\u2248 TRL per_device_train_batch_size (per process); NeMo-RL policy.train_micro_batch_size")
     max_completion_length: int = knob(
         256, "new tokens per completion", range="[1, inf)",
         peer="TRL max_completion_length; NeMo-RL policy.generation.max_new_tokens")
@@ -136,6 +139,12 @@ class GRPOConfig:
         None, "upper clip (DAPO clip-higher, e.g. 0.28)", range="[0, inf)",
         peer="TRL epsilon_high; NeMo-RL loss_fn.ratio_clip_max")
     delta: float | None = knob(None, "two-sided clip: cap on the unclipped ratio", range="(1, inf)", peer="TRL delta")
+    vespo_k_pos: float = knob(2.0, "vespo: power k of the weight for A >= 0", range="[0, inf)", peer="TRL vespo_k_pos")
+    vespo_lambda_pos: float = knob(
+        3.0, "vespo: decay lambda of the weight for A >= 0", range="[0, inf)", peer="TRL vespo_lambda_pos")
+    vespo_k_neg: float = knob(3.0, "vespo: power k of the weight for A < 0", range="[0, inf)", peer="TRL vespo_k_neg")
+    vespo_lambda_neg: float = knob(
+        2.0, "vespo: decay lambda of the weight for A < 0", range="[0, inf)", peer="TRL vespo_lambda_neg")
     use_bias_correction_kl: bool = knob(
         False, "multiply k3 by the importance ratio (false: plain k3; TRL 1.16 defaults to true)",
         peer="TRL use_bias_correction_kl")
@@ -194,6 +203,9 @@ class DPOConfig:
     label_smoothing: float = knob(
         0.0, "\u03b5 of robust / exo_pair / aot", range="[0, 0.5]", peer="TRL label_smoothing")
     reference_free: bool = knob(False, "no reference (log-probs 0)", peer="TRL reference_free")
+    use_weighting: bool = knob(
+        False, "WPO: weigh each pair by its responses' probability under the policy (arXiv:2406.11827)",
+        peer="TRL use_weighting")
     precompute_ref_logps: bool = knob(
         True, "compute reference log-probs once and cache them (false: run a frozen reference on each batch)",
         peer="TRL precompute_ref_log_probs")
@@ -202,7 +214,7 @@ class DPOConfig:
         16, "pairs per optimiser step", range="[1, inf)",
         peer="TRL per_device_train_batch_size \u00d7 gradient_accumulation_steps", resume=FIXED)
     micro_batch_size: int = knob(
-        16, "pairs per forward/backward", range="[1, inf)", peer="TRL per_device_train_batch_size")
+        16, "pairs per forward/backward", range="[1, inf)", peer="\u2248 TRL per_device_train_batch_size (per process)")
 
 
 @dataclass
@@ -221,7 +233,8 @@ class KTOConfig:
         16, "examples per optimiser step; the KL reference point z is taken over them", range="[1, inf)",
         peer="TRL per_device_train_batch_size \u00d7 gradient_accumulation_steps", resume=FIXED)
     micro_batch_size: int = knob(
-        16, "examples per forward/backward", range="[1, inf)", peer="TRL per_device_train_batch_size")
+        16, "examples per forward/backward", range="[1, inf)",
+        peer="\u2248 TRL per_device_train_batch_size (per process)")
 
 
 @dataclass
@@ -235,7 +248,8 @@ class SFTConfig:
         16, "examples per optimiser step", range="[1, inf)",
         peer="TRL per_device_train_batch_size \u00d7 gradient_accumulation_steps", resume=FIXED)
     micro_batch_size: int = knob(
-        16, "examples per forward/backward", range="[1, inf)", peer="TRL per_device_train_batch_size")
+        16, "examples per forward/backward", range="[1, inf)",
+        peer="\u2248 TRL per_device_train_batch_size (per process)")
     packing: bool = knob(
         True, "pack several examples per row (attention within each) when it pays", peer="TRL packing + padding_free")
     assistant_only_loss: bool = knob(
@@ -274,7 +288,8 @@ class EvalConfig:
         0, "evaluate every N steps (always before the first and after the last)", range="[0, inf)",
         peer="TRL eval_steps; NeMo-RL grpo.val_period")
     max_new_tokens: int | None = knob(None, "greedy tokens (null = grpo.max_completion_length)", range="[1, inf)")
-    batch_size: int = knob(128, "prompts per eval batch", range="[1, inf)", peer="TRL per_device_eval_batch_size")
+    batch_size: int = knob(128, "prompts per eval batch", range="[1, inf)",
+                           peer="\u2248 TRL per_device_eval_batch_size (per process)")
     reward_funcs: list[str] | None = knob(None, "null = grpo.reward_funcs with grpo.reward_weights")
     num_samples: int = knob(
         1, "k > 1: also k sampled completions per prompt at grpo.temperature (pass@k, mean@k)", range="[1, inf)")
@@ -306,7 +321,7 @@ class LogConfig:
     logging_steps: int = knob(1, "write metrics every N steps", range="[1, inf)", peer="TRL logging_steps")
     report_to: list[str] = knob(
         help="trackers: any of tensorboard, wandb, mlflow (TRACKERS)", peer="TRL report_to", factory=list)
-    progress_bar: bool = knob(True, "show the progress bar", peer="TRL disable_tqdm (inverted)")
+    progress_bar: bool = knob(True, "show the progress bar", peer="TRL disable_tqdm, inverted")
     project: str | None = knob(
         None, "W&B project / MLflow experiment (null = WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else preftune)",
         peer="W&B project")

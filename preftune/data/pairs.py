@@ -225,16 +225,46 @@ def check_writable_file(path: str, where: str) -> None:
 
 
 def read_pairs(path: str) -> list[Pair]:
-    """Read a pairs file (prompt, chosen, rejected; reward columns optional) with row-level checks."""
+    """Read a pairs file (prompt, chosen, rejected; reward columns optional) with row-level checks.
+    Without a prompt column the prompt is implicit (TRL's format): `split_implicit_prompt`."""
     fs, files = resolve_files(path)
     pairs: list[Pair] = []
     for fpath in files:
         where = display_path(fs, fpath)
         rows, columns = read_rows(fs, fpath, text_columns=PAIR_COLUMNS[:3])
-        require_columns(columns, PAIR_COLUMNS[:3], where)
+        require_columns(columns, PAIR_COLUMNS[1:3], where)
+        implicit = "prompt" not in columns
         for i, row in enumerate(rows):
+            if implicit:
+                row = row | _implicit(row, f"{where} row {i}")
             pairs.append(_row_to_pair(row, f"{where} row {i}"))
     return pairs
+
+
+def split_implicit_prompt(chosen, rejected):
+    """TRL's implicit prompt: the longest common prefix of `chosen` and `rejected` (messages, or
+    characters of two strings) is the prompt, the rest of each the response. Between strings a
+    space where they part stays with the responses (TRL's rule). -> (prompt, chosen, rejected)."""
+    n, limit = 0, min(len(chosen), len(rejected))
+    while n < limit and chosen[n] == rejected[n]:
+        n += 1
+    if isinstance(chosen, str) and 0 < n and chosen[n - 1] == " ":
+        n -= 1
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def _implicit(row: dict, where: str) -> dict:
+    chosen, rejected = row.get("chosen"), row.get("rejected")
+    if type(chosen) is not type(rejected) or not isinstance(chosen, (str, list)):
+        raise UserError("without a prompt column, chosen and rejected must both be conversations (lists of "
+                        "messages) or both text, the prompt being what they share", where=where)
+    prompt, chosen, rejected = split_implicit_prompt(chosen, rejected)
+    if not prompt:
+        raise UserError("chosen and rejected share no prompt (no prompt column: the prompt is their common "
+                        "beginning)", where=where)
+    if not chosen or not rejected:
+        raise UserError("chosen and rejected are equal up to the end of one: it has no response", where=where)
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 
 def _row_to_pair(row: dict, where: str) -> Pair:

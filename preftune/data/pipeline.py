@@ -102,16 +102,17 @@ def example_builder(min_reward: float) -> Builder:
     return build
 
 
-def _columns(path: str) -> list[str]:
+def columns(path: str) -> list[str]:
     """The columns of the first non-empty file."""
     fs, files = resolve_files(path)
     return next((c for c in (read_rows(fs, f)[1] for f in files) if c), None) or []
 
 
 def load_pairs(cfg) -> tuple[list, dict]:
-    """A pairs file (prompt/chosen/rejected columns, TRL's format) or labeled traces paired (data.*)."""
+    """A pairs file (prompt/chosen/rejected columns, or chosen/rejected with the prompt implicit:
+    TRL's formats) or labeled traces paired (data.*)."""
     path, split = cfg.data.train, cfg.eval.split
-    if {"prompt", "chosen", "rejected"} <= set(_columns(path)):
+    if {"chosen", "rejected"} <= set(columns(path)):
         pairs, held_out = drop_held_out(read_pairs(path), split)
         return pairs, {"pairs_file": len(pairs)} | ({"held_out_pairs": held_out} if split else {})
     return trace_items(path, TraceOptions.from_config(cfg.data), "pairs", pair_builder(cfg.data), split=split)
@@ -140,7 +141,7 @@ def load_examples(path: str, opts: TraceOptions, min_reward: float, *, split: fl
 def held_out_prompts(path: str, fraction: float, opts: TraceOptions) -> PromptSet:
     """The held-out prompts of a training set: a prompt file's rows, or the distinct prompts of traces,
     prompt/completion or messages files (with the other columns of each prompt's first row)."""
-    fmt, cols = detect_format(path), _columns(path)
+    fmt, cols = detect_format(path), columns(path)
     rows: list[tuple[Any, dict]]
     if fmt == TRACES and opts.response_column in cols and opts.reward_column in cols:
         traces, _ = load_traces(path, opts)

@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 import torch
 
 from preftune.data.prompts import load_prompts
-from preftune.data.pipeline import held_out_prompts
+from preftune.data.pipeline import columns, held_out_prompts
 from preftune.data.tensors import left_pad
 from preftune.data.tokenize import PromptTruncation
 from preftune.data.traces import TraceOptions
+from preftune.errors import UserError
 from preftune.evaluation.stats import is_binary, pass_and_mean_at_k
 from preftune.losses.advantages import nanmean
 from preftune.rewards.registry import RewardLog, RewardState, load_reward_funcs
@@ -84,10 +85,10 @@ def summarize(r: EvalResult, prefix: str = "eval/") -> dict:
     """Mean reward, per function, mean completion length; with k > 1 samples, pass@k and mean@k of
     every 0/1 reward (the total and each function); what the reward functions logged, under the prefix."""
     out = {f"{prefix}reward": nanmean(r.total), f"{prefix}num_prompts": r.total.size(0),
-           f"{prefix}completion_length": r.lengths.mean().item()}
+           f"{prefix}completions/mean_length": r.lengths.mean().item()}
     out |= {f"{prefix}{k}": v for k, v in r.log.record().items()}
     for j, name in enumerate(r.names):
-        out[f"{prefix}reward/{name}"] = nanmean(r.per_func[..., j])
+        out[f"{prefix}rewards/{name}/mean"] = nanmean(r.per_func[..., j])
     k = r.total.size(1)
     if k > 1:
         series = [("", r.total)] + [(f"/{n}", r.per_func[..., j]) for j, n in enumerate(r.names)]
@@ -128,6 +129,10 @@ def evaluate(model, tokenizer, prompt_set, reward_funcs, *, weights, max_new_tok
 
 def eval_prompt_set(cfg):
     """data.eval, else with eval.split the held-out prompts of data.train, else None."""
+    if cfg.data.eval and {"chosen", "rejected"} <= set(columns(cfg.data.eval)):
+        raise UserError("is a pairs file: held-out pairs are evaluated during DPO training (eval/loss, "
+                        "eval/rewards/accuracies); here data.eval takes prompts, scored by eval.reward_funcs",
+                        where="data.eval")
     if cfg.data.eval:
         return load_prompts(cfg.data.eval, prompt_column=cfg.data.prompt_column)
     if cfg.eval.split:

@@ -1,6 +1,6 @@
 """The promotion gate: compare a checkpoint with a baseline on the same held-out prompts and decide.
 
-Figures per model: greedy `reward` (mean summed reward), `reward/<fn>`, `completion_length`, and
+Figures per model: greedy `reward` (mean summed reward), `rewards/<fn>/mean`, `completions/mean_length`, and
 with eval.num_samples k > 1 the `sampled/…` figures (pass@k, mean@k of 0/1 rewards). The
 comparison is paired by prompt: improvement = mean over prompts of (checkpoint − baseline) greedy
 reward, with a one-sided percentile-bootstrap lower bound at `gate.confidence`; length growth =

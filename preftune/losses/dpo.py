@@ -30,6 +30,9 @@ Batch-level types (NOT a mean of independent per-pair terms; see BATCH_LEVEL):
   sft           -Σ_i log π(y_c,i) / Σ_i |y_c,i|: mean NLL over all chosen tokens of the batch
                 (the NLL term of RPO, arXiv:2404.19733; combine it with sigmoid via dpo_loss_multi)
 
+WPO weighting (`wpo_weights`, TRL's use_weighting): each pair's ℓ_i is multiplied by w(y_c) w(y_r)
+before the mean (not for aot/aot_unpaired, whose terms are sorted across pairs).
+
 Gradient accumulation: for the per-pair types, a micro-batch of b of the B pairs weighted by b/B gives
 exactly the full-batch loss and gradients. For the BATCH_LEVEL types the sort (aot*) or the token mean
 (sft) runs within each micro-batch, so the accumulated loss is Σ_k (b_k/B) L(micro-batch k), which equals
@@ -227,6 +230,48 @@ def _as_lengths(lengths, like: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def wpo_weights(token_logps: torch.Tensor, log_sum_sq_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """WPO's weight of each response (Zhou et al. 2024, arXiv:2406.11827, Eq. 2, as TRL 1.16's
+    `use_weighting`), no gradient:
+
+        w(y) = exp( (1/|y|) Σ_t m_t (log π(y_t) - log Σ_v π(v)²) )
+
+    the response's per-token probability relative to the policy's own expected probability of a
+    token it would sample (Σ_v π(v)², `head.token_stats`), so off-policy pairs weigh less.
+    token_logps, log_sum_sq_probs, mask: (B, T) -> (B,)."""
+    lengths = mask.sum(-1).clamp(min=1)  # (B,)
+    return torch.exp(((token_logps - log_sum_sq_probs) * mask).sum(-1) / lengths)  # (B,)
+
+
+TOKEN_SUMS = ("entropy", "tokens", "logits/chosen", "chosen_tokens", "logits/rejected", "rejected_tokens",
+              "mean_token_accuracy")
+
+
+@torch.no_grad()
+def token_sums(stats: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The sums behind TRL's per-token DPO metrics, over a batch whose first half of rows are the
+    chosen responses and second half the rejected: (2B, T, 4) `head.token_stats`, (2B, T) mask ->
+    (7,) in TOKEN_SUMS order (sums add over micro-batches and ranks; `token_metrics` divides)."""
+    m = mask.to(stats.dtype)  # (2B, T)
+    chosen, rejected = m.chunk(2)  # (B, T) each
+    s_chosen, s_rejected = stats.chunk(2)  # (B, T, 4) each
+    return torch.stack([
+        (stats[..., 0] * m).sum(), m.sum(), (s_chosen[..., 1] * chosen).sum(), chosen.sum(),
+        (s_rejected[..., 1] * rejected).sum(), rejected.sum(), (s_chosen[..., 2] * chosen).sum()])
+
+
+def token_metrics(sums) -> dict[str, float]:
+    """TRL's `entropy` (all completion tokens), `logits/chosen`, `logits/rejected` (the mean logit
+    over the vocabulary, averaged over the side's tokens) and `mean_token_accuracy` (chosen tokens
+    that are the argmax) from `token_sums` (floats); 0 for a side without tokens, as TRL."""
+    s = dict(zip(TOKEN_SUMS, sums))
+    ratio = lambda a, b: s[a] / s[b] if s[b] > 0 else 0.0  # noqa: E731
+    return {"entropy": ratio("entropy", "tokens"), "logits/chosen": ratio("logits/chosen", "chosen_tokens"),
+            "logits/rejected": ratio("logits/rejected", "rejected_tokens"),
+            "mean_token_accuracy": ratio("mean_token_accuracy", "chosen_tokens")}
+
+
+@torch.no_grad()
 def _metrics(p: _Pairs, sync: bool = True) -> dict[str, float] | dict[str, torch.Tensor]:
     """TRL's DPO metrics: batch means of rewards β·Δ, of reward accuracy (strict >), margins and log-probs."""
     chosen_rewards, rejected_rewards = p.beta * p.dc, p.beta * p.dr  # (B,), (B,)
@@ -244,7 +289,7 @@ def dpo_loss_multi(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
                    ref_chosen_logps: torch.Tensor | None, ref_rejected_logps: torch.Tensor | None, *,
                    loss_types: list[str], loss_weights: list[float] | None, beta: float = 0.1,
                    label_smoothing: float = 0.0, chosen_lengths: torch.Tensor | None = None,
-                   rejected_lengths: torch.Tensor | None = None,
+                   rejected_lengths: torch.Tensor | None = None, pair_weights: torch.Tensor | None = None,
                    sync_metrics: bool = True) -> tuple[torch.Tensor, dict[str, float] | dict[str, torch.Tensor]]:
     """Weighted sum of DPO losses, as TRL 1.16's `loss_type=[...]` + `loss_weights`:
 
@@ -253,12 +298,17 @@ def dpo_loss_multi(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
     e.g. RPO (arXiv:2404.19733) is loss_types=["sigmoid", "sft"], loss_weights=[1.0, α]. The per-type
     formulas are in this module's docstring. Returns (scalar loss, metrics) like `dpo_loss`; with
     sync_metrics=False the metrics are 0-dim tensors (no host sync: a loop reads them once per step).
+    pair_weights: (B,) multiply each pair's ℓ_i (WPO: w(y_c) w(y_r), `wpo_weights`); None = 1.
     """
     check_dpo_options(loss_types, loss_weights, beta, label_smoothing)
+    if pair_weights is not None and {"aot", "aot_unpaired"} & set(loss_types):
+        raise DPOOptionError("WPO weighting is per pair; aot and aot_unpaired sort terms across pairs",
+                             where="dpo.use_weighting")
     pairs = _make_pairs(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_lengths,
                         rejected_lengths, loss_types, beta, label_smoothing)
     weights = loss_weights if loss_weights is not None else [1.0] * len(loss_types)
-    loss = sum(w * _PER_PAIR[t](pairs).mean() for t, w in zip(loss_types, weights, strict=True))
+    scale = 1.0 if pair_weights is None else pair_weights.detach()  # (B,)
+    loss = sum(w * (_PER_PAIR[t](pairs) * scale).mean() for t, w in zip(loss_types, weights, strict=True))
     return loss, _metrics(pairs, sync_metrics)
 
 

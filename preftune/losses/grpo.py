@@ -1,13 +1,15 @@
-"""GRPO-family policy-gradient losses: GRPO, DAPO, Dr. GRPO, BNPO, GSPO, CISPO, SAPO.
+"""GRPO-family policy-gradient losses: GRPO, DAPO, Dr. GRPO, BNPO, GSPO, CISPO, SAPO, LUSPO, VESPO.
 
 `grpo_loss(..., loss_type=...)` keeps TRL's names and signature; inside it, each choice is a
 separate piece that can be read and tested on its own:
 
 1. the importance level: the ratio per token, or GSPO's per sequence (`importance_log_ratio`),
-2. the surrogate: PPO clip, CISPO or SAPO (`SURROGATE[loss_type]`, `policy_surrogate`),
+2. the surrogate: PPO clip, CISPO, SAPO (`SURROGATE[loss_type]`, `policy_surrogate`) or VESPO's
+   gamma weight on REINFORCE (`vespo_weights`),
 3. the KL penalty (`k3_kl`),
 4. the aggregation: a mean over each sequence's tokens, or a sum over all tokens
-   (`AGGREGATION[loss_type]`, `aggregate`), divided by one normaliser (`local_normaliser`, or the whole batch's).
+   (`AGGREGATION[loss_type]`, `aggregate`), divided by one normaliser (`local_normaliser`, or the whole
+   batch's). LUSPO is the clip surrogate with a token sum per sequence and a mean over sequences.
 
 A training loop that splits a generation batch into micro-batches (and ranks) passes the whole
 batch's normaliser (`batch_normaliser`): every micro-batch's loss is then its exact share, and the
@@ -16,13 +18,18 @@ over the batch's token count (two names for one update, both TRL's).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from preftune.losses.names import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 
-SURROGATE = {"grpo": "clip", "bnpo": "clip", "dr_grpo": "clip", "dapo": "clip", "cispo": "cispo", "sapo": "sapo"}
+SURROGATE = {"grpo": "clip", "bnpo": "clip", "dr_grpo": "clip", "dapo": "clip", "cispo": "cispo", "sapo": "sapo",
+             "luspo": "clip", "vespo": "vespo"}
 AGGREGATION = {"grpo": "sequence", "sapo": "sequence", "bnpo": "token", "dapo": "token", "cispo": "token",
-               "dr_grpo": "token"}
+               "dr_grpo": "token", "luspo": "token", "vespo": "token"}
+VESPO_DEFAULTS = {"k_pos": 2.0, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 2.0}  # TRL 1.16's vespo_* defaults
+_LOG_W_MIN = math.log(1e-8)  # VESPO's floor on log w (its reference implementation's)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -92,11 +99,36 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
+@torch.no_grad()
+def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, *,
+                  k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float,
+                  importance_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """VESPO's per-sequence weight phi (arXiv:2602.10693), a smooth gamma-shaped gate on the
+    sequence importance ratio w instead of a hard clip; no gradient flows through it:
+
+        log w_i = clamp(sum_t m (clamp(log pi - log pi_old, -20, 20) + log rho_t), log 1e-8, 20)
+        phi_i   = exp(lambda + k log w_i - lambda w_i)   (= 1 at w = 1),  k, lambda by the sign of A_i (A >= 0: pos)
+
+    rho_t: the sampling engine's per-token importance weights (folded into w here, not multiplied
+    into the loss; each log clamped to [log 1e-8, 20]). The loss is then -phi_i * A_i * log pi
+    (REINFORCE scaled by phi). log_ratio, mask: (B, T); advantages: (B, 1) -> phi (B, 1)."""
+    seq = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)  # (B, 1)
+    if importance_weights is not None:
+        log_rho = torch.log(importance_weights).clamp(_LOG_W_MIN, 20.0)  # (B, T) or (B, 1)
+        seq = seq + (log_rho * mask).sum(-1, keepdim=True) if log_rho.shape[-1] > 1 else seq + log_rho
+    log_w = seq.clamp(_LOG_W_MIN, 20.0)  # (B, 1)
+    nonneg = advantages >= 0
+    k = torch.where(nonneg, k_pos, k_neg).to(log_w.dtype)  # (B, 1)
+    lam = torch.where(nonneg, lambda_pos, lambda_neg).to(log_w.dtype).clamp(min=1e-4)  # (B, 1)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))  # (B, 1)
+    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, how: str, normaliser) -> torch.Tensor:
     """Reduce masked per-token terms l_{i,t} (m = mask) to a scalar, divided by `normaliser` N:
 
     sequence (GRPO, arXiv:2402.03300; SAPO):  sum_i [sum_t m l / max(|o_i|, 1)] / N
-    token    (DAPO, arXiv:2503.14476; BNPO; Dr. GRPO; CISPO):  sum_i sum_t m l / N
+    token    (DAPO, arXiv:2503.14476; BNPO; Dr. GRPO; CISPO; VESPO; LUSPO):  sum_i sum_t m l / N
     """
     masked = per_token_loss * mask  # (B, T)
     if how == "sequence":
@@ -108,12 +140,13 @@ def local_normaliser(loss_type: str, mask: torch.Tensor, *, num_items=None, max_
     """The aggregation's divisor for this (micro-)batch alone, TRL's rule per loss type (B rows):
 
         grpo, sapo:   B  (a mean over sequences)
+        luspo:        B  (a mean over sequences of each one's token sum: LUSPO, arXiv:2602.05261)
         bnpo:         max(sum m, 1)  (a token mean over this batch)
-        dapo, cispo:  max(num_items, 1), num_items = the whole generation batch's tokens (default sum m)
+        dapo, cispo, vespo:  max(num_items, 1), num_items = the whole generation batch's tokens (default sum m)
         dr_grpo:      B * L_max, L_max = max_completion_length (default T; pass the configured
                       maximum so micro-batches agree; arXiv:2503.20783)"""
     rows = mask.shape[0]
-    if loss_type in ("grpo", "sapo"):
+    if loss_type in ("grpo", "sapo", "luspo"):
         return rows
     if loss_type == "dr_grpo":
         return rows * (mask.shape[-1] if max_completion_length is None else max_completion_length)
@@ -128,7 +161,7 @@ def batch_normaliser(loss_type: str, *, batch_seqs: int, batch_tokens: float, ma
     so losses and gradients summed over micro-batches and ranks equal one pass over the batch
     (ranks then SUM gradients). bnpo's token mean over the batch is dapo's normaliser."""
     _check_choice("loss_type", loss_type, LOSS_TYPES)
-    if AGGREGATION[loss_type] == "sequence":
+    if AGGREGATION[loss_type] == "sequence" or loss_type == "luspo":
         return float(batch_seqs)
     if loss_type == "dr_grpo":
         return float(batch_seqs * max_completion_length)
@@ -169,7 +202,7 @@ def _clip_metrics(
 
     low: r < 1 - eps_low with A < 0; high: r > 1 + eps_high with A > 0 (for cispo: r > eps_max
     with A > 0, as TRL's cispo_clip_ratio); region: either. Means are over unmasked tokens;
-    low_min / high_max are the extreme per-sequence fractions. sapo never hard-clips: zeros.
+    low_min / high_max are the extreme per-sequence fractions. sapo and vespo never hard-clip: zeros.
     The raw ratio is used (TRL 1.16 tests it after the delta cap, which differs only if
     delta < 1 + eps_high, against the recommended setting).
     """
@@ -231,6 +264,7 @@ def grpo_loss(
     sapo_temperature_neg: float = 1.05,
     kl_ratio_correction: bool = False,
     importance_weights: torch.Tensor | None = None,
+    vespo: dict[str, float] | None = None,
     sync_metrics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float] | dict[str, torch.Tensor]]:
     """GRPO-family loss of one (micro-)batch and its metrics.
@@ -250,12 +284,14 @@ def grpo_loss(
     use_bias_correction_kl, on by default there) so its gradient is the unbiased reverse-KL one.
     importance_weights: (B, T) or (B, 1) weights on the policy term, before the KL term
     (`losses/sampling.importance_weights`: the sampling engine's correction, TRL's
-    vllm_importance_sampling_correction); None = 1.
+    vllm_importance_sampling_correction); None = 1. vespo's surrogate folds them into its weight
+    instead (`vespo_weights`, its k and lambda from `vespo`, default `VESPO_DEFAULTS`).
 
     Metrics (python floats, or 0-dim tensors with sync_metrics=False, so a training loop can read
     all micro-batches' metrics in one host sync at the end of its step): kl (masked mean of the KL
     term actually used, 0.0 when beta == 0)
-    and clip_ratio/{low_mean, high_mean, region_mean, low_min, high_max}, see `_clip_metrics`.
+    and clip_ratio/{low_mean, high_mean, region_mean, low_min, high_max}, see `_clip_metrics`;
+    vespo also vespo/phi_seq_mean (the mean of phi over sequences).
     """
     _validate(loss_type, importance_sampling_level, beta, ref_logps, epsilon_high, logps, advantages, mask)
     # At least float32: a bf16 mask cannot count past 256 tokens exactly, nor hold ratios near 1.
@@ -267,12 +303,19 @@ def grpo_loss(
     adv = advantages.to(dtype).unsqueeze(-1)  # (B, 1)
 
     log_w = importance_log_ratio(logps, old_logps, mask, importance_sampling_level)  # (B, T) or (B, 1)
-    per_token = policy_surrogate(
-        log_w, logps, adv, SURROGATE[loss_type], epsilon_low=epsilon, epsilon_high=eps_high, delta=delta,
-        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-    )
-    if importance_weights is not None:
-        per_token = per_token * importance_weights.to(dtype)  # (B, T)
+    extra = {}
+    if loss_type == "vespo":
+        phi = vespo_weights(logps.detach() - old_logps, mask, adv, **(VESPO_DEFAULTS | (vespo or {})),
+                            importance_weights=None if importance_weights is None else importance_weights.to(dtype))
+        per_token = -phi * adv * logps  # (B, T)
+        extra["vespo/phi_seq_mean"] = phi.mean()
+    else:
+        per_token = policy_surrogate(
+            log_w, logps, adv, SURROGATE[loss_type], epsilon_low=epsilon, epsilon_high=eps_high, delta=delta,
+            sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+        )
+        if importance_weights is not None:
+            per_token = per_token * importance_weights.to(dtype)  # (B, T)
     kl_metric = mask.new_zeros(())
     if beta > 0:
         kl = k3_kl(logps, ref_logps)  # (B, T)
@@ -283,7 +326,7 @@ def grpo_loss(
     n = normaliser if normaliser is not None else local_normaliser(
         loss_type, mask, num_items=num_items, max_completion_length=max_completion_length)
     loss = aggregate(per_token, mask, AGGREGATION[loss_type], n)
-    metrics = {"kl": kl_metric, **_clip_metrics(log_w.detach(), adv, mask, loss_type, epsilon, eps_high)}
+    metrics = {"kl": kl_metric, **_clip_metrics(log_w.detach(), adv, mask, loss_type, epsilon, eps_high), **extra}
     if not sync_metrics:
         return loss, metrics
     values = torch.stack(list(metrics.values())).tolist()  # one device sync for all metrics

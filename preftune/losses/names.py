@@ -1,6 +1,6 @@
 """The names each loss accepts: the config declares its choices from these (no torch here)."""
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")  # GRPO family: surrogate + aggregation
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")  # surrogate + aggregation
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # sequence: GSPO
 SCALE_REWARDS = ("group", "batch", "none")  # the std an advantage is divided by
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # the baseline (verl's names)

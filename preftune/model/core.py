@@ -233,7 +233,7 @@ class CausalLM(nn.Module):
         return x
 
     def forward(self, ids, positions, mask=None, *, kv=None, index=None, targets=None, temperature: float = 1.0,
-                with_entropy: bool = False, top_k: int = 0, top_p: float = 1.0):
+                with_entropy: bool = False, top_k: int = 0, top_p: float = 1.0, stats: bool = False):
         """Log-probs (K,) of `targets` (K,) predicted at flat positions `index` (K,) of the rows
         (R, L), and optionally the entropy; the final norm and the (chunked) vocabulary projection
         run here, inside the root module, so a sharded head is whole for them. Without `index`, the
@@ -245,7 +245,7 @@ class CausalLM(nn.Module):
         # atomics on CPU (run-to-run differences on a busy machine); index_add_ adds them in order
         h = self.hidden(ids, positions, mask).flatten(0, 1).index_select(0, index)  # (K, H)
         return head_logps(self.model.norm(h), self.lm_head, targets, temperature=temperature,
-                          with_entropy=with_entropy, top_k=top_k, top_p=top_p)
+                          with_entropy=with_entropy, top_k=top_k, top_p=top_p, stats=stats)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden))  # (..., V)

@@ -16,14 +16,16 @@ import torch
 import torch.nn.functional as F
 
 CHUNK_ELEMENTS = 1 << 25  # logits per chunk (128 MB in float32: ~220 rows of a 150k vocabulary, 1k of 32k)
+STATS = ("entropy", "mean_logit", "top1", "log_sum_sq_probs")  # `token_stats`' columns
 
 
 def head_logps(hidden: torch.Tensor, head, targets: torch.Tensor, *, temperature: float = 1.0,
-               with_entropy: bool = False, top_k: int = 0,
-               top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+               with_entropy: bool = False, top_k: int = 0, top_p: float = 1.0,
+               stats: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (...,) of `targets` (...,) and optionally the entropy (no gradient), from hidden
     states (..., H) and the output layer `head` (an nn.Linear without bias is chunked). With
-    `top_k`/`top_p` the log-probs are the sampler's: softmax over the kept tokens (`filter_logits`)."""
+    `top_k`/`top_p` the log-probs are the sampler's: softmax over the kept tokens (`filter_logits`).
+    `stats`: instead of the entropy, every column of `token_stats` (..., 4)."""
     if top_k or top_p < 1.0:
         return sampling_logps(hidden, head, targets, temperature, top_k, top_p), None
     weight = getattr(head, "weight", None)
@@ -34,26 +36,33 @@ def head_logps(hidden: torch.Tensor, head, targets: torch.Tensor, *, temperature
         logits = upcast_logits(head(hidden))  # (..., V)
         if temperature != 1.0:
             logits = logits / temperature
-        return token_logps(logits, targets, with_entropy=with_entropy)
+        return token_logps(logits, targets, with_entropy=with_entropy, stats=stats)
     chunk = max(1, CHUNK_ELEMENTS // V)
     flat = hidden.reshape(rows, hidden.size(-1))  # (K, H)
-    logps, entropy = _ChunkedHead.apply(flat, weight, targets.reshape(rows), temperature, chunk, with_entropy)
-    return logps.view(targets.shape), entropy.view(targets.shape) if with_entropy else None
+    extra = 2 if stats else int(with_entropy)
+    logps, more = _ChunkedHead.apply(flat, weight, targets.reshape(rows), temperature, chunk, extra)
+    if not extra:
+        return logps.view(targets.shape), None
+    return logps.view(targets.shape), more.view(*targets.shape, len(STATS)) if stats else more.view(targets.shape)
 
 
 class _ChunkedHead(torch.autograd.Function):
-    """(K, H) hidden, (V, H) weight, (K,) targets -> (K,) log-probs, (K,) entropy (not differentiable)."""
+    """(K, H) hidden, (V, H) weight, (K,) targets -> (K,) log-probs and, not differentiable, per
+    `extra`: 0 nothing (zeros), 1 the entropy (K,), 2 every column of `token_stats` (K, 4)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy):
+    def forward(ctx, hidden, weight, targets, temperature, chunk, extra):
         K = hidden.size(0)
         logps = hidden.new_empty(K, dtype=torch.promote_types(hidden.dtype, torch.float32))  # (K,)
-        lse, entropy = torch.empty_like(logps), torch.zeros_like(logps)
+        lse = torch.empty_like(logps)
+        entropy = logps.new_zeros(K, len(STATS)) if extra == 2 else torch.zeros_like(logps)  # (K, 4) or (K,)
         for s in range(0, K, chunk):
             logits = _logits(hidden[s:s + chunk], weight, temperature)  # (c, V)
             lse[s:s + chunk] = logits.logsumexp(-1)  # (c,)
             logps[s:s + chunk] = logits.gather(1, targets[s:s + chunk, None]).squeeze(1) - lse[s:s + chunk]
-            if with_entropy:
+            if extra == 2:
+                entropy[s:s + chunk] = token_stats(logits, targets[s:s + chunk], lse[s:s + chunk])
+            elif extra:
                 entropy[s:s + chunk] = lse[s:s + chunk] - (logits.softmax(-1) * logits).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
@@ -124,13 +133,28 @@ def upcast_logits(logits: torch.Tensor) -> torch.Tensor:
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
-def token_logps(logits: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool = False):
-    """log softmax(logits)[target] = logit - logsumexp, and optionally the entropy (no gradient).
-    logits (..., V), targets (...) -> (...), (...) or None."""
+@torch.no_grad()
+def token_stats(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Per position, no gradient, the columns of STATS: the entropy lse - sum_v p_v z_v; the mean
+    logit over the vocabulary (TRL's `logits/*`); 1 where the target is the argmax (TRL's
+    `mean_token_accuracy`); log sum_v p_v^2 = logsumexp(2 z) - 2 lse (WPO's weight, arXiv:2406.11827).
+    logits (..., V), targets (...), lse (...) -> (..., 4)."""
+    entropy = lse - (torch.softmax(logits, -1) * logits).sum(-1)  # (...)
+    top1 = (logits.argmax(-1) == targets).to(logits.dtype)  # (...)
+    log_sum_sq = torch.logsumexp(2 * logits, -1) - 2 * lse  # (...)
+    return torch.stack([entropy, logits.mean(-1), top1, log_sum_sq], -1)  # (..., 4)
+
+
+def token_logps(logits: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool = False, stats: bool = False):
+    """log softmax(logits)[target] = logit - logsumexp, and optionally the entropy (no gradient),
+    or with `stats` every column of `token_stats`. logits (..., V), targets (...) -> (...), (...)
+    or (..., 4) or None."""
     token_logits = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (...)
     lse = logits.logsumexp(-1)  # (...)
     entropy = None
-    if with_entropy:
+    if stats:
+        entropy = token_stats(logits, targets, lse)
+    elif with_entropy:
         with torch.no_grad():
             entropy = lse - (logits.softmax(-1) * logits).sum(-1)  # (...)
     return token_logits - lse, entropy

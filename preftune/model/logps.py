@@ -76,32 +76,36 @@ class Rows:
 def completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
                      temperature: float = 1.0, with_entropy: bool = False, rows: Rows | None = None,
                      pack: bool = True, top_k: int = 0, top_p: float = 1.0,
-                     loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     loss_mask: torch.Tensor | None = None,
+                     stats: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(y_t | x, y_<t) for each completion token -> (B, T), and optionally the entropy (B, T),
     0 at padding. Logits are divided by the sampling temperature (the ratio is taken against the
     distribution the completions were drawn from, as TRL does). `rows` (these rows' `Rows`)
     saves the one host read that sizes the pass; `pack` False keeps the plain layout. `top_k`/`top_p`
     give the sampler's log-probs instead (softmax over the kept tokens; no gradient, no entropy).
+    `stats`: instead of the entropy, `head.token_stats` (B, T, 4), 0 at padding.
     `loss_mask` (B, T): 0 at completion tokens that are not the policy's (a tool's output inside an
-    agent response): they stay in the sequence (attended to) but their log-prob and entropy are 0,
-    with no gradient; None or all ones gives exactly the unmasked result."""
+    agent response): they stay in the sequence (attended to) but their log-prob and entropy (or
+    stats) are 0, with no gradient; None or all ones gives exactly the unmasked result."""
     logps, entropy = _completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                       temperature, with_entropy, rows, pack, top_k, top_p)
+                                       temperature, with_entropy, rows, pack, top_k, top_p, stats)
     if loss_mask is None:
         return logps, entropy
     keep = loss_mask.to(device=logps.device).bool()  # (B, T)
-    return torch.where(keep, logps, 0.0), None if entropy is None else torch.where(keep, entropy, 0.0)
+    if entropy is not None:
+        entropy = torch.where(keep.view(*keep.shape, *[1] * (entropy.dim() - 2)), entropy, 0.0)
+    return torch.where(keep, logps, 0.0), entropy
 
 
 def _completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy,
-                      rows, pack, top_k, top_p) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      rows, pack, top_k, top_p, stats) -> tuple[torch.Tensor, torch.Tensor | None]:
     if rows is None:
         rows = Rows.read(prompt_ids, prompt_mask, completion_mask)
     if rows.prompt and min(rows.prompt) < 1:
         raise ValueError("every prompt needs at least one token")
     if not isinstance(base_module(model), CausalLM):
         return _module_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
-                             with_entropy, top_k, top_p)
+                             with_entropy, top_k, top_p, stats)
     B, T = completion_ids.shape
     plan = _plan(rows, prompt_ids.size(1), T, base_module(model).config, pack=pack)
     device = completion_ids.device
@@ -115,14 +119,16 @@ def _completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion
     with autocast(model):
         logps, entropy = model(ids, pos, mask, index=to_device(plan.src, device),
                                targets=completion_ids.reshape(-1)[dst], temperature=temperature,
-                               with_entropy=with_entropy, top_k=top_k, top_p=top_p)  # (K,)
+                               with_entropy=with_entropy, top_k=top_k, top_p=top_p, stats=stats)  # (K,)
     out = logps.new_zeros(B * T).index_copy(0, dst, logps).view(B, T)
-    ent = None if entropy is None else entropy.new_zeros(B * T).index_copy(0, dst, entropy).view(B, T)
+    ent = None if entropy is None else \
+        entropy.new_zeros(B * T, *entropy.shape[1:]).index_copy(0, dst, entropy).view(B, T, *entropy.shape[1:])
     return out, ent
 
 
 def list_logps(model, prompts: list[list[int]], completions: list[list[int]], pad_id: int, device, *,
-               with_entropy: bool = False, pack: bool = True, masks: list[list[int] | None] | None = None):
+               with_entropy: bool = False, pack: bool = True, masks: list[list[int] | None] | None = None,
+               stats: bool = False):
     """`completion_logps` of rows given as token lists -> log-probs (n, T), entropy (n, T) or None,
     completion mask (n, T): 1 at the tokens that count. Sized from the lists (no host read);
     consecutive rows with one prompt share it (DPO's pairs, KTO's mismatched pairs). `masks`: per
@@ -137,7 +143,7 @@ def list_logps(model, prompts: list[list[int]], completions: list[list[int]], pa
         loss_mask, _ = right_pad([[1] * len(c) if m is None else m for m, c in zip(masks, completions)], 0)
         loss_mask = to_device(loss_mask, device)  # (n, T) 0 at padding and at tokens that are not the policy's
     logps, entropy = completion_logps(model, p_ids, p_mask, c_ids, c_mask, with_entropy=with_entropy, rows=rows,
-                                      pack=pack, loss_mask=loss_mask)
+                                      pack=pack, loss_mask=loss_mask, stats=stats)
     return logps, entropy, c_mask if loss_mask is None else c_mask * loss_mask
 
 
@@ -235,7 +241,7 @@ def pack_rows(lengths: list[int], width: int | None = None) -> tuple[list[list[i
 
 
 def _module_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy,
-                  top_k=0, top_p=1.0):
+                  top_k=0, top_p=1.0, stats=False):
     """The Hugging Face module's forward over [left-padded prompt | right-padded completion], logits
     for the last T + 1 positions only."""
     T = completion_ids.size(1)
@@ -249,11 +255,11 @@ def _module_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mas
     if top_k or top_p < 1.0:  # the sampler's distribution (`head.filter_logits`); no entropy
         B, T, V = logits.shape
         logits, with_entropy = filter_logits(logits.reshape(B * T, V), top_k, top_p).view(B, T, V), False
-    logps, entropy = token_logps(logits, completion_ids, with_entropy=with_entropy)
+    logps, entropy = token_logps(logits, completion_ids, with_entropy=with_entropy, stats=stats)
     keep = completion_mask.to(logps.dtype)
     if top_k or top_p < 1.0:  # a dropped padding target is -inf, and -inf * 0 is NaN
         return torch.where(keep.bool(), logps, 0.0), None
-    return logps * keep, None if entropy is None else entropy * keep
+    return logps * keep, None if entropy is None else entropy * (keep[..., None] if stats else keep)
 
 
 def microbatches(n: int, size: int) -> list[slice]:

@@ -14,15 +14,17 @@ from pathlib import Path
 # (file name, title, metric patterns); `*` matches any suffix
 CHARTS = [
     ("reward", "reward (train) and eval/reward (held-out, greedy)", ["reward", "eval/reward"]),
-    ("reward_per_function", "reward per function", ["reward/*", "eval/reward/*"]),
-    ("reward_std", "reward_std, frac_reward_zero_std", ["reward_std", "frac_reward_zero_std"]),
+    ("reward_per_function", "reward per function (mean)", ["rewards/*/mean", "eval/rewards/*/mean"]),
+    ("reward_std", "reward_std, reward_group_std, frac_reward_zero_std",
+     ["reward_std", "reward_group_std", "frac_reward_zero_std"]),
     ("loss", "loss", ["loss"]),
     ("kl", "kl", ["kl"]),
     ("entropy", "entropy", ["entropy"]),
-    ("completion_length", "completion_length", ["completion_length", "eval/completion_length"]),
+    ("completion_length", "completions: mean, min, max length",
+     ["completions/mean_length", "completions/min_length", "completions/max_length", "eval/completions/mean_length"]),
     ("clip_ratio", "clip ratios", ["clip_ratio/*"]),
-    ("dpo_margins", "rewards/margins", ["rewards/margins"]),
-    ("dpo_accuracies", "rewards/accuracies", ["rewards/accuracies"]),
+    ("dpo_margins", "rewards/margins", ["rewards/margins", "eval/rewards/margins"]),
+    ("dpo_accuracies", "rewards/accuracies", ["rewards/accuracies", "eval/rewards/accuracies"]),
     ("dpo_rewards", "rewards/chosen, rewards/rejected", ["rewards/chosen", "rewards/rejected"]),
     ("dpo_logps", "logps/chosen, logps/rejected", ["logps/chosen", "logps/rejected"]),
     ("learning_rate", "learning_rate", ["learning_rate"]),
@@ -30,7 +32,7 @@ CHARTS = [
     ("tokens_per_second", "tokens_per_second", ["tokens_per_second"]),
     ("eval", "held-out evaluation", ["eval/*"]),
 ]
-SKIP = {"eval/num_prompts"}
+SKIP = {"eval/num_prompts", "eval/num_pairs"}
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -70,8 +72,6 @@ def draw(data: dict[str, tuple[list[int], list[float]]], out_dir: Path) -> list[
     made = []
     for name, title, patterns in CHARTS:
         keys = [k for k in data if _matches(k, patterns)]
-        if name == "reward_per_function":  # `reward/…` is per function; DPO's `rewards/…` has its own charts
-            keys = [k for k in keys if not k.startswith("rewards/")]
         if not keys:
             continue
         fig = Figure(figsize=(6.4, 3.4), dpi=80)

@@ -5,7 +5,7 @@ Every reward is called as `f(prompts, completions, completion_ids, **columns)` a
 string or, for chat data, a list of messages `[{"role": "assistant", "content": text}]`.
 
 `BUILTINS` maps a name to a factory `factory(options) -> reward function`; the returned function's
-`__name__` is the builtin name, so metrics read `reward/<name>`. Options a builtin does not use
+`__name__` is the builtin name, so metrics read `rewards/<name>/mean`. Options a builtin does not use
 are ignored.
 """
 from __future__ import annotations

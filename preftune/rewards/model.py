@@ -72,7 +72,7 @@ class RewardModel:
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.to(device).eval().requires_grad_(False)
         self.device, self.batch_size = torch.device(device), batch_size
-        self.__name__ = folder.name  # the metric is reward/<folder name>, TRL's model-id basename
+        self.__name__ = folder.name  # the metric is rewards/<folder name>/mean, TRL's model-id basename
 
     def texts(self, prompts: list, completions: list) -> list[str]:
         """prompt + completion, or the chat template of the whole conversation for chat prompts."""

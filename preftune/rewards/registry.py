@@ -256,7 +256,7 @@ def _get_callable(module, attr: str, where: str) -> Callable:
 
 
 def reward_name(func: Callable) -> str:
-    """Metric name of a reward function (`reward/<name>`): its `__name__` like TRL; a
+    """Metric name of a reward function (`rewards/<name>/mean`): its `__name__` like TRL; a
     `functools.partial` without its own `__name__` uses the wrapped function's; a callable object
     without one uses its class name."""
     while isinstance(func, functools.partial) and "__name__" not in getattr(func, "__dict__", {}):

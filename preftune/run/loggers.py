@@ -176,7 +176,8 @@ class MLflow:
     sqlite file (./mlflow.db; the `mlflow` extra brings sqlalchemy and alembic for it).
 
     MLflow's local file store keeps each metric in a file named by its key, so it cannot hold both
-    `reward` and `reward/accuracy`: there `/` is written as `.`; other stores get the names as they are.
+    a name and a longer one under it (`sampled/pass@4` and `sampled/pass@4/accuracy`): there `/` is
+    written as `.`; other stores get the names as they are.
     """
 
     key = "mlflow"

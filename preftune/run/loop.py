@@ -40,7 +40,7 @@ from preftune.run.completion import completed
 from preftune.run.determinism import enable_full_determinism
 from preftune.run.host_memory import keep_freed_memory
 from preftune.run.loggers import build_trackers
-from preftune.run.metrics import MetricsLog
+from preftune.run.metrics import MetricsLog, Window
 from preftune.run.optim import build_optimizer, lr_at, set_lr
 from preftune.run.lock import RunLock
 from preftune.run.mirror import RemoteMirror
@@ -87,6 +87,7 @@ class Run:
         self.callbacks = callbacks if isinstance(callbacks, Callbacks) else Callbacks(callbacks, cfg)
         if not dp.is_main:
             self.callbacks = Callbacks((), cfg)
+        self.window, self.num_tokens = Window(), 0  # the steps since the last record; tokens seen
         self.tracker_state: dict | None = None  # tracker run ids from the checkpoint
         self.evaluated: int | None = None  # the step of the latest evaluation
         self.out = Path(cfg.output_dir)
@@ -108,7 +109,8 @@ class Run:
         self.model = dp.load(cfg.model, base_path, reshard_after_forward=cfg.distributed.reshard_after_forward)
         clock.mark("model")
         self.task = build_task(cfg, self.model, self.tokenizer, self.device, dp)
-        self.evaluator = build_evaluator(cfg, self.tokenizer, dp, engine=getattr(self.task, "engine", None))
+        own = getattr(self.task, "evaluator", lambda: None)()  # DPO's held-out pairs
+        self.evaluator = own or build_evaluator(cfg, self.tokenizer, dp, engine=getattr(self.task, "engine", None))
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optim)
         self.callbacks.bind(model=self.model, processing_class=self.tokenizer, optimizer=self.optimizer)
         self.checkpointer = Checkpointer(cfg, dp, model=self.model, tokenizer=self.tokenizer, optimizer=self.optimizer,
@@ -144,6 +146,7 @@ class Run:
         state = self.checkpointer.restore(folder)
         self.step = int(state["step"])
         self.tracker_state = state.get("trackers")
+        self.window, self.num_tokens = Window(state.get("log_window")), int(state.get("num_tokens", 0))
         if self.dp.is_main and (folder / METRICS).is_file():  # the records as they were at the save
             copy_atomic(folder / METRICS, self.out / METRICS)
         log.info("resumed from %s (step %d)", folder, self.step)
@@ -153,7 +156,8 @@ class Run:
         extra, path = {}, None
         if self.metrics is not None:
             self.metrics.file.flush()
-            extra, path = {"trackers": self.metrics.state_dict()}, self.metrics.path
+            extra, path = {"trackers": self.metrics.state_dict(), "log_window": self.window.state_dict(),
+                           "num_tokens": self.num_tokens}, self.metrics.path
         folder = self.checkpointer.save(self.step, path, extra)
         self.saved_step = self.step
         self.callbacks.event("on_save", self.step)
@@ -185,7 +189,10 @@ class Run:
         optim.step(self.optimizer)
         m["learning_rate"] = lr
         m["step_time"] = time.perf_counter() - t0
-        m["tokens_per_second"] = m.pop("num_tokens", 0) / max(m["step_time"], 1e-9)
+        tokens = m.pop("num_tokens", 0)
+        m["tokens_per_second"] = tokens / max(m["step_time"], 1e-9)
+        self.num_tokens += int(tokens)
+        m["num_tokens"] = self.num_tokens  # TRL's: prompt and completion tokens seen so far
         return m
 
     def _try_step(self, stop: Preemption) -> dict | None:
@@ -246,8 +253,9 @@ class Run:
             if self.on_first_step is not None:
                 self.on_first_step()
                 self.on_first_step = None
+            self.window.add(m)
             if self.step % cfg.log.logging_steps == 0 or self.step == cfg.max_steps:
-                self._log(m, advance=True)
+                self._log(self.window.take(), advance=True)  # the window's mean, as TRL logs
             elif self.metrics is not None and self.metrics.bar is not None:
                 self.metrics.bar.update(1)
             if cfg.eval.eval_steps and self.step % cfg.eval.eval_steps == 0 and self.step < cfg.max_steps:

@@ -34,6 +34,41 @@ def read_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+class Window:
+    """The steps since the last record, logged as TRL (and the Hugging Face Trainer) log them with
+    logging_steps > 1: each metric's mean over the window's steps that measured it (NaN/None
+    left out), `learning_rate` and `grad_norm` the last step's, `num_tokens` the running total."""
+
+    LAST = ("learning_rate", "grad_norm", "num_tokens")
+
+    def __init__(self, state: dict | None = None):
+        state = state or {}
+        self.sums: dict[str, float] = dict(state.get("sums", {}))
+        self.counts: dict[str, int] = dict(state.get("counts", {}))
+        self.last: dict = dict(state.get("last", {}))
+
+    def add(self, metrics: dict) -> None:
+        for k, v in metrics.items():
+            if k in self.LAST or not isinstance(v, (int, float)) or isinstance(v, bool):
+                self.last[k] = v
+            elif not math.isnan(v):
+                self.sums[k] = self.sums.get(k, 0.0) + v
+                self.counts[k] = self.counts.get(k, 0) + 1
+            else:
+                self.counts.setdefault(k, 0)
+
+    def take(self) -> dict:
+        """The window's record (in the order the metrics first came), and a new empty window."""
+        out = {k: self.sums[k] / self.counts[k] if self.counts[k] else math.nan for k in self.counts}
+        out |= self.last
+        self.sums, self.counts, self.last = {}, {}, {}
+        return out
+
+    def state_dict(self) -> dict:
+        """Plain data for the checkpoint: a resume mid-window logs the same record."""
+        return {"sums": dict(self.sums), "counts": dict(self.counts), "last": dict(self.last)}
+
+
 class MetricsLog:
     """metrics.jsonl, the progress bar and the trackers of log.report_to (train/loggers.py)."""
 

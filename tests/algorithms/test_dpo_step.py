@@ -69,6 +69,26 @@ def test_micro_batch_invariance(make_config, traces_file, model, tokenizer, loss
         assert m_part["num_tokens"] == m_full["num_tokens"]
 
 
+def test_trl_token_metrics_and_wpo_weighting(make_config, traces_file, model, tokenizer):
+    """TRL's DPO metrics (logits/chosen|rejected, mean_token_accuracy, entropy) are logged, and
+    use_weighting (WPO) scales the update without breaking micro-batch invariance."""
+    plain = make_task(_cfg(make_config, traces_file), model, tokenizer)
+    weighted = make_task(_cfg(make_config, traces_file, "use_weighting=true"), model, tokenizer)  # TRL's name
+    assert weighted.d.use_weighting
+    _shift(model)
+    g_plain, m = _step(plain, model, 6)
+    for k in ("logits/chosen", "logits/rejected", "mean_token_accuracy", "entropy"):
+        assert k in m and math.isfinite(m[k]), k
+    assert 0 <= m["mean_token_accuracy"] <= 1 and m["entropy"] > 0 and m["logits/chosen"] != m["logits/rejected"]
+    full, m_full = _step(weighted, model, 6)
+    assert not torch.allclose(full, g_plain) and m_full["loss"] != pytest.approx(m["loss"])  # the weights matter
+    for micro in (1, 4):
+        part, m_part = _step(weighted, model, micro)
+        torch.testing.assert_close(part, full, rtol=0, atol=1e-5 * full.abs().max().item())
+        for k in ("loss", "logits/chosen", "mean_token_accuracy", "entropy"):
+            assert m_part[k] == pytest.approx(m_full[k], rel=1e-5, abs=1e-7), k
+
+
 def test_reference_logps_cached_and_reused(make_config, traces_file, model, tokenizer, monkeypatch, tmp_path):
     import os
     import shutil
@@ -220,6 +240,9 @@ def test_pairs_file_equals_pairs_from_traces(make_config, traces_file, model, to
     eos = tokenizer.eos_token_id
     assert e.prompt == tokenizer("1+2=").input_ids
     assert e.chosen == tokenizer("3").input_ids + [eos] and e.rejected == tokenizer("4").input_ids + [eos]
+    # and TRL's implicit-prompt pairs (chosen / rejected only) train on the same pair
+    implicit = write_parquet(tmp_path / "implicit.parquet", [{"chosen": "1+2=3", "rejected": "1+2=4"}])
+    assert vars(make_task(_cfg(make_config, implicit, "dpo.reference_free=true"), model, tokenizer).encoded[0]) == vars(e)
 
 
 def test_pairs_never_exceed_max_length(make_config, tokenizer, tmp_path):
@@ -298,3 +321,37 @@ def test_the_step_reads_metrics_once_not_per_micro_batch(make_config, traces_fil
         counts.append(reads.count)
         assert m["num_tokens"] > 0 and math.isfinite(m["loss"])
     assert counts[0] == counts[1] <= 2, counts
+
+
+def test_held_out_pairs_are_evaluated_as_trl_does(make_config, traces_file, tmp_path):
+    """data.eval as a pairs file (TRL's eval_dataset): eval/loss and eval/rewards/* of the held-out
+    pairs before the first step (the policy is the reference: loss ln 2, margins 0) and after."""
+    import json
+
+    from preftune.run.loop import Run
+
+    held_out = write_parquet(tmp_path / "held_out.parquet", [
+        {"prompt": "1+2=", "chosen": "3", "rejected": "4"}, {"prompt": "5+5=", "chosen": "10", "rejected": "11"},
+        {"prompt": "7+1=", "chosen": "8", "rejected": "9"}])
+    cfg = _cfg(make_config, traces_file, f"data.eval={held_out}", "max_steps=3", "optim.lr=1e-2")
+    Run(cfg).run()
+    records = [json.loads(x) for x in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval/loss" in r]
+    assert [r["step"] for r in evals] == [0, 3] and all(r["eval/num_pairs"] == 3 for r in evals)
+    first, last = evals
+    assert first["eval/loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert first["eval/rewards/margins"] == pytest.approx(0.0, abs=1e-5) and first["eval/rewards/accuracies"] == 0
+    assert abs(last["eval/rewards/margins"]) > 1e-3 and last["eval/loss"] != pytest.approx(math.log(2))
+    for k in ("eval/rewards/chosen", "eval/logps/rejected", "eval/logits/chosen", "eval/mean_token_accuracy"):
+        assert k in last, k
+
+
+def test_a_pairs_file_is_no_prompt_set_for_preftune_eval(make_config, traces_file, tmp_path):
+    """`preftune eval` generates from prompts: a pairs file there is answered, not misread."""
+    from preftune.errors import UserError
+    from preftune.evaluation.evaluate import eval_prompt_set
+
+    held_out = write_parquet(tmp_path / "held_out.parquet", [{"chosen": "1+2=3", "rejected": "1+2=4"}])
+    cfg = _cfg(make_config, traces_file, f"data.eval={held_out}")
+    with pytest.raises(UserError, match=r"^data.eval: is a pairs file: held-out pairs are evaluated during DPO"):
+        eval_prompt_set(cfg)

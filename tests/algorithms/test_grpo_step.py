@@ -123,7 +123,7 @@ def shared(tokenizer):
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
 def test_gradient_accumulation_invariance(shared, loss_type, level):
     model, batch = shared
     cfg = GRPOConfig(loss_type=loss_type, importance_sampling_level=level, beta=0.04, micro_batch_size=N,
@@ -144,6 +144,8 @@ def test_gradient_accumulation_invariance(shared, loss_type, level):
         for k in ("clip_ratio/high_max", "clip_ratio/low_min"):
             if not math.isnan(m_full[k]):
                 assert m_part[k] == pytest.approx(m_full[k], abs=1e-6), k
+        if loss_type == "vespo":  # a mean over sequences
+            assert m_part["vespo/phi_seq_mean"] == pytest.approx(m_full["vespo/phi_seq_mean"], rel=1e-5)
 
 
 def test_mask_truncated_completions_removes_truncated_rows(model, tokenizer):

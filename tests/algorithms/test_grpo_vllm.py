@@ -90,7 +90,7 @@ def test_two_ranks_with_vllm_train_like_one_process(reference, data_dir, tmp_pat
     assert codes == [EXIT_OK, EXIT_OK], ranks.text(0)[-3000:] + ranks.text(1)[-3000:]
     one, two = metric_rows(reference), metric_rows(out)
     for a, b in zip(one, two):  # the same tokens sampled: same rewards, same losses
-        assert b["reward"] == a["reward"] and b["completion_length"] == a["completion_length"], a["step"]
+        assert b["reward"] == a["reward"] and b["completions/mean_length"] == a["completions/mean_length"], a["step"]
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6), a["step"]
         assert b["sampling/sampling_logp_difference/max"] < 1e-3  # each rank's engine got the new weights
     wa, wb = final_state(reference), final_state(out)

@@ -156,3 +156,33 @@ def test_read_pairs_missing_column(tmp_path):
     path = write_parquet(tmp_path / "p.parquet", [{"prompt": "p", "chosen": "a"}])
     with pytest.raises(UserError, match=r"missing column 'rejected'; columns present: prompt, chosen"):
         read_pairs(str(path))
+
+
+SKY = [{"role": "user", "content": "What color is the sky?"}]
+
+
+def test_implicit_prompt_conversations(tmp_path):
+    """TRL's implicit-prompt pairs: no prompt column, the shared first messages are the prompt."""
+    rows = [{"chosen": SKY + [{"role": "assistant", "content": "Blue."}],
+             "rejected": SKY + [{"role": "assistant", "content": "Green."}]}]
+    for path in (write_jsonl(tmp_path / "p.jsonl", rows), write_parquet(tmp_path / "p.parquet", rows)):
+        (pair,) = read_pairs(str(path))
+        assert pair.prompt == SKY
+        assert pair.chosen == [{"role": "assistant", "content": "Blue."}]
+        assert pair.rejected == [{"role": "assistant", "content": "Green."}]
+
+
+def test_implicit_prompt_text_keeps_the_space_with_the_responses(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"chosen": "The sky is blue.", "rejected": "The sky is green."}])
+    assert read_pairs(str(path)) == [Pair("The sky is", " blue.", " green.")]
+
+
+@pytest.mark.parametrize("row, match", [
+    ({"chosen": "abc", "rejected": "xyz"}, "share no prompt"),
+    ({"chosen": "abc", "rejected": "abcd"}, "no response"),
+    ({"chosen": SKY, "rejected": "text"}, "both be conversations"),
+])
+def test_implicit_prompt_errors_name_the_row(tmp_path, row, match):
+    path = write_jsonl(tmp_path / "p.jsonl", [row])
+    with pytest.raises(UserError, match=rf"p\.jsonl row 0: .*{match}"):
+        read_pairs(str(path))

@@ -76,7 +76,7 @@ def assert_same_training(one, two) -> None:
     for ra, rb in zip(a, b):
         for key in ("loss", "grad_norm"):
             assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-7), (ra["step"], key)
-        for key in ("entropy", "completion_length", "num_tokens"):  # reduced over the ranks where present
+        for key in ("entropy", "completions/mean_length", "num_tokens"):  # reduced over the ranks where present
             if key in ra:
                 assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-7), (ra["step"], key)
     evals = [[r["eval/reward"] for r in read_records(out / "metrics.jsonl") if "eval/reward" in r] for out in (one, two)]

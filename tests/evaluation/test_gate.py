@@ -77,7 +77,7 @@ def test_eval_pass_writes_eval_json_and_appends_to_the_registry(tmp_path, models
     m, b = report["metrics"]["checkpoint"], report["metrics"]["baseline"]
     assert report["verdict"] == "pass" and report["prompts"] == 100 and report["gate"]["min_improvement"] == 0.05
     assert m["reward"] == pytest.approx(0.33) and b["reward"] < 0.2  # the embedded base: 33% greedy
-    for key in ("reward/accuracy", "completion_length", "sampled/pass@4", "sampled/mean@4", "sampled/pass@4/accuracy"):
+    for key in ("rewards/accuracy/mean", "completions/mean_length", "sampled/pass@4", "sampled/mean@4", "sampled/pass@4/accuracy"):
         assert key in m and key in b
     assert m["sampled/pass@4"] >= m["sampled/mean@4"]
     assert report["comparison"]["improvement"] == pytest.approx(m["reward"] - b["reward"])

@@ -10,7 +10,8 @@ import torch
 
 from preftune.errors import UserError
 from preftune.losses import dpo_loss as lazy_dpo_loss
-from preftune.losses.dpo import BATCH_LEVEL, LOSS_TYPES, dpo_loss, dpo_loss_multi
+from preftune.losses.dpo import (BATCH_LEVEL, LOSS_TYPES, dpo_loss, dpo_loss_multi, token_metrics, token_sums,
+                                 wpo_weights)
 
 F64 = torch.float64
 PER_PAIR = [t for t in LOSS_TYPES if t not in BATCH_LEVEL]
@@ -319,3 +320,95 @@ def test_bad_inputs_raise():
         dpo_loss(x, x, x, None)
     with pytest.raises(ValueError, match=r"\(B,\)"):
         dpo_loss(x, torch.zeros(3, dtype=F64), x, x)
+
+
+# ------------------------------------------------------------------ WPO weighting and per-token metrics vs TRL 1.16
+
+
+def _token_batch(b: int, seed: int):
+    """(2B, T) per-token log-probs, log Σπ², mean logits, top-1 flags, entropies and the mask: the
+    first B rows chosen, the last B rejected (TRL's batch order)."""
+    g = torch.Generator().manual_seed(seed)
+    t = 6
+    lens = torch.randint(1, t + 1, (2 * b,), generator=g)
+    mask = (torch.arange(t)[None, :] < lens[:, None]).to(F64)  # (2B, T)
+    logps = -2 * torch.rand(2 * b, t, generator=g, dtype=F64) * mask  # (2B, T)
+    lss = -1.5 * torch.rand(2 * b, t, generator=g, dtype=F64)  # log Σ π² <= 0
+    stats = torch.stack([torch.rand(2 * b, t, generator=g, dtype=F64),  # entropy
+                         torch.randn(2 * b, t, generator=g, dtype=F64),  # mean logit
+                         (torch.rand(2 * b, t, generator=g) < 0.5).to(F64),  # top-1
+                         lss], -1)  # (2B, T, 4)
+    return logps, stats, mask
+
+
+def _trl_tokens(logps, stats, mask, ref_c, ref_r, loss_types, beta, use_weighting):
+    """TRL 1.16's `_compute_loss` on a stand-in model that returns these per-token values."""
+    from trl.trainer.dpo_trainer import DPOTrainer
+
+    leaf = logps.clone().requires_grad_()
+    completion_mask = torch.cat([torch.zeros_like(mask[:, :1]), mask], 1).long()  # (2B, T+1): position 0 is the prompt
+    outputs = SimpleNamespace(log_probs=leaf, entropy=stats[..., 0], mean_logits=stats[..., 1],
+                              is_top1=stats[..., 2].bool(), log_sum_sq_probs=stats[..., 3])
+    stub = SimpleNamespace(
+        model=SimpleNamespace(training=True), aux_loss_enabled=False, precompute_ref_logps=True,
+        accelerator=SimpleNamespace(device="cpu", gather=lambda x: x, gather_for_metrics=lambda x: x),
+        ld_alpha=None, f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5, use_weighting=use_weighting,
+        loss_types=loss_types, loss_weights=[1.0] * len(loss_types), beta=beta, label_smoothing=0.0,
+        args=SimpleNamespace(discopop_tau=0.05), _metrics={"train": defaultdict(list)}, _total_train_tokens=0,
+        _tp_size=1)
+    inputs = {"input_ids": torch.zeros_like(completion_mask), "attention_mask": torch.ones_like(completion_mask),
+              "completion_mask": completion_mask, "ref_chosen_logps": ref_c, "ref_rejected_logps": ref_r}
+    loss = DPOTrainer._compute_loss(stub, lambda **kw: outputs, inputs, return_outputs=False)
+    loss.backward()
+    return loss.detach(), leaf.grad, {k: v[-1] for k, v in stub._metrics["train"].items()}
+
+
+# (TRL 1.16 itself fails on sft and hinge with use_weighting: it scales their losses in place)
+@pytest.mark.parametrize("loss_types", [["sigmoid"], ["ipo"], ["sigmoid", "nca_pair"], ["apo_zero"], ["discopop"]])
+def test_wpo_weighting_matches_trl(loss_types):
+    b = 4
+    logps, stats, mask = _token_batch(b, seed=len(loss_types) + len(loss_types[0]))
+    g = torch.Generator().manual_seed(1)
+    ref_c, ref_r = -3 * torch.rand(b, generator=g, dtype=F64), -3 * torch.rand(b, generator=g, dtype=F64)
+    leaf = logps.clone().requires_grad_()
+    sums, lengths = (leaf * mask).sum(-1), mask.sum(-1)  # (2B,)
+    w = wpo_weights(leaf, stats[..., 3], mask)  # (2B,)
+    assert not w.requires_grad and (w - 1).abs().max() > 0.05  # weights that matter
+    loss, _ = dpo_loss_multi(sums[:b], sums[b:], ref_c, ref_r, loss_types=loss_types, loss_weights=None, beta=0.3,
+                             chosen_lengths=lengths[:b], rejected_lengths=lengths[b:], pair_weights=w[:b] * w[b:])
+    loss.backward()
+    trl_loss, trl_grad, _ = _trl_tokens(logps, stats, mask, ref_c, ref_r, loss_types, 0.3, use_weighting=True)
+    assert loss.item() == pytest.approx(trl_loss.item(), abs=1e-12)
+    # TRL sums log-probs unmasked (its head gives 0 at padding): compare the completion tokens
+    torch.testing.assert_close(leaf.grad * mask, trl_grad * mask, rtol=0, atol=1e-12)
+
+
+def test_wpo_hand_worked():
+    # one response of 2 tokens: log π = (-1, -2), log Σπ² = (-0.5, -1): w = exp(((-0.5) + (-1)) / 2) = e^-0.75
+    w = wpo_weights(torch.tensor([[-1.0, -2.0, -9.0]], dtype=F64), torch.tensor([[-0.5, -1.0, 0.0]], dtype=F64),
+                    torch.tensor([[1.0, 1.0, 0.0]], dtype=F64))
+    assert w.item() == pytest.approx(math.exp(-0.75), abs=1e-15)
+    # a pair's sigmoid loss scaled by w_c w_r = 0.5: 0.5 * -log σ(1) (pair 1 of HAND, β = 0.5)
+    t = {k: torch.tensor(v[:1], dtype=F64) for k, v in HAND.items()}
+    loss, _ = dpo_loss_multi(t["chosen"], t["rejected"], t["ref_c"], t["ref_r"], loss_types=["sigmoid"],
+                             loss_weights=None, beta=0.5, pair_weights=torch.tensor([0.5], dtype=F64))
+    assert loss.item() == pytest.approx(-0.5 * _lsig(1.0), abs=1e-15)
+
+
+def test_wpo_refuses_the_sorted_losses():
+    c = torch.zeros(2, dtype=F64)
+    with pytest.raises(UserError, match="dpo.use_weighting"):
+        dpo_loss_multi(c, c, c, c, loss_types=["aot"], loss_weights=None, pair_weights=torch.ones(2, dtype=F64))
+
+
+def test_token_metrics_match_trl():
+    b = 3
+    logps, stats, mask = _token_batch(b, seed=11)
+    ref = torch.zeros(b, dtype=F64)
+    ours = token_metrics(token_sums(stats, mask).tolist())
+    _, _, trl_metrics = _trl_tokens(logps, stats, mask, ref, ref, ["sigmoid"], 0.1, use_weighting=False)
+    exact = {k: v for k, v in ours.items() if k != "mean_token_accuracy"}
+    assert exact == pytest.approx({k: trl_metrics[k] for k in exact}, abs=1e-12)
+    # TRL divides two integer counts into float32
+    assert ours["mean_token_accuracy"] == pytest.approx(trl_metrics["mean_token_accuracy"], abs=1e-7)
+    assert ours["mean_token_accuracy"] not in (0.0, 1.0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from preftune.losses import grpo_loss
-from preftune.losses.grpo import LOSS_TYPES, batch_normaliser
+from preftune.losses.grpo import LOSS_TYPES, VESPO_DEFAULTS, batch_normaliser
 
 trl = pytest.importorskip("trl")
 from trl import GRPOTrainer  # noqa: E402
@@ -109,6 +109,41 @@ def test_gspo_sequence_ratio_hand_values():
     assert m["clip_ratio/low_mean"] == pytest.approx(0.5) and m["clip_ratio/high_mean"] == 0.0
 
 
+def test_luspo_hand_values():
+    # LUSPO: each sequence's token sum, then the mean over sequences. On-policy the per-token term is
+    # -A_i: row 0 sums to -2 (2 tokens), row 1 to +0.5 -> (-2 + 0.5) / 2 = -0.75; d/dlogp = -A_i / B.
+    for level in ("token", "sequence"):  # on-policy the sequence ratio's gradient spreads 1/|o_i| per token,
+        loss, g, _ = _loss_and_grad(ON_POLICY, None, None, ADV, MASK, loss_type="luspo",  # times |o_i| tokens
+                                    importance_sampling_level=level)
+        assert loss == pytest.approx(-0.75, abs=1e-12)
+        torch.testing.assert_close(g, torch.tensor([[-0.5, -0.5, 0], [0.25, 0, 0]], dtype=F64), rtol=0, atol=1e-12)
+
+
+def test_vespo_hand_values():
+    # Sequence ratios w = 1.5 * 0.9 = 1.35 (row 0, A = +1: k = 2, lambda = 3) and 0.5 (row 1, A = -1:
+    # k = 3, lambda = 2). phi = exp(lambda + k ln w - lambda w): 1.35^2 e^(3 - 4.05) and 0.5^3 e^(2 - 1).
+    phi0, phi1 = 1.35 ** 2 * math.exp(3 - 4.05), 0.5 ** 3 * math.exp(2 - 1)
+    lp = torch.tensor(OFF_POLICY, dtype=F64)
+    # loss = sum_t m (-phi A log pi) / 3 tokens; phi carries no gradient, so d/dlogp = -phi A / 3.
+    expected = (-phi0 * (lp[0, 0] + lp[0, 1]) + phi1 * lp[1, 0]).item() / 3
+    loss, g, m = _loss_and_grad(OFF_POLICY, OLD, None, ADV_PM, MASK, loss_type="vespo")
+    assert loss == pytest.approx(expected, abs=1e-12)
+    torch.testing.assert_close(g, torch.tensor([[-phi0 / 3, -phi0 / 3, 0], [phi1 / 3, 0, 0]], dtype=F64),
+                               rtol=0, atol=1e-12)
+    assert m["vespo/phi_seq_mean"] == pytest.approx((phi0 + phi1) / 2, abs=1e-12)
+    assert m["clip_ratio/region_mean"] == 0.0  # a smooth gate: nothing is hard-clipped
+
+
+def test_vespo_folds_engine_weights_into_phi():
+    # On-policy (w = 1) with the engine's weight rho = 2 on row 0's first token: w = 2, phi = 2^2 e^(3 - 6),
+    # and the weight is not multiplied into the loss a second time. Row 1: w = 1, phi = 1.
+    rho = torch.tensor([[2.0, 1.0, 1.0], [1.0, 1.0, 1.0]], dtype=F64)
+    _, _, m = _loss_and_grad(ON_POLICY, None, None, ADV, MASK, loss_type="vespo", importance_weights=rho)
+    assert m["vespo/phi_seq_mean"] == pytest.approx((4 * math.exp(-3) + 1) / 2, abs=1e-12)
+    _, g, _ = _loss_and_grad(ON_POLICY, None, None, ADV, MASK, loss_type="vespo", importance_weights=rho)
+    assert g[0, 0].item() == pytest.approx(-4 * math.exp(-3) / 3, abs=1e-12)
+
+
 def test_kl_hand_values():
     # A = 0, so only beta * k3 remains; d = ref - logp = [[ln 2, 0, *], [-ln 2, *, *]].
     # k3 = e^d - d - 1: ln 2 -> 1 - ln 2; 0 -> 0; -ln 2 -> ln 2 - 1/2. Sum = 1/2.
@@ -167,7 +202,7 @@ def test_bad_arguments_raise(kwargs, match):
 
 
 def _trl_loss(logps, old, ref, adv, mask, *, loss_type, beta, epsilon, epsilon_high, delta, level,
-              max_completion_length, num_items, bias_correction, tau_pos=1.0, tau_neg=1.05):
+              max_completion_length, num_items, bias_correction, tau_pos=1.0, tau_neg=1.05, vespo=None):
     """Run TRL's GRPOTrainer._compute_loss on a stand-in trainer whose model 'returns' `logps`."""
     metrics = defaultdict(lambda: defaultdict(list))
     batch, length = logps.shape
@@ -181,7 +216,9 @@ def _trl_loss(logps, old, ref, adv, mask, *, loss_type, beta, epsilon, epsilon_h
         max_completion_length=max_completion_length, _metrics=metrics,
         accelerator=SimpleNamespace(num_processes=1, gather=lambda t: t, reduce=lambda t, reduction: t),
         args=SimpleNamespace(delta=delta, use_bias_correction_kl=bias_correction, steps_per_generation=1,
-                             sapo_temperature_pos=tau_pos, sapo_temperature_neg=tau_neg),
+                             sapo_temperature_pos=tau_pos, sapo_temperature_neg=tau_neg,
+                             **{f"vespo_{k}": v for k, v in (vespo or VESPO_DEFAULTS).items()}),
+        get_gamma_weights=GRPOTrainer.get_gamma_weights,
     )
     inputs = {
         "prompt_ids": torch.zeros(batch, 1, dtype=torch.long), "prompt_mask": torch.ones(batch, 1, dtype=torch.long),
@@ -242,6 +279,8 @@ def test_matches_trl(loss_type, level, beta, on_policy, epsilon_high, delta, bia
         assert metrics["kl"] == pytest.approx(trl_metrics["kl"], abs=1e-8)
     if loss_type == "cispo":
         assert metrics["clip_ratio/high_mean"] == pytest.approx(trl_metrics["cispo_clip_ratio"], abs=1e-7)
+    elif loss_type == "vespo":
+        assert metrics["vespo/phi_seq_mean"] == pytest.approx(trl_metrics["vespo/phi_seq_mean"], abs=1e-8)
     elif loss_type != "sapo":
         for key in ("low_mean", "high_mean", "region_mean", "low_min", "high_max"):
             assert metrics[f"clip_ratio/{key}"] == pytest.approx(trl_metrics[f"clip_ratio/{key}"], abs=1e-7), key

@@ -106,3 +106,21 @@ def test_completion_logps_chunked_equals_plain(monkeypatch):
     got = run()
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+def test_token_stats_chunked_equal_the_formulas(monkeypatch):
+    """`stats`: entropy, mean logit, top-1 and log Σ p² per position, the same chunked as plain."""
+    hidden, head, targets = _setup()
+    logits = hidden.detach() @ head.weight.detach().t()  # (K, V)
+    targets = torch.where(torch.arange(len(targets)) < 10, logits.argmax(-1), targets)  # 10 top-1 targets
+    p = logits.softmax(-1)
+    expected = torch.stack([-(p * p.log()).sum(-1), logits.mean(-1), (logits.argmax(-1) == targets).double(),
+                            (p * p).sum(-1).log()], -1)  # (K, 4)
+    _, plain = H.head_logps(hidden, head, targets, stats=True)
+    monkeypatch.setattr(H, "CHUNK_ELEMENTS", 7 * 50)  # 7 rows a chunk
+    logps, chunked = H.head_logps(hidden, head, targets, stats=True)
+    for got in (plain, chunked):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    assert 0 < expected[:, 2].sum() < len(targets)  # some targets are the argmax, some not
+    logps.sum().backward()  # the stats carry no gradient; the log-probs still do
+    assert hidden.grad is not None and not chunked.requires_grad

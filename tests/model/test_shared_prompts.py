@@ -15,7 +15,7 @@ from tests.conftest import MODEL_DIR
 from tests.model.test_logps import LAYOUTS
 from tests.algorithms.test_grpo_step import N, T, perturbed, run_step, synthetic_rollout
 
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 
 
 @pytest.fixture(scope="module")

@@ -32,12 +32,12 @@ def _run(tmp_path, records, *, finished=False, eval_report=None, partial_line=Fa
 
 
 def grpo_records(n=6):
-    recs = [{"step": 0, "eval/reward": 0.3, "eval/reward/accuracy": 0.3, "eval/num_prompts": 100}]
+    recs = [{"step": 0, "eval/reward": 0.3, "eval/rewards/accuracy/mean": 0.3, "eval/num_prompts": 100}]
     for s in range(1, n + 1):
-        recs.append({"step": s, "reward": 0.1 * s, "reward/accuracy": 0.1 * s, "reward_std": 0.2, "loss": 0.01,
-                     "kl": 0.0, "entropy": 1.0, "completion_length": 3.0, "clip_ratio/region_mean": 0.01,
+        recs.append({"step": s, "reward": 0.1 * s, "rewards/accuracy/mean": 0.1 * s, "reward_std": 0.2, "loss": 0.01,
+                     "kl": 0.0, "entropy": 1.0, "completions/mean_length": 3.0, "clip_ratio/region_mean": 0.01,
                      "learning_rate": 1e-4, "grad_norm": None, "tokens_per_second": 1000.0, "step_time": 0.1})
-    recs.append({"step": n, "eval/reward": 0.6, "eval/reward/accuracy": 0.6, "eval/num_prompts": 100})
+    recs.append({"step": n, "eval/reward": 0.6, "eval/rewards/accuracy/mean": 0.6, "eval/num_prompts": 100})
     return recs
 
 

@@ -1,6 +1,6 @@
 """Reward models as reward functions: a tiny sequence-classification folder built here scores like
 TRL 1.16's GRPOTrainer (text and chat prompts), in batches, loaded once; online GRPO and evaluation log
-reward/<name>; a rank scores only its own rows; a folder that is not a reward model exits 78 naming it."""
+rewards/<name>/mean; a rank scores only its own rows; a folder that is not a reward model exits 78 naming it."""
 from __future__ import annotations
 
 import shutil
@@ -156,9 +156,9 @@ def test_online_grpo_and_eval_log_the_reward_model(make_config, rm_dir, model, t
             pass
 
     m = task.step(model, 1, _Stop())
-    assert "reward/tiny-rm" in m and "reward/length" in m and m["reward_std"] > 0
+    assert "rewards/tiny-rm/mean" in m and "rewards/length/mean" in m and m["reward_std"] > 0
     ev = build_evaluator(cfg, tokenizer)(model, 0)
-    assert "eval/reward/tiny-rm" in ev and ev["eval/num_prompts"] == 100
+    assert "eval/rewards/tiny-rm/mean" in ev and ev["eval/num_prompts"] == 100
 
 
 def test_each_rank_scores_only_its_own_rows(rm_dir, model, tokenizer):

@@ -16,9 +16,11 @@ from preftune.errors import UserError
 from preftune.run.loop import Run, train
 from tests.conftest import EVAL_PROMPTS, MODEL_DIR, write_jsonl
 
-TRAIN_KEYS = ("step", "loss", "reward", "reward_std", "reward/accuracy", "kl", "completion_length",
+TRAIN_KEYS = ("step", "loss", "reward", "reward_std", "rewards/accuracy/mean", "kl", "completions/mean_length",
               "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy",
-              "frac_reward_zero_std", "learning_rate", "grad_norm", "step_time", "tokens_per_second")
+              "frac_reward_zero_std", "learning_rate", "grad_norm", "step_time", "tokens_per_second",
+              "rewards/accuracy/std", "reward_group_std", "completions/min_length", "completions/max_length",
+              "completions/clipped_ratio", "num_tokens")
 
 
 def records(out: Path) -> list[dict]:
@@ -60,7 +62,7 @@ def test_online_grpo_run(make_config, small_eval):
         assert not missing, missing
         assert all(math.isfinite(r[k]) for k in TRAIN_KEYS), r
         assert 0.0 <= r["reward"] <= 1.0 and r["kl"] >= 0 and r["learning_rate"] == cfg.optim.lr
-        assert 1 <= r["completion_length"] <= cfg.grpo.max_completion_length
+        assert 1 <= r["completions/mean_length"] <= cfg.grpo.max_completion_length
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference at step 1
     # eval before the first step, at eval_steps, and after the last (not twice at step 4)
     evals = eval_records(out)
@@ -156,7 +158,7 @@ def test_chat_message_prompts(make_config, tokenizer, tmp_path):
                       f"grpo.reward_funcs=[{tmp_path / 'chat_reward.py'}:chat_shape, accuracy]")
     train(cfg)
     (r,) = train_records(Path(cfg.output_dir))
-    assert "reward/chat_shape" in r and r["reward/chat_shape"] == r["reward/accuracy"]
+    assert "rewards/chat_shape/mean" in r and r["rewards/chat_shape/mean"] == r["rewards/accuracy/mean"]
     assert r["prompts_truncated"] == 0
     assert [e["step"] for e in eval_records(Path(cfg.output_dir))] == [0, 1]
 
@@ -215,7 +217,7 @@ def test_offline_grpo_run(make_config, traces_file):
     steps = train_records(out)
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
-        assert "reward/final_reward" in r and math.isfinite(r["loss"]) and r["grad_norm"] > 0
+        assert "rewards/final_reward/mean" in r and math.isfinite(r["loss"]) and r["grad_norm"] > 0
         assert r["frac_reward_zero_std"] == 0.0  # flat groups are left out when groups are built
     report = json.loads((out / "data_report.json").read_text())
     assert report["groups"]["groups_made"] == 6 and report["traces"]["kept"] == 24

@@ -116,8 +116,8 @@ def test_wandb_mlflow_tensorboard_together_and_resumed(tmp_path, monkeypatch):
     loss = client.get_metric_history(run_id, "loss")
     assert [(m.step, m.value) for m in loss] == [(r["step"], r["loss"]) for r in jsonl if "loss" in r]
     assert client.tracking_uri == f"sqlite:///{tmp_path / 'mlflow.db'}"  # MLflow's default, no variable set
-    evals = client.get_metric_history(run_id, "eval/reward/accuracy")
-    assert [(m.step, m.value) for m in evals][-1] == (3, jsonl[-1]["eval/reward/accuracy"])
+    evals = client.get_metric_history(run_id, "eval/rewards/accuracy/mean")
+    assert [(m.step, m.value) for m in evals][-1] == (3, jsonl[-1]["eval/rewards/accuracy/mean"])
     assert train_keys <= set(client.get_run(run_id).data.metrics)
     params = client.get_run(run_id).data.params
     assert params["grpo.beta"] == "0.04" and params["deploy.env.HF_TOKEN"] == "<redacted>"
