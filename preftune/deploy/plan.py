@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from preftune.deploy import cost
+from preftune.deploy.cost import money, number
 from preftune.deploy.nodes import InstanceType
 from preftune.errors import UserError
 
@@ -498,8 +500,6 @@ def step_time(cfg, s: Shape, j: Job, t: Target, mfu: float, gen_tps: float) -> d
 
 def _cost(cfg, t: Target, time: dict, prices: dict | None) -> dict | None:
     """The cost of max_steps steps: preftune/deploy/cost.py's estimate, hours from the step time."""
-    from preftune.deploy import cost  # data readers behind it (pyarrow): only when a cost is asked
-
     try:
         prices = prices if prices is not None else cost.load_prices()
         price = cost.gpu_hour_price(prices, [t.name], t.capacity_type)
@@ -564,8 +564,6 @@ def format_plan(plan: dict) -> str:
         if "note" in c:
             lines.append(f"cost: {c['note']}")
         else:
-            from preftune.deploy.cost import money, number
-
             lines.append(f"cost per iteration: {money(c['compute_usd'])} (compute, {c['inputs']['gpus']} GPUs at "
                          f"${number(c['inputs']['price_per_gpu_hour'])} per GPU-hour)")
     if "vllm" in plan:
