@@ -71,11 +71,10 @@ def evaluate_model(cfg, path: str, prompt_set, funcs, weights) -> tuple[dict, "o
     model, tok = _load(cfg, path, device)
     common = dict(weights=weights, max_new_tokens=cfg.eval.max_new_tokens or cfg.grpo.max_completion_length,
                   batch_size=cfg.eval.batch_size, truncation=PromptTruncation(cfg.data.max_prompt_length, "left"))
-    if cfg.grpo.use_vllm:  # an engine on this folder's weights (no push needed); seeds from the run's seed
-        from preftune.algorithms.grpo import start_engine
+    from preftune.rollout.engine import make_engine
 
-        folder = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name_or_path=path))
-        common |= {"engine": start_engine(folder, None), "seed": cfg.seed}
+    # vLLM: an engine on this folder's weights (no push needed); seeds from the run's seed
+    common |= {"engine": make_engine(cfg, None, model_path=path), "seed": cfg.seed}
     greedy = generate_scored(model, tok, prompt_set, funcs, **common)
     figures = summarize(greedy, prefix="")
     k = cfg.eval.num_samples

@@ -8,14 +8,13 @@ import torch
 
 from preftune.data.prompts import load_prompts
 from preftune.data.pipeline import held_out_prompts
-from preftune.data.tensors import left_pad
 from preftune.data.tokenize import PromptTruncation
 from preftune.data.traces import TraceOptions
 from preftune.evaluation.stats import is_binary, pass_and_mean_at_k
 from preftune.losses.advantages import nanmean
 from preftune.rewards.registry import RewardState, load_reward_funcs
 from preftune.rollout.online import encode_prompts, score
-from preftune.rollout.sampler import sample
+from preftune.rollout.engine import SamplerEngine
 
 
 @dataclass
@@ -44,9 +43,10 @@ def generate_scored(model, tokenizer, prompt_set, reward_funcs, *, weights, max_
                     seed: int = 0) -> EvalResult:
     """Greedy (sampling None, one completion) or `num_samples` sampled completions per prompt with
     `sampling` = {temperature, top_p, top_k} drawn from `generator` (same seed, same draws); of the
-    prompts in `share` (default: all). `engine` (a VLLMEngine holding the model's weights) samples
-    instead of the own sampler, its seeds from `seed` and each prompt's index."""
+    prompts in `share` (default: all). `engine` (`rollout/engine.py`; default the own sampler on
+    `model`) samples; vLLM holds the model's weights, its seeds from `seed` and each prompt's index."""
     k = num_samples if sampling is not None else 1
+    engine = engine if engine is not None else SamplerEngine()
     if share is None:
         share = slice(0, len(prompt_set))
     totals, per_func, lengths, names = [], [], [], []
@@ -58,12 +58,8 @@ def generate_scored(model, tokenizer, prompt_set, reward_funcs, *, weights, max_
             continue
         opts = dict(num_generations=k, max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_token_id,
                     pad_id=tokenizer.pad_token_id, greedy=sampling is None, **(sampling or {}))
-        if engine is not None:
-            ro = engine.generate(ids, [idx[j] for j in kept], seed=seed, step=-1, **opts)
-        else:
-            p_ids, p_mask = left_pad(ids, tokenizer.pad_token_id)
-            device = next(model.parameters()).device
-            ro = sample(model, p_ids.to(device), p_mask.to(device), generator=generator, **opts)
+        ro = engine.generate(ids, [idx[j] for j in kept], seed=seed, step=-1, generator=generator, model=model,
+                             **opts)
         s = score(tokenizer, reward_funcs, ro, prompts, columns, k, weights, state)
         totals.append(s.total.view(-1, k))
         per_func.append(s.per_func.view(len(ids), k, -1))
@@ -97,7 +93,7 @@ def evaluate(model, tokenizer, prompt_set, reward_funcs, *, weights, max_new_tok
     of the prompts and every rank summarises all of them (a gather of the per-prompt scores).
     `engine`: sample with the rollout engine, after pushing the model's current weights to it (and
     put it back to sleep after, under grpo.vllm_enable_sleep_mode)."""
-    if engine is not None:
+    if engine is not None:  # vLLM: the current weights; the own sampler reads the module itself
         engine.push(model)
 
     def scored(share: slice | None = None) -> EvalResult:
