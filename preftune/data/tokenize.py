@@ -10,12 +10,14 @@ from preftune.errors import UserError
 log = logging.getLogger("preftune")
 
 
-def prompt_text(tokenizer, prompt) -> str:
-    """A chat prompt goes through the tokenizer's chat template; a string is used as is."""
+def prompt_text(tokenizer, prompt, tools: list[dict] | None = None) -> str:
+    """A chat prompt goes through the tokenizer's chat template (with the `tools` JSON schemas the
+    policy may call, when given); a string is used as is."""
     if is_messages(prompt):
         if not getattr(tokenizer, "chat_template", None):
             raise UserError("prompts are chat messages but the tokenizer has no chat_template", where="model")
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        extra = {"tools": tools} if tools else {}
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **extra)
     return str(prompt)
 
 
@@ -66,8 +68,8 @@ def fit_prompt(truncation: PromptTruncation, ids: list[int], max_length: int, wh
     return ids
 
 
-def encode_prompt(tokenizer, prompt) -> list[int]:
-    text = prompt_text(tokenizer, prompt)
+def encode_prompt(tokenizer, prompt, tools: list[dict] | None = None) -> list[int]:
+    text = prompt_text(tokenizer, prompt, tools)
     return tokenizer(text, add_special_tokens=not is_messages(prompt)).input_ids
 
 

@@ -34,6 +34,11 @@ class Rollout:
     truncated: torch.Tensor  # (N,) bool: no EOS within max_new_tokens
     old_logps: torch.Tensor | None = None  # (N, T) recorded by the batch's first step when reused
     sampling_logps: torch.Tensor | None = None  # (N, T) each token's log-prob under the distribution that drew it
+    tool_mask: torch.Tensor | None = None  # (N, T) 1 sampled, 0 a tool's result (`rollout/agent.py`); None: all 1
+
+    def loss_mask(self) -> torch.Tensor:
+        """(N, T) the completion tokens the policy sampled: the completion mask without tool tokens."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
 
     def to(self, device) -> "Rollout":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
@@ -267,7 +272,8 @@ def select(ro: Rollout, rows: torch.Tensor | list[int]) -> Rollout:
     pick = lambda t: None if t is None else t[rows]  # noqa: E731
     return Rollout(prompt_ids=ro.prompt_ids[rows], prompt_mask=ro.prompt_mask[rows],
                    completion_ids=ro.completion_ids[rows], completion_mask=ro.completion_mask[rows],
-                   truncated=ro.truncated[rows], old_logps=pick(ro.old_logps), sampling_logps=pick(ro.sampling_logps))
+                   truncated=ro.truncated[rows], old_logps=pick(ro.old_logps), sampling_logps=pick(ro.sampling_logps),
+                   tool_mask=pick(ro.tool_mask))
 
 
 def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
@@ -285,6 +291,7 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
 
     has_old = all(r.old_logps is not None for r in rollouts)
     has_sampling = all(r.sampling_logps is not None for r in rollouts)
+    has_tools = any(r.tool_mask is not None for r in rollouts)  # a round without tool rows: all sampled
     return Rollout(
         prompt_ids=torch.cat([lpad(r.prompt_ids, P, pad_id) for r in rollouts]),
         prompt_mask=torch.cat([lpad(r.prompt_mask, P, 0) for r in rollouts]),
@@ -293,4 +300,5 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
         truncated=torch.cat([r.truncated for r in rollouts]),
         old_logps=torch.cat([rpad(r.old_logps, T, 0.0) for r in rollouts]) if has_old else None,
         sampling_logps=torch.cat([rpad(r.sampling_logps, T, 0.0) for r in rollouts]) if has_sampling else None,
+        tool_mask=torch.cat([rpad(r.loss_mask(), T, 0) for r in rollouts]) if has_tools else None,
     )

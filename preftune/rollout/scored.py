@@ -16,3 +16,4 @@ class Scored:
     names: list[str]
     group_sizes: list[int]  # rows per prompt, group-contiguous
     extra: dict = field(default_factory=dict)
+    trajectories: list = field(default_factory=list)  # a tool loop's rows (`rollout/agent.Trajectory`)
