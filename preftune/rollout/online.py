@@ -28,6 +28,31 @@ def _with_appended(prompt: list, text: str) -> list:
     return out
 
 
+def act(agent: Agent, engine, tokenizer, reward_funcs, weights, state, prompts: list, columns: dict, ids: list,
+        places: list[int], *, num_generations: int, max_prompt_length: int, **opts) -> Scored:
+    """Multi-turn rollouts of prompts (`rollout/agent.py`), scored: an environment per row, reset
+    with its row (a returned string appended to the last user message); tools run between turns;
+    the rewards see the turns and the environments. Training's rounds and evaluation share it."""
+    G, n = num_generations, len(prompts) * num_generations
+    envs = agent.envs.instances(n) if agent.envs is not None else [None] * n
+    rows = []
+    for i, env in enumerate(envs):
+        prompt, first = prompts[i // G], ids[i // G]
+        row = {"prompt": prompt} | {k: v[i // G] for k, v in columns.items()}
+        text = None if env is None else agent.reset(env, row)
+        if text is not None and is_messages(prompt):  # then encoded again, kept to the prompt limit from the left
+            first = encode_prompt(tokenizer, _with_appended(prompt, text), agent.schemas)[-max_prompt_length:]
+        rows.append(Trajectory(first))
+    ro = agent.loop.run(engine, rows, [agent.row_tools(e) for e in envs], G, places, **opts)
+    rep_prompts, rep_cols = [p for p in prompts for _ in range(G)], {k: [x for x in v for _ in range(G)]
+                                                                     for k, v in columns.items()}
+    res = compute_rewards(reward_funcs, rep_prompts, completions_of(rows, rep_prompts, tokenizer),
+                          [t.completion for t in rows], rep_cols,
+                          weights=weights, extra_kwargs={"trainer_state": state} | (
+                              {"environments": envs} if agent.envs is not None else {}))
+    return Scored(ro, res.per_func, res.total, list(res.names), [G] * len(prompts), trajectories=rows)
+
+
 def completion_texts(tokenizer, rollout: Rollout, prompts: list) -> tuple[list, list[list[int]]]:
     """Decoded completions (chat form for chat prompts, as TRL passes them) and their ids up to EOS."""
     lengths = rollout.completion_mask.sum(-1).tolist()  # the mask is a prefix: one copy, no per-row sync
@@ -148,32 +173,12 @@ class OnlineSource:
         return score(self.tok, self.reward_funcs, ro, prompts, columns, c.num_generations, self.weights, self.state)
 
     def _act(self, model, prompts: list, columns: dict, ids: list, places: list[int], opts: dict) -> Scored:
-        """A round of multi-turn rollouts (`rollout/agent.py`): an environment per row, reset with
-        its row; tools run between turns; the rewards see the turns and the environments."""
-        G, agent = opts.pop("num_generations"), self.agent
-        opts.pop("max_new_tokens")
-        n = len(prompts) * G
-        envs = agent.envs.instances(n) if agent.envs is not None else [None] * n
-        rows = []
-        for i, env in enumerate(envs):
-            prompt, first = prompts[i // G], ids[i // G]
-            text = None if env is None else agent.reset(env, {"prompt": prompt} | {k: v[i // G]
-                                                                                   for k, v in columns.items()})
-            if text is not None and is_messages(prompt):  # appended to the last user message, then encoded
-                first = encode_prompt(self.tok, _with_appended(prompt, text), agent.schemas)
-                first = first[-self.truncation.max_length:]
-            rows.append(Trajectory(first))
-        ro = agent.loop.run(self.engine, rows, [agent.row_tools(e) for e in envs], G, places, model=model,
-                            generator=self.generator, seed=self.seed, step=self.step, round_=self.rounds, **opts)
-        rep_prompts = [p for p in prompts for _ in range(G)]
-        res = compute_rewards(self.reward_funcs, rep_prompts, completions_of(rows, rep_prompts, self.tok),
-                              [t.completion for t in rows], {k: [x for x in v for _ in range(G)]
-                                                             for k, v in columns.items()},
-                              weights=self.weights, extra_kwargs={"trainer_state": self.state} | (
-                                  {"environments": envs} if agent.envs is not None else {}))
-        self.tool_sums = [a + b for a, b in zip(self.tool_sums, stats(rows))]
-        out = Scored(ro, res.per_func, res.total, list(res.names), [G] * len(prompts))
-        out.trajectories = rows
+        """A round of multi-turn rollouts (`act`), its tool counts kept for the batch's metrics."""
+        opts = {k: v for k, v in opts.items() if k != "max_new_tokens"}
+        out = act(self.agent, self.engine, self.tok, self.reward_funcs, self.weights, self.state, prompts, columns,
+                  ids, places, max_prompt_length=self.truncation.max_length, model=model, generator=self.generator,
+                  seed=self.seed, step=self.step, round_=self.rounds, **opts)
+        self.tool_sums = [a + b for a, b in zip(self.tool_sums, stats(out.trajectories))]
         return out
 
     def _custom(self, model, prompts: list, columns: dict, opts: dict) -> Scored:

@@ -103,7 +103,8 @@ class Run:
         self.model = dp.load(cfg.model, base_path, reshard_after_forward=cfg.distributed.reshard_after_forward)
         clock.mark("model")
         self.task = build_task(cfg, self.model, self.tokenizer, self.device, dp)
-        self.evaluator = build_evaluator(cfg, self.tokenizer, dp, engine=getattr(self.task, "engine", None))
+        self.evaluator = build_evaluator(cfg, self.tokenizer, dp, engine=getattr(self.task, "engine", None),
+                                         agent=getattr(getattr(self.task, "source", None), "agent", None))
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optim)
         self.checkpointer = Checkpointer(cfg, dp, model=self.model, tokenizer=self.tokenizer, optimizer=self.optimizer,
                                          task=self.task, mirror=self.mirror, lock=lock)

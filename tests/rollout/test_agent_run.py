@@ -1,6 +1,7 @@
 """Online GRPO with an environment, end to end through `preftune.train`: the first turn is a forced
 tool call (the tiny model would not write one), later turns come from the own sampler; the
-environment's get_reward is the only reward; TRL's tool metrics and the trajectory dump."""
+environment's get_reward is the only reward; TRL's tool metrics, the trajectory dump, and the
+evaluation pass through the same environment."""
 from __future__ import annotations
 
 import json
@@ -47,11 +48,13 @@ def test_an_environment_run_trains_and_reports_its_tools(tmp_path, monkeypatch):
         "model.name_or_path": str(model), "output_dir": str(tmp_path / "run"), "max_steps": 2, "save_steps": 0,
         "log.progress_bar": False, "grpo.prompts_per_step": 2, "grpo.num_generations": 2,
         "grpo.max_completion_length": 80, "data.max_prompt_length": 32, "grpo.log_trajectories": 2,
-        "grpo.reward_funcs": []}, train_data=rows, environment_factory=Counter)
+        "grpo.reward_funcs": []}, train_data=rows, eval_data=rows[:2], environment_factory=Counter)
     m = result.metrics
     assert m["tools/call_frequency"] == 1.0 and m["tools/failure_frequency"] == 0.0
     assert m["tools/turns"] == 2.0 and 0 < m["tools/token_share"] < 1
     assert "reward/Counter" in m
+    # held-out tasks run through the environment too: reset at their start, then the forced bump by 2
+    assert [e["eval/reward/Counter"] for e in result.eval][0] >= 2.5
     dumped = [json.loads(line) for line in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()]
     assert len(dumped) == 4 and {d["step"] for d in dumped} == {1, 2}
     d = dumped[0]
