@@ -91,8 +91,8 @@ def check_callables(specs: Sequence[str] | None, key: str) -> None:
     """Every `callable:` spec names a function handed to this preftune.train() call."""
     for spec in specs or ():
         if isinstance(spec, str) and spec.startswith(CALLABLE_PREFIX) and spec not in CALLABLES:
-            raise UserError(f"'{spec}' is a Python object that was handed to preftune.train(); "
-                            "pass the same object again (a command line or a config file cannot)", where=key)
+            raise UserError(f"'{spec}' is a Python function (or class) that was handed to preftune.train(); "
+                            "pass the same one again (a command line or a config file cannot)", where=key)
 
 
 # ---------------------------------------------------------------------------------------------

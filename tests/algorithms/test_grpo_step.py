@@ -205,6 +205,7 @@ def test_batch_state_dict_round_trip(tokenizer):
     ro = synthetic_rollout(tokenizer)
     ro.old_logps = torch.randn(ro.completion_ids.shape)
     ro.sampling_logps = torch.randn(ro.completion_ids.shape)
+    ro.tool_mask = torch.randint(0, 2, ro.completion_ids.shape)  # a tool loop's rollout: its mask is checkpointed
     b = GRPOBatch(ro, torch.randn(N), torch.randn(ro.completion_ids.shape), {"reward": 0.5},
                   is_weights=torch.rand(N, 1))
     again = GRPOBatch.from_state_dict(b.state_dict())
