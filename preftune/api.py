@@ -45,7 +45,9 @@ class TrainResult:
 def train(config: Any, *, overrides: Sequence[str] | Mapping[str, Any] = (),
           reward_funcs: Sequence[str | Callable] | None = None, train_data: Any = None, eval_data: Any = None,
           callbacks: Sequence[Any] | None = None, peft_config: Any = None, model: Any = None,
-          processing_class: Any = None) -> TrainResult:
+          processing_class: Any = None, tools: Sequence[str | Callable] | None = None,
+          environment_factory: str | Callable | None = None, rollout_func: str | Callable | None = None
+          ) -> TrainResult:
     """Train as `preftune train CONFIG KEY=VALUE...` does, and return what it produced.
 
     config: a YAML path, a nested dict, a `Config`, one algorithm's section (`preftune.DPOConfig(...)`)
@@ -58,6 +60,9 @@ def train(config: Any, *, overrides: Sequence[str] | Mapping[str, Any] = (),
     transformers model (written once to OUTPUT_DIR/base_model; its tokenizer is `processing_class`, else
     read from the folder it was loaded from). Raises `UserError` for what the command line reports with
     exit 78 and `Preempted` after a signal-triggered checkpoint.
+    tools / environment_factory / rollout_func (online GRPO, TRL's contracts, docs/agents.md):
+    functions the policy may call, a class of which each rollout gets an instance, a function that
+    samples the completions itself; replace `grpo.tools` / `grpo.environment_factory` / `grpo.rollout_func`.
     """
     from preftune.rewards import registry  # torch: imported by the call, not by `import preftune.api`
 
@@ -73,6 +78,7 @@ def train(config: Any, *, overrides: Sequence[str] | Mapping[str, Any] = (),
         data.setdefault("model", {})["name_or_path"] = model
     _apply_overrides(data, overrides)
     with _scoped(memory.TABLES, registry.CALLABLES):
+        _with_agent(data, tools, environment_factory, rollout_func)
         cfg = _with_objects(data, config_dir, reward_funcs, train_data, eval_data, processing_class)
         return run(cfg, callbacks=Callbacks(callbacks, cfg, args=config if is_trl_config(config) else None))
 
@@ -87,6 +93,9 @@ def run(cfg: Config, *, callbacks: Any = ()) -> TrainResult:
     memory.check_registered(cfg.data.eval, "data.eval")
     check_callables(cfg.grpo.reward_funcs, "grpo.reward_funcs")
     check_callables(cfg.eval.reward_funcs, "eval.reward_funcs")
+    check_callables(cfg.grpo.tools, "grpo.tools")
+    for key in ("environment_factory", "rollout_func"):
+        check_callables([getattr(cfg.grpo, key)] if getattr(cfg.grpo, key) else [], f"grpo.{key}")
     with _quiet_transformers():
         final = train_loop(cfg, callbacks=callbacks)
     trained, evals = [], []
@@ -111,6 +120,27 @@ def _apply_overrides(data: dict, overrides: Sequence[str] | Mapping[str, Any]) -
         return
     for assignment in overrides:
         apply_override(data, assignment)
+
+
+def _with_agent(data: dict, tools, environment_factory, rollout_func) -> None:
+    """Tools, an environment class and a rollout function handed over as Python objects, named in
+    the config as reward functions are (`callable:<module>.<qualname>`)."""
+    from preftune.rewards.registry import register_callables
+
+    grpo = data.setdefault("grpo", {})
+    if tools is not None:
+        grpo["tools"] = [tools] if isinstance(tools, str) or callable(tools) else list(tools)
+    if environment_factory is not None:
+        grpo["environment_factory"] = environment_factory
+    if isinstance(grpo.get("tools"), list):
+        grpo["tools"] = register_callables(grpo["tools"])
+    if rollout_func is not None:
+        grpo["rollout_func"] = rollout_func
+    for key in ("environment_factory", "rollout_func"):
+        if callable(grpo.get(key)):
+            grpo[key] = register_callables([grpo[key]])[0]
+    if not grpo:
+        del data["grpo"]
 
 
 def _with_objects(data: dict, config_dir: str, reward_funcs, train_data, eval_data, processing_class=None) -> Config:

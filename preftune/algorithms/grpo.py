@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import torch
@@ -29,11 +30,12 @@ from preftune.losses.advantages import group_advantages, group_spread, nan_mean_
 from preftune.losses.grpo import CLIP_KEYS, batch_normaliser
 from preftune.losses.sampling import importance_weights, mismatch_stats
 from preftune.model.logps import Rows, completion_logps, microbatches
-from preftune.rewards.registry import RewardLog, load_reward_funcs
+from preftune.rewards.registry import RewardLog, load_callable, load_reward_funcs
 from preftune.rollout.offline import OfflineSource, group_tools
 from preftune.rollout.online import OnlineSource
 from preftune.rollout.sampler import Rollout
-from preftune.rollout.vllm import VLLMEngine
+from preftune.rollout.agent import build_agent, dump_trajectories
+from preftune.rollout.engine import SamplerEngine, make_engine
 from preftune.rollout.scored import Scored
 
 log = logging.getLogger("preftune")
@@ -113,7 +115,7 @@ def global_view(s: Scored, dp) -> tuple[Scored, torch.Tensor, torch.Tensor, int]
     """The rewards of the whole generation batch, every rank's rows in rank order (groups never span
     ranks), plus completion lengths and truncation flags (N,), and where this rank's rows start."""
     ro = s.rollout
-    mine = (s.total.cpu(), s.per_func.cpu(), list(s.group_sizes), ro.completion_mask.sum(-1).cpu(), ro.truncated.cpu(),
+    mine = (s.total.cpu(), s.per_func.cpu(), list(s.group_sizes), ro.loss_mask().sum(-1).cpu(), ro.truncated.cpu(),
             list(s.names), s.log)
     parts = dp.gather(mine) if dp.active else [mine]
     names = next((p[5] for p in parts if p[5]), s.names)  # a rank with no rows may not know them
@@ -149,7 +151,7 @@ def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig, dp=None) -> GRPOBatc
         with dp.gathered(ref_model):
             batch.ref_logps = reference_logps(ref_model, ro, cfg, without_adapter=ref_model is model,
                                               rows=batch.sizes())
-    if cfg.use_vllm and cfg.vllm_importance_sampling_correction and ro.sampling_logps is not None:
+    if cfg.vllm_importance_sampling_correction and ro.sampling_logps is not None:  # an engine's behaviour log-probs
         batch.is_weights, stats = engine_correction(model, batch, cfg, dp)
         batch.metrics |= stats
     return batch
@@ -162,7 +164,7 @@ def engine_correction(model, batch: GRPOBatch, cfg: GRPOConfig, dp) -> tuple[tor
     ro = batch.rollout
     with dp.gathered(model):
         trainer = reference_logps(model, ro, cfg, rows=batch.sizes(), sampler=True)  # (N, T)
-    mask = ro.completion_mask.float()
+    mask = ro.loss_mask().float()  # tool tokens were not sampled: no ratio
     w = importance_weights(trainer, ro.sampling_logps, mask, mode=cfg.vllm_importance_sampling_mode,
                            clip_min=cfg.vllm_importance_sampling_clip_min,
                            clip_max=cfg.vllm_importance_sampling_clip_max)
@@ -350,11 +352,8 @@ def check_prompt_lengths(tokenizer, prompts: list, limit: int, where: str) -> No
 
 
 def start_engine(cfg: Config, dp=None):
-    """The rollout engine beside this rank's trainer (or `preftune eval`, dp None), sized for
-    training's and evaluation's prompts and completions."""
-    longest = max(cfg.grpo.max_completion_length, cfg.eval.max_new_tokens or 0)
-    return VLLMEngine(cfg.grpo, cfg.model, max_model_len=cfg.data.max_prompt_length + longest, seed=cfg.seed,
-                      dp=dp)
+    """The rollout engine beside this rank's trainer (`rollout/engine.make_engine`): tests replace it here."""
+    return make_engine(cfg, dp)
 
 
 class GRPOTask:
@@ -362,6 +361,7 @@ class GRPOTask:
 
     def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp=None):
         self.cfg, self.g, self.device, self.dp = cfg, cfg.grpo, device, dp or Parallel()
+        self.tokenizer = tokenizer
         self.truncation = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
         common = dict(seed=cfg.seed, shuffle=cfg.data.shuffle, truncation=self.truncation)
         if self.g.rollout == "online":
@@ -371,14 +371,17 @@ class GRPOTask:
                 n, prompts = len(prompts), split_prompt_set(prompts, cfg.eval.split, held_out=False)
                 held_out = {"held_out_prompts": n - len(prompts)}
             funcs = load_reward_funcs(self.g.reward_funcs, self.g, cfg.config_dir, device=device)
-            self.engine = start_engine(cfg, self.dp) if self.g.use_vllm else None
+            self.engine = start_engine(cfg, self.dp)
+            agent = build_agent(self.g, tokenizer, cfg.config_dir)  # None without tools or an environment
+            custom = load_callable(self.g.rollout_func, cfg.config_dir, "grpo.rollout_func") \
+                if self.g.rollout_func else None
             self.source = OnlineSource(self.g, tokenizer, prompts, funcs, device=device, dp=self.dp,
-                                       engine=self.engine, **common)
+                                       engine=self.engine, agent=agent, rollout_func=custom, **common)
             self.source.state.max_steps = cfg.max_steps  # what TRL's trainer_state.max_steps tells reward functions
             self.data_report = {"prompts": len(prompts)} | held_out
             texts = prompts.prompts
         else:
-            self.engine = None
+            self.engine = SamplerEngine()  # samples nothing: its `serving` gathers FSDP2 parameters once
             groups, self.data_report = trace_items(cfg.data.train, TraceOptions.from_config(cfg.data), "groups",
                                                    group_builder, split=cfg.eval.split)
             tools = default_tools(tokenizer, cfg.data.tools, cfg.model.name_or_path, map(group_tools, groups))
@@ -399,14 +402,12 @@ class GRPOTask:
 
     def step(self, model, step: int, stop) -> dict:
         if self.pending is None or (step - 1) % self.g.num_iterations == 0:
-            if self.engine is not None:  # the policy that samples is the one just updated
-                push_s = self.engine.push(model)
+            with self.engine.serving(model, self.dp) as extra:  # vLLM: a push first, a sleep after
                 scored = self.source.make_batch(model, step)
-                self.engine.sleep()
-                scored.extra = scored.extra | {"vllm/weight_push_s": push_s}
-            else:
-                with self.dp.gathered(model):  # sampling: whole parameters once per rollout, not per token
-                    scored = self.source.make_batch(model, step)
+            scored.extra = scored.extra | extra
+            if self.g.log_trajectories and scored.trajectories and self.dp.rank == 0:
+                dump_trajectories(Path(self.cfg.output_dir) / "trajectories.jsonl", step, scored, self.tokenizer,
+                                  self.g.log_trajectories)
             stop.check()
             self.pending = new_batch(scored, model, self.ref_model, self.g, self.dp)
         m = grpo_step(model, self.pending, self.g, check=stop.check, dp=self.dp)

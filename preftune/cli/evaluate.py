@@ -64,17 +64,19 @@ def evaluate_model(cfg, path: str, prompt_set, funcs, weights) -> tuple[dict, "o
     """Summary figures and the greedy per-prompt result of one model folder (same prompts, same seeds)."""
     import torch
 
-    from preftune.evaluation.evaluate import generate_scored, summarize
+    from preftune.evaluation.evaluate import generate_scored, summarize, with_environment_reward
+    from preftune.rollout.agent import build_agent
+    from preftune.rollout.engine import make_engine
 
     device = _device()
     model, tok = _load(cfg, path, device)
     common = dict(weights=weights, max_new_tokens=cfg.eval.max_new_tokens or cfg.grpo.max_completion_length,
                   batch_size=cfg.eval.batch_size, truncation=PromptTruncation(cfg.data.max_prompt_length, "left"))
-    if cfg.grpo.use_vllm:  # an engine on this folder's weights (no push needed); seeds from the run's seed
-        from preftune.algorithms.grpo import start_engine
-
-        folder = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name_or_path=path))
-        common |= {"engine": start_engine(folder, None), "seed": cfg.seed}
+    # vLLM: an engine on this folder's weights (no push needed); seeds from the run's seed
+    common |= {"engine": make_engine(cfg, None, model_path=path), "seed": cfg.seed}
+    # held-out tasks run through training's tools and environment, scored by its get_reward too
+    common["agent"] = build_agent(cfg.grpo, tok, cfg.config_dir) if cfg.algorithm == "grpo" else None
+    funcs, common["weights"] = with_environment_reward(funcs, weights, common["agent"])
     greedy = generate_scored(model, tok, prompt_set, funcs, **common)
     figures = summarize(greedy, prefix="")
     k = cfg.eval.num_samples

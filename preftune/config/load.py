@@ -53,6 +53,19 @@ def check_vllm(rollout: str) -> None:
                         where="grpo.use_vllm")
 
 
+def check_tools(cfg: Config) -> None:
+    """Tools run in online rollouts, one engine per rank (`rollout/agent.py`)."""
+    if cfg.grpo.rollout != "online":
+        raise UserError("tools and environments act in online rollouts; offline groups come from the traces",
+                        where="grpo.tools")
+    if cfg.grpo.rollout_func:
+        raise UserError("a rollout_func samples the completions itself: run its tools there, or drop it",
+                        where="grpo.rollout_func")
+    if cfg.grpo.use_vllm and cfg.grpo.vllm_tensor_parallel_size > 1:
+        raise UserError("a tool loop runs each rank's rows on its own engine: set grpo.vllm_tensor_parallel_size=1",
+                        where="grpo.vllm_tensor_parallel_size")
+
+
 def apply_override(data: dict, assignment: str) -> None:
     """Apply one `a.b.c=VALUE` to a nested dict; VALUE is parsed as YAML (so 0.04, true, [a, b] work)."""
     if "=" not in assignment:
@@ -82,8 +95,15 @@ def validate(cfg: Config) -> None:
     if len(cfg.data.reward_range) != 2 or cfg.data.reward_range[0] > cfg.data.reward_range[1]:
         raise UserError(f"expected [low, high], got {cfg.data.reward_range}", where="data.reward_range")
     online = cfg.algorithm == "grpo" and cfg.grpo.rollout == "online"
-    if not cfg.grpo.reward_funcs and (online or cfg.data.eval and not cfg.eval.reward_funcs):
+    if not cfg.grpo.reward_funcs and not cfg.grpo.environment_factory and (
+            online or cfg.data.eval and not cfg.eval.reward_funcs):  # an environment may score by get_reward
         raise UserError("no reward function: list at least one", where="grpo.reward_funcs")
+    if cfg.algorithm == "grpo" and (cfg.grpo.tools or cfg.grpo.environment_factory):
+        check_tools(cfg)
+    if cfg.algorithm == "grpo" and cfg.grpo.rollout_func and (cfg.grpo.rollout != "online" or (
+            cfg.grpo.use_vllm and cfg.grpo.vllm_tensor_parallel_size > 1)):
+        raise UserError("a rollout_func samples online rollouts, each rank on its own engine",
+                        where="grpo.rollout_func")
     if online and cfg.grpo.num_generations < 2:
         raise UserError("GRPO needs at least 2 generations per prompt", where="grpo.num_generations")
     if cfg.grpo.reward_weights is not None and len(cfg.grpo.reward_weights) != len(cfg.grpo.reward_funcs):

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from preftune.config.fields import FIXED, FREE, internal, knob, section
 from preftune.losses.names import (ADVANTAGE_ESTIMATORS, DPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS,
-                                   KTO_LOSS_TYPES, LOSS_TYPES, SCALE_REWARDS, VLLM_IS_MODES, VLLM_MODES)
+                                   KTO_LOSS_TYPES, LOSS_TYPES, SCALE_REWARDS, TOOL_CALL_FORMATS, VLLM_IS_MODES,
+                                   VLLM_MODES)
 
 # log.report_to's names -> (module that must be importable, pip extra that installs it)
 TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
@@ -187,6 +188,28 @@ class GRPOConfig:
     vllm_importance_sampling_clip_min: float | None = knob(
         None, "lower bound C_min of the ratio (null = none)", range="[0, inf)",
         peer="TRL vllm_importance_sampling_clip_min")
+    tools: list[str] = knob(
+        help="functions the policy may call (module:fn, file.py:fn); each needs type hints and a Google-style "
+        "docstring (docs/agents.md)", peer="TRL tools", factory=list)
+    environment_factory: str | None = knob(
+        None, "a class (module:Class, file.py:Class): one instance per rollout, reset(**row); its public methods "
+        "are tools, its get_reward() a reward", peer="TRL environment_factory")
+    rollout_func: str | None = knob(
+        None, "a function (module:fn, file.py:fn) that samples the completions itself: rollout_func(prompts, "
+        "trainer) -> prompt_ids, completion_ids, logprobs, env_mask (docs/agents.md)", peer="TRL rollout_func")
+    max_tool_calling_iterations: int | None = knob(
+        None, "tool rounds per completion (null = until the completion budget is spent)", range="[0, inf)",
+        peer="TRL max_tool_calling_iterations")
+    max_tool_response_length: int | None = knob(
+        None, "tokens of one tool result shown to the policy (the rest is cut; null = all)", range="[1, inf)")
+    tool_timeout_seconds: float = knob(
+        30.0, "one tool call's limit; past it the policy reads an error as the result", range="(0, inf)")
+    tool_call_format: str = knob(
+        "auto", "how calls are written: auto (from the chat template), hermes (<tool_call> JSON), llama3 (JSON), "
+        "glm4 (<arg_key>/<arg_value>)", choices=TOOL_CALL_FORMATS)
+    log_trajectories: int = knob(
+        0, "tool runs: trajectories per generation batch written to OUTPUT_DIR/trajectories.jsonl (0 = none)",
+        range="[0, inf)")
 
 
 @dataclass

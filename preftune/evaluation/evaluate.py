@@ -8,15 +8,14 @@ import torch
 
 from preftune.data.prompts import load_prompts
 from preftune.data.pipeline import columns, held_out_prompts
-from preftune.data.tensors import left_pad
 from preftune.data.tokenize import PromptTruncation
 from preftune.data.traces import TraceOptions
 from preftune.errors import UserError
 from preftune.evaluation.stats import is_binary, pass_and_mean_at_k
 from preftune.losses.advantages import nanmean
 from preftune.rewards.registry import RewardLog, RewardState, load_reward_funcs
-from preftune.rollout.online import encode_prompts, score
-from preftune.rollout.sampler import sample
+from preftune.rollout.online import act, encode_prompts, score
+from preftune.rollout.engine import SamplerEngine
 
 
 @dataclass
@@ -47,33 +46,36 @@ class EvalResult:
 def generate_scored(model, tokenizer, prompt_set, reward_funcs, *, weights, max_new_tokens: int, batch_size: int,
                     truncation: PromptTruncation, state=None, num_samples: int = 1, sampling: dict | None = None,
                     generator: torch.Generator | None = None, share: slice | None = None, engine=None,
-                    seed: int = 0) -> EvalResult:
+                    seed: int = 0, agent=None) -> EvalResult:
     """Greedy (sampling None, one completion) or `num_samples` sampled completions per prompt with
     `sampling` = {temperature, top_p, top_k} drawn from `generator` (same seed, same draws); of the
-    prompts in `share` (default: all). `engine` (a VLLMEngine holding the model's weights) samples
-    instead of the own sampler, its seeds from `seed` and each prompt's index."""
+    prompts in `share` (default: all). `engine` (`rollout/engine.py`; default the own sampler on
+    `model`) samples; vLLM holds the model's weights, its seeds from `seed` and each prompt's index.
+    `agent` (`rollout/agent.Agent`): each prompt runs through the tools and environment as in training."""
     k = num_samples if sampling is not None else 1
+    engine = engine if engine is not None else SamplerEngine()
     if share is None:
         share = slice(0, len(prompt_set))
     totals, per_func, lengths, names, log = [], [], [], [], RewardLog()
     for start in range(share.start, share.stop, batch_size):
         idx = list(range(start, min(start + batch_size, share.stop)))
         kept = []
-        prompts, columns, ids = encode_prompts(tokenizer, prompt_set, idx, truncation, kept=kept)
+        prompts, columns, ids = encode_prompts(tokenizer, prompt_set, idx, truncation, kept=kept,
+                                               tools=agent.schemas if agent is not None else None)
         if not ids:
             continue
-        opts = dict(num_generations=k, max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_token_id,
-                    pad_id=tokenizer.pad_token_id, greedy=sampling is None, **(sampling or {}))
-        if engine is not None:
-            ro = engine.generate(ids, [idx[j] for j in kept], seed=seed, step=-1, **opts)
+        opts = dict(num_generations=k, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                    greedy=sampling is None, seed=seed, step=-1, generator=generator, model=model, **(sampling or {}))
+        places = [idx[j] for j in kept]
+        if agent is not None:  # the turns' budget is training's (grpo.max_completion_length)
+            s = act(agent, engine, tokenizer, reward_funcs, weights, state, prompts, columns, ids, places,
+                    max_prompt_length=truncation.max_length, **opts)
         else:
-            p_ids, p_mask = left_pad(ids, tokenizer.pad_token_id)
-            device = next(model.parameters()).device
-            ro = sample(model, p_ids.to(device), p_mask.to(device), generator=generator, **opts)
-        s = score(tokenizer, reward_funcs, ro, prompts, columns, k, weights, state)
+            s = score(tokenizer, reward_funcs, engine.generate(ids, places, max_new_tokens=max_new_tokens, **opts),
+                      prompts, columns, k, weights, state)
         totals.append(s.total.view(-1, k))
         per_func.append(s.per_func.view(len(ids), k, -1))
-        lengths.append(ro.completion_mask.sum(-1).view(-1, k).cpu().float())
+        lengths.append(s.rollout.loss_mask().sum(-1).view(-1, k).cpu().float())  # sampled tokens, not a tool's
         names = s.names
         log.add(s.log)
     if not totals:
@@ -99,19 +101,19 @@ def summarize(r: EvalResult, prefix: str = "eval/") -> dict:
 
 
 def evaluate(model, tokenizer, prompt_set, reward_funcs, *, weights, max_new_tokens: int, batch_size: int,
-             truncation: PromptTruncation, state=None, dp=None, engine=None) -> dict:
+             truncation: PromptTruncation, state=None, dp=None, engine=None, agent=None) -> dict:
     """`eval/reward` = mean over held-out prompts of the (weighted) summed reward of the greedy completion.
     With `dp` (train/distributed.py's Parallel), each rank generates and scores its contiguous share
     of the prompts and every rank summarises all of them (a gather of the per-prompt scores).
     `engine`: sample with the rollout engine, after pushing the model's current weights to it (and
     put it back to sleep after, under grpo.vllm_enable_sleep_mode)."""
-    if engine is not None:
+    if engine is not None:  # vLLM: the current weights; the own sampler reads the module itself
         engine.push(model)
 
     def scored(share: slice | None = None) -> EvalResult:
         return generate_scored(model, tokenizer, prompt_set, reward_funcs, weights=weights, share=share,
                                max_new_tokens=max_new_tokens, batch_size=batch_size, truncation=truncation, state=state,
-                               engine=engine)
+                               engine=engine, agent=agent)
 
     tp = engine.tp if engine is not None else 1
     if dp is None:
@@ -147,14 +149,22 @@ def eval_reward_funcs(cfg, device="cpu") -> tuple[list, list | None]:
     return funcs, cfg.grpo.reward_weights if cfg.eval.reward_funcs is None else None
 
 
-def build_evaluator(cfg, tokenizer, dp=None, engine=None):
+def with_environment_reward(funcs: list, weights: list | None, agent) -> tuple[list, list | None]:
+    """An environment's get_reward scores held-out tasks too (weight 1, as in training)."""
+    if agent is None or agent.envs is None or not agent.envs.has_reward:
+        return funcs, weights
+    return [*funcs, agent.envs.reward_func()], None if weights is None else [*weights, 1.0]
+
+
+def build_evaluator(cfg, tokenizer, dp=None, engine=None, agent=None):
     """A callable (model, step) -> eval metrics, or None when the config has no held-out prompts;
-    with `dp`, the prompts split over the ranks (`evaluate`); with `engine`, sampled by it."""
+    with `dp`, the prompts split over the ranks (`evaluate`); with `engine`, sampled by it; with
+    `agent`, through training's tools and environment."""
     prompt_set = eval_prompt_set(cfg)
     if prompt_set is None:
         return None
 
-    funcs, weights = eval_reward_funcs(cfg, dp.device if dp is not None else "cpu")
+    funcs, weights = with_environment_reward(*eval_reward_funcs(cfg, dp.device if dp is not None else "cpu"), agent)
     truncation = PromptTruncation(cfg.data.max_prompt_length, "left")
     max_new = cfg.eval.max_new_tokens or cfg.grpo.max_completion_length
 
@@ -162,6 +172,6 @@ def build_evaluator(cfg, tokenizer, dp=None, engine=None):
         return evaluate(model, tokenizer, prompt_set, funcs, weights=weights, max_new_tokens=max_new,
                         batch_size=cfg.eval.batch_size, truncation=truncation,
                         state=RewardState(global_step=step, max_steps=cfg.max_steps),
-                        dp=dp, engine=engine)
+                        dp=dp, engine=engine, agent=agent)
 
     return run

@@ -9,3 +9,4 @@ DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "sigmoid_norm", "robust", "exo_pair
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL 1.16's names
 VLLM_MODES = ("colocate",)  # an engine inside each training process
+TOOL_CALL_FORMATS = ("auto", "hermes", "llama3", "glm4")  # how a tool call is written (rollout/tools.py)

@@ -142,8 +142,8 @@ def check_callables(specs: Sequence[str] | None, key: str) -> None:
     """Every `callable:` spec names a function handed to this preftune.train() call."""
     for spec in specs or ():
         if isinstance(spec, str) and spec.startswith(CALLABLE_PREFIX) and spec not in CALLABLES:
-            raise UserError(f"'{spec}' is a Python function that was handed to preftune.train(reward_funcs=...); "
-                            "pass the same function again (a command line or a config file cannot)", where=key)
+            raise UserError(f"'{spec}' is a Python function (or class) that was handed to preftune.train(); "
+                            "pass the same one again (a command line or a config file cannot)", where=key)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,7 +184,17 @@ def load_reward_function(spec: str, *, base_dir: str | Path = ".", device: Any =
                 where=where,
             )
         return BUILTINS[spec](builtin_options)
-    target, attr = spec.rsplit(":", 1)  # rsplit keeps a Windows drive letter in the path
+    return load_callable(spec, base_dir, where)
+
+
+def load_callable(spec: str, base_dir: str | Path, where: str) -> Callable:
+    """`callable:<module>.<qualname>` (handed to preftune.train), `module:name` or `file.py:name`
+    (relative to `base_dir`) -> the callable: a reward function, a tool, an environment class."""
+    spec = str(spec).strip()
+    if spec.startswith(CALLABLE_PREFIX):
+        check_callables([spec], where)
+        return CALLABLES[spec]
+    target, _, attr = spec.rpartition(":")  # the last colon keeps a Windows drive letter in the path
     if not target or not attr:
         raise UserError("expected 'module:function' or 'file.py:function'", where=where)
     if target.endswith(".py") or "/" in target or "\\" in target:

@@ -291,6 +291,7 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
 
     has_old = all(r.old_logps is not None for r in rollouts)
     has_sampling = all(r.sampling_logps is not None for r in rollouts)
+    has_tools = any(r.tool_mask is not None for r in rollouts)  # a round without tool rows: all sampled
     return Rollout(
         prompt_ids=torch.cat([lpad(r.prompt_ids, P, pad_id) for r in rollouts]),
         prompt_mask=torch.cat([lpad(r.prompt_mask, P, 0) for r in rollouts]),
@@ -299,4 +300,5 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
         truncated=torch.cat([r.truncated for r in rollouts]),
         old_logps=torch.cat([rpad(r.old_logps, T, 0.0) for r in rollouts]) if has_old else None,
         sampling_logps=torch.cat([rpad(r.sampling_logps, T, 0.0) for r in rollouts]) if has_sampling else None,
+        tool_mask=torch.cat([rpad(r.loss_mask(), T, 0) for r in rollouts]) if has_tools else None,
     )

@@ -40,9 +40,10 @@ class EngineError(RuntimeError):
     """vLLM failed during the run (exit 1: a crash; the last checkpoint is left as it was)."""
 
 
-def request_seed(seed: int, step: int, round_: int, position: int, g: int) -> int:
-    """The seed of one completion: a hash of where it sits in the run, < 2^31."""
-    key = f"{seed}/{step}/{round_}/{position}/{g}".encode()
+def request_seed(seed: int, step: int, round_: int, position: int, g: int, turn: int = 0) -> int:
+    """The seed of one completion: a hash of where it sits in the run, < 2^31. `turn`: a tool
+    loop's later turns (`rollout/agent.py`); the first turn's key is the single-turn one."""
+    key = (f"{seed}/{step}/{round_}/{position}/{g}" + (f"/{turn}" if turn else "")).encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & 0x7FFF_FFFF
 
 
@@ -63,8 +64,11 @@ def _engine_options(cfg, path: str, dtype: str, max_model_len: int, seed: int, w
 
 
 class VLLMEngine:
-    """An engine beside the trainer in this process. `generate` samples a round, `push` loads the
-    policy's current weights, `sleep` frees its GPU memory until the next `push` (a no-op on CPU)."""
+    """An engine beside the trainer in this process (the interface: `rollout/engine.py`).
+    `generate` samples a round, `push` loads the policy's current weights, `sleep` frees its GPU
+    memory until the next `push` wakes it (a no-op on CPU)."""
+
+    with_logps = True  # each token's log-prob under the distribution that drew it
 
     def __init__(self, cfg, model_cfg, *, max_model_len: int, seed: int, dp=None):
         self.cfg, self.model_cfg, self.pushes, self.asleep = cfg, model_cfg, 0, False
@@ -104,10 +108,12 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], positions: list[int], *, num_generations: int, max_new_tokens: int,
                  eos_id: int, pad_id: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                 greedy: bool = False, seed: int = 0, step: int = 0, round_: int = 0) -> Rollout:
+                 greedy: bool = False, seed: int = 0, step: int = 0, round_: int = 0, turn: int = 0,
+                 generator=None, model=None) -> Rollout:
         """G completions of each prompt (token ids), one request each -> Rollout with N = B * G
         rows, group-contiguous, `sampling_logps` filled. `positions`: each prompt's place in the
-        global draw (for its seeds)."""
+        global draw (for its seeds). `generator` and `model` are the own sampler's: the engine
+        samples the weights last pushed, with its own seeds."""
         if self.asleep:  # its weights were discarded: only a push brings them back
             raise EngineError("vLLM was asked to sample while asleep (no push since its last sleep)")
         from vllm import SamplingParams
@@ -121,7 +127,7 @@ class VLLMEngine:
                     n=1, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
                     top_k=0 if greedy or not top_k else top_k, max_tokens=max_new_tokens, logprobs=0,
                     stop_token_ids=[eos_id], detokenize=False,
-                    seed=request_seed(seed, step, round_, pos, g)))
+                    seed=request_seed(seed, step, round_, pos, g, turn)))
         try:
             outs = self.llm.generate(requests, params, use_tqdm=False)
         except Exception as e:  # noqa: BLE001
@@ -147,6 +153,14 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached keys/values belong to the old weights
         self.pushes += 1
         return time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def serving(self, model, dp):
+        """A generation batch: the policy that samples is the one just updated (a push, which wakes
+        a sleeping engine), and the engine sleeps once the batch is sampled."""
+        push_s = self.push(model)
+        yield {"vllm/weight_push_s": push_s}
+        self.sleep()
 
     def sleep(self) -> None:
         """GPU with grpo.vllm_enable_sleep_mode: free the weights' and the KV cache's memory for

@@ -110,7 +110,8 @@ class Run:
         clock.mark("model")
         self.task = build_task(cfg, self.model, self.tokenizer, self.device, dp)
         own = getattr(self.task, "evaluator", lambda: None)()  # DPO's held-out pairs
-        self.evaluator = own or build_evaluator(cfg, self.tokenizer, dp, engine=getattr(self.task, "engine", None))
+        self.evaluator = own or build_evaluator(cfg, self.tokenizer, dp, engine=getattr(self.task, "engine", None),
+                                                agent=getattr(getattr(self.task, "source", None), "agent", None))
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optim)
         self.callbacks.bind(model=self.model, processing_class=self.tokenizer, optimizer=self.optimizer)
         self.checkpointer = Checkpointer(cfg, dp, model=self.model, tokenizer=self.tokenizer, optimizer=self.optimizer,

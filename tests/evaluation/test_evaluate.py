@@ -9,6 +9,7 @@ from preftune.data.prompts import load_prompts
 from preftune.data.tokenize import PromptTruncation
 from preftune.distributed import Parallel
 import preftune.evaluation.evaluate as ev
+import preftune.rollout.engine as rollout_engine
 from tests.conftest import EXAMPLES
 
 
@@ -66,13 +67,13 @@ def test_each_rank_scores_its_share_and_every_rank_summarises_all(world, model, 
     parts = [scored(model, tokenizer, prompt_set, s) for s in shares]
     assert [p.total.size(0) for p in parts] == [s.stop - s.start for s in shares]  # world 8: one rank has none
     seen = []
-    real = ev.sample
+    real = rollout_engine.sample  # the own sampler behind the engine interface
 
     def counted(model, prompt_ids, *a, **k):
         seen.append(prompt_ids.size(0))
         return real(model, prompt_ids, *a, **k)
 
-    monkeypatch.setattr(ev, "sample", counted)
+    monkeypatch.setattr(rollout_engine, "sample", counted)
     for rank in range(world):
         seen.clear()
         out = evaluated(model, tokenizer, prompt_set, Gathered(rank, world, parts))

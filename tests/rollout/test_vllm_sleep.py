@@ -91,7 +91,7 @@ def test_the_loop_samples_awake_and_trains_asleep(data_dir, tmp_path, monkeypatc
         return VLLMEngine.push(engine, model)
 
     def generate(prompts, positions, *, num_generations, max_new_tokens, eos_id, pad_id, temperature=1.0,
-                 top_p=1.0, top_k=0, greedy=False, seed=0, step=0, round_=0):
+                 top_p=1.0, top_k=0, greedy=False, seed=0, step=0, round_=0, turn=0, generator=None, model=None):
         assert not engine.asleep
         events.append("generate")
         ids, mask = left_pad(prompts, pad_id)
