@@ -209,7 +209,7 @@ class GRPOConfig:
         "glm4 (<arg_key>/<arg_value>)", choices=TOOL_CALL_FORMATS)
     log_trajectories: int = knob(
         0, "tool runs: trajectories per generation batch written to OUTPUT_DIR/trajectories.jsonl (0 = none)",
-        range="[0, inf)")
+        range="[0, inf)", resume=FREE)
 
 
 @dataclass

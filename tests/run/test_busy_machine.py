@@ -37,6 +37,8 @@ BUSY_SECONDS = 240  # a bound on each neighbour, in case a test dies without sto
 # big enough that the gather backward of the shared-prompt layout runs threaded (K x H >= 32768)
 ONLINE = {"grpo.prompts_per_step": 16, "grpo.num_generations": 8, "max_steps": 3, "save_steps": 0}
 DPO = {"dpo.batch_size": 32, "dpo.micro_batch_size": 32, "max_steps": 3, "save_steps": 0}
+KTO = {"kto.batch_size": 32, "kto.micro_batch_size": 32, "max_steps": 3, "save_steps": 0}
+SFT = {"sft.batch_size": 32, "sft.micro_batch_size": 32, "max_steps": 3, "save_steps": 2}
 
 
 @pytest.fixture
@@ -101,7 +103,7 @@ def test_training_pass_gradients_are_bitwise_stable_beside_a_neighbour(neighbour
         assert not differ, f"pass {attempt + 2}: gradients of {len(differ)} parameters differ bitwise"
 
 
-@pytest.mark.parametrize("kind, extra", [("online", ONLINE), ("dpo", DPO)])
+@pytest.mark.parametrize("kind, extra", [("online", ONLINE), ("dpo", DPO), ("kto", KTO), ("sft", SFT)])
 def test_same_config_twice_gives_the_same_weights(kind, extra, neighbour, four_threads, data_dir, tmp_path):
     for name in ("a", "b"):
         loop.train(load_config(None, overrides(kind, tmp_path / name, data_dir, **extra)))
