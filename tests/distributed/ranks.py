@@ -97,9 +97,9 @@ def fake_sample(model, prompt_ids, prompt_mask, *, num_generations, max_new_toke
 
 
 def install_fake_sampler() -> None:
-    import preftune.rollout.online as online
+    import preftune.rollout.engine as engine  # the own sampler behind the engine interface
 
-    online.sample = fake_sample
+    engine.sample = fake_sample
 
 
 def rank_env(rank: int, world: int, port: int, **extra) -> dict:

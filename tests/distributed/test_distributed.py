@@ -59,10 +59,10 @@ def one_rank(data_dir, tmp_path_factory):
 
                 m.setattr(logps, "MASKED", float(LAYOUT[kind]))
                 if kind == "online":
-                    import preftune.rollout.online as online
+                    import preftune.rollout.engine as engine
                     from tests.distributed.ranks import fake_sample
 
-                    m.setattr(online, "sample", fake_sample)
+                    m.setattr(engine, "sample", fake_sample)
                 loop.train(load_config(None, args(kind, out, data_dir)))
             done[kind] = out
         return done[kind]

@@ -282,7 +282,7 @@ def test_lora_on_the_own_module_equals_peft_on_the_hugging_face_module(tmp_path,
     targets = ["q_proj", "k_proj", "v_proj", "o_proj"] if "moe" in arch else "all-linear"
     lora.target_modules = targets
     want_model = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"))
-    got_model = _wrap_lora(own, ModelConfig(lora=lora))
+    got_model = _wrap_lora(own, ModelConfig(lora=lora), "base")
     with torch.no_grad():  # the same non-zero B matrices, so the adapters change the output
         for (n, a), (m, b) in zip(sorted(want_model.named_parameters()), sorted(got_model.named_parameters())):
             if "lora_" in n:

@@ -52,9 +52,9 @@ def test_an_environment_run_trains_and_reports_its_tools(tmp_path, monkeypatch):
     m = result.metrics
     assert m["tools/call_frequency"] == 1.0 and m["tools/failure_frequency"] == 0.0
     assert m["tools/turns"] == 2.0 and 0 < m["tools/token_share"] < 1
-    assert "reward/Counter" in m
+    assert "rewards/Counter/mean" in m
     # held-out tasks run through the environment too: reset at their start, then the forced bump by 2
-    assert [e["eval/reward/Counter"] for e in result.eval][0] >= 2.5
+    assert [e["eval/rewards/Counter/mean"] for e in result.eval][0] >= 2.5
     dumped = [json.loads(line) for line in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()]
     assert len(dumped) == 4 and {d["step"] for d in dumped} == {1, 2}
     d = dumped[0]
