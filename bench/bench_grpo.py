@@ -322,7 +322,7 @@ def finish(result: dict, timer, flops: dict, tokens_per_step: float, steps: int)
 
 
 def run_preftune_grpo(args) -> dict:
-    import preftune.rollout.online as online
+    import preftune.rollout.engine as engine  # the own sampler behind the engine interface
     import preftune.algorithms.grpo as grpo
     from preftune.config import load_config
     from preftune.model.load import compute_dtype
@@ -336,7 +336,7 @@ def run_preftune_grpo(args) -> dict:
         cfg = load_config(EXAMPLES / "grpo.yaml", grpo_overrides(args, os.path.join(out, "run"), model, train))
         run = Run(cfg)
         before = greedy_accuracy(run.model, run.tokenizer, evals, args.max_new_tokens) if args.eval else None
-        timer.wrap(online, "sample", "sampling")
+        timer.wrap(engine, "sample", "sampling")
         if args.vllm:
             from preftune.rollout.vllm import VLLMEngine
 

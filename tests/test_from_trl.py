@@ -17,6 +17,7 @@ PAGE = ROOT / "docs" / "from-trl.md"
 def _blocks() -> list[tuple[str, str]]:
     """(the label before the block: 'TRL 1.16', 'preftune' or '' for shared code, code) in page order."""
     text = PAGE.read_text()
+    text = text[:text.index("## Your TRL objects")]  # that section's script runs in tests/test_trl_objects.py
     out = []
     for m in re.finditer(r"```python\n(.*?)```", text, flags=re.S):
         before = text[:m.start()].rstrip().splitlines()[-1]
