@@ -115,6 +115,58 @@ def test_seeds_fix_each_completion_whatever_the_batch(vllm_engine, model, tokeni
     assert len({request_seed(0, 1, 0, p, g) for p in range(6) for g in range(4)}) == 24
 
 
+def say_ok() -> str:
+    """Says ok."""
+    return "ok"
+
+
+class _ForcedFirstTurn:
+    """An engine whose first turn is a fixed tool call (the tiny model writes none); later turns are
+    the wrapped engine's, from token ids."""
+
+    tp = 1
+
+    def __init__(self, inner, forced: list[int]):
+        self.inner, self.forced, self.with_logps = inner, forced, inner.with_logps
+
+    def generate(self, prompts, positions, *, turn=0, **kw):
+        if turn:
+            return self.inner.generate(prompts, positions, turn=turn, **kw)
+        from preftune.rollout.sampler import assemble
+
+        ids = torch.tensor([self.forced] * (len(prompts) * kw["num_generations"]))  # (N, T)
+        return assemble(ids[:, :1], ids[:, :1], ids, kw["eos_id"])
+
+
+def test_greedy_agent_rollouts_are_the_same_on_both_engines(vllm_engine, model, tokenizer):
+    """The tool loop on vLLM and on the own sampler: the same tokens after a tool turn, the same masks.
+    Before the tests that stop engines of their own (preftune eval), which tear down vLLM's
+    process-wide parallel state that the module's engine samples with."""
+    from transformers import AutoTokenizer
+
+    from preftune.config import GRPOConfig
+    from preftune.rollout.agent import ToolLoop, ToolTurns, Trajectory
+    from preftune.rollout.engine import SamplerEngine
+    from preftune.rollout.tools import make_tool
+    from tests.conftest import MODEL_DIR
+    from tests.rollout.test_agent import TEMPLATE
+
+    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    tok.chat_template = TEMPLATE
+    vllm_engine.push(model)  # earlier tests pushed other weights
+    forced = tok('{"name": "say_ok"}', add_special_tokens=False).input_ids + [tok.eos_token_id]
+    cfg = GRPOConfig(max_completion_length=36)
+    out = []
+    for inner in (SamplerEngine(), vllm_engine):
+        rows = [Trajectory(tokenizer(p).input_ids) for p in PROMPTS[:3] for _ in range(2)]
+        loop = ToolLoop(tok, cfg, "llama3", ToolTurns(tok, None))
+        ro = loop.run(_ForcedFirstTurn(inner, forced), rows, [{"say_ok": make_tool(say_ok, "t")}] * len(rows), 2,
+                      [0, 1, 2], eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, greedy=True, model=model)
+        assert all(r.turns >= 2 and r.calls >= 1 and r.failures == 0 for r in rows)
+        out.append((ro.completion_ids.tolist(), ro.tool_mask.tolist(), ro.completion_mask.tolist()))
+    assert out[0] == out[1]
+
+
 def test_a_failure_while_sampling_is_an_engine_error(vllm_engine, tokenizer, monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("engine core died")
@@ -176,53 +228,3 @@ def test_pushed_weights_reach_each_ranks_engine_under_fsdp2(tmp_path):
         assert s["stale_engine"] == s["before_own"]  # ... which the engine sees only once pushed
         assert s["after_engine"] == s["after_own"]
     assert seen[0]["after_own"] == seen[1]["after_own"]  # one policy, sharded
-
-
-def say_ok() -> str:
-    """Says ok."""
-    return "ok"
-
-
-class _ForcedFirstTurn:
-    """An engine whose first turn is a fixed tool call (the tiny model writes none); later turns are
-    the wrapped engine's, from token ids."""
-
-    tp = 1
-
-    def __init__(self, inner, forced: list[int]):
-        self.inner, self.forced, self.with_logps = inner, forced, inner.with_logps
-
-    def generate(self, prompts, positions, *, turn=0, **kw):
-        if turn:
-            return self.inner.generate(prompts, positions, turn=turn, **kw)
-        from preftune.rollout.sampler import assemble
-
-        ids = torch.tensor([self.forced] * (len(prompts) * kw["num_generations"]))  # (N, T)
-        return assemble(ids[:, :1], ids[:, :1], ids, kw["eos_id"])
-
-
-def test_greedy_agent_rollouts_are_the_same_on_both_engines(vllm_engine, model, tokenizer):
-    """The tool loop on vLLM and on the own sampler: the same tokens after a tool turn, the same masks."""
-    from transformers import AutoTokenizer
-
-    from preftune.config import GRPOConfig
-    from preftune.rollout.agent import ToolLoop, ToolTurns, Trajectory
-    from preftune.rollout.engine import SamplerEngine
-    from preftune.rollout.tools import make_tool
-    from tests.conftest import MODEL_DIR
-    from tests.rollout.test_agent import TEMPLATE
-
-    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
-    tok.chat_template = TEMPLATE
-    vllm_engine.push(model)  # earlier tests pushed other weights
-    forced = tok('{"name": "say_ok"}', add_special_tokens=False).input_ids + [tok.eos_token_id]
-    cfg = GRPOConfig(max_completion_length=36)
-    out = []
-    for inner in (SamplerEngine(), vllm_engine):
-        rows = [Trajectory(tokenizer(p).input_ids) for p in PROMPTS[:3] for _ in range(2)]
-        loop = ToolLoop(tok, cfg, "llama3", ToolTurns(tok, None))
-        ro = loop.run(_ForcedFirstTurn(inner, forced), rows, [{"say_ok": make_tool(say_ok, "t")}] * len(rows), 2,
-                      [0, 1, 2], eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, greedy=True, model=model)
-        assert all(r.turns >= 2 and r.calls >= 1 and r.failures == 0 for r in rows)
-        out.append((ro.completion_ids.tolist(), ro.tool_mask.tolist(), ro.completion_mask.tolist()))
-    assert out[0] == out[1]
