@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from preftune.algorithms.reference import cached_reference
-from preftune.config import Config
+from preftune.config import Config, DPOConfig
 from preftune.data.pairs import read_pairs
 from preftune.data.pipeline import columns, load_pairs
 from preftune.data.stream import IndexStream
@@ -24,7 +24,8 @@ from preftune.data.tools import default_tools
 from preftune.data.turns import encode_fitted
 from preftune.distributed import Parallel
 from preftune.errors import UserError
-from preftune.losses.dpo import TOKEN_SUMS, check_dpo_options, dpo_loss_multi, token_metrics, token_sums, wpo_weights
+from preftune.losses.dpo import (TOKEN_SUMS, check_dpo_options, dpo_loss_multi, implicit_rewards, token_metrics,
+                                 token_sums, wpo_weights)
 from preftune.model.load import to_device
 from preftune.model.logps import list_logps, microbatches
 
@@ -114,13 +115,71 @@ def _masks(e: EncodedPair) -> tuple:
 _SUMS = tuple(f"token_sums/{k}" for k in TOKEN_SUMS)  # summed over micro-batches and ranks, then divided
 
 
+def loss_types(d: DPOConfig) -> list[str]:
+    return [d.loss_type] if isinstance(d.loss_type, str) else list(d.loss_type)
+
+
+def pair_loss(model, batch: list[EncodedPair], ref: torch.Tensor | None, d: DPOConfig, pad_id: int,
+              device) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """The loss of b pairs, their metrics (device tensors, with the token sums) and the policy's
+    summed log-probs (2b,: chosen, then rejected); `ref` (b, 2) reference [chosen, rejected]
+    log-probs, or None (reference-free)."""
+    lp, lengths, sums, pair_w = policy_logps(model, batch, pad_id, device,
+                                             weighting=d.use_weighting)  # (2b,), (2b,), (7,), (b,)
+    b = len(batch)
+    ref_c = ref_r = None
+    if ref is not None:
+        ref = to_device(ref, lp.device)  # (b, 2)
+        ref_c, ref_r = ref[:, 0], ref[:, 1]
+    loss, m = dpo_loss_multi(lp[:b], lp[b:], ref_c, ref_r, loss_types=loss_types(d), loss_weights=d.loss_weights,
+                             beta=d.beta, label_smoothing=d.label_smoothing, chosen_lengths=lengths[:b],
+                             rejected_lengths=lengths[b:], pair_weights=pair_w, sync_metrics=False)
+    return loss, m | {"loss": loss.detach()} | dict(zip(_SUMS, sums.unbind())), lp.detach()
+
+
+def fold_metrics(parts: list, B: int, extra: dict, dp: Parallel) -> dict:
+    """Micro-batches' metrics (read in one host sync) -> the batch's over every rank: pair means
+    by each micro-batch's share b/B, token metrics from their summed parts."""
+    totals = dict(extra)
+    for (b, _), m in zip(parts, read_once([m for _, m in parts])):
+        for k, v in m.items():
+            totals[k] = totals.get(k, 0.0) + (v if k in _SUMS else v * b / B)
+    totals = dp.reduce_metrics(totals)  # sums over the ranks
+    return totals | token_metrics([totals.pop(k, 0.0) for k in _SUMS])
+
+
+@torch.no_grad()
+def evaluate_pairs(model, pairs: list[EncodedPair], ref: torch.Tensor | None, d: DPOConfig, pad_id: int, device,
+                   dp: Parallel, live_ref=None) -> tuple[dict, torch.Tensor]:
+    """TRL's DPO metrics of held-out pairs (loss, rewards/accuracies, rewards/margins, ...; unprefixed)
+    and whether each of this rank's pairs is ranked right (n_share,) 0/1: each rank its share of the
+    pairs, in eval mode. `ref` (n, 2) reference log-probs, or None with `live_ref(batch) -> (2b,)`
+    (a reference model run on each micro-batch) or neither (reference-free)."""
+    share = dp.share(len(pairs))
+    mine, parts, right = pairs[share], [], []
+    was_training = model.training
+    model.eval()
+    for sl in microbatches(len(mine), d.micro_batch_size):
+        batch = mine[sl]
+        r = ref[share][sl] if ref is not None else None
+        if r is None and live_ref is not None:
+            lr = live_ref(batch)  # (2b,)
+            r = torch.stack([lr[:len(batch)], lr[len(batch):]], dim=1)  # (b, 2)
+        _, m, lp = pair_loss(model, batch, r, d, pad_id, device)  # lp (2b,)
+        r = (None, None) if r is None else to_device(r, lp.device).unbind(1)
+        rc, rr = implicit_rewards(lp[:len(batch)], lp[len(batch):], *r, d.beta)  # (b,), (b,)
+        right.append(rc > rr)
+        parts.append((len(batch), m))
+    model.train(was_training)
+    return fold_metrics(parts, len(pairs), {}, dp), torch.cat(right).float().cpu() if right else torch.zeros(0)
+
+
 class DPOTask:
     """Builds everything; the loop writes `data_report` once setup has succeeded."""
 
     def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp=None):
         self.cfg, self.d, self.device, self.dp = cfg, cfg.dpo, device, dp or Parallel()
-        self.loss_types = [self.d.loss_type] if isinstance(self.d.loss_type, str) else list(self.d.loss_type)
-        check_dpo_options(self.loss_types, self.d.loss_weights, self.d.beta, self.d.label_smoothing)
+        check_dpo_options(loss_types(self.d), self.d.loss_weights, self.d.beta, self.d.label_smoothing)
         pairs, report = load_pairs(cfg)
         self.encoded, stats = encode_pairs(pairs, tokenizer, cfg)
         self.data_report = report | {"encoded": stats}
@@ -162,33 +221,15 @@ class DPOTask:
         return self._fold(parts, B, {"num_tokens": tokens})
 
     def _pair_loss(self, model, batch: list[EncodedPair], ref: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
-        """The loss of b pairs and their metrics (device tensors, with the token sums); `ref` (b, 2)
-        precomputed reference log-probs, else the live reference or none."""
-        lp, lengths, sums, pair_w = policy_logps(model, batch, self.pad_id, self.device,
-                                                 weighting=self.d.use_weighting)  # (2b,), (2b,), (7,), (b,)
-        b = len(batch)
-        ref_c = ref_r = None
-        if ref is not None:
-            ref = to_device(ref, lp.device)  # (b, 2)
-            ref_c, ref_r = ref[:, 0], ref[:, 1]
-        elif self.ref_model is not None:
-            ref = self._live_reference(model, batch)  # (2b,)
-            ref_c, ref_r = ref[:b], ref[b:]
-        loss, m = dpo_loss_multi(lp[:b], lp[b:], ref_c, ref_r, loss_types=self.loss_types,
-                                 loss_weights=self.d.loss_weights, beta=self.d.beta,
-                                 label_smoothing=self.d.label_smoothing, chosen_lengths=lengths[:b],
-                                 rejected_lengths=lengths[b:], pair_weights=pair_w, sync_metrics=False)
-        return loss, m | {"loss": loss.detach()} | dict(zip(_SUMS, sums.unbind()))
+        """The loss of b pairs and their metrics; `ref` (b, 2) precomputed reference log-probs, else
+        the live reference or none."""
+        if ref is None and self.ref_model is not None:
+            live = self._live_reference(model, batch)  # (2b,)
+            ref = torch.stack([live[:len(batch)], live[len(batch):]], dim=1)  # (b, 2)
+        return pair_loss(model, batch, ref, self.d, self.pad_id, self.device)[:2]
 
     def _fold(self, parts: list, B: int, extra: dict) -> dict:
-        """Micro-batches' metrics (read in one host sync) -> the batch's over every rank: pair means
-        by each micro-batch's share b/B, token metrics from their summed parts."""
-        totals = dict(extra)
-        for (b, _), m in zip(parts, read_once([m for _, m in parts])):
-            for k, v in m.items():
-                totals[k] = totals.get(k, 0.0) + (v if k in _SUMS else v * b / B)
-        totals = self.dp.reduce_metrics(totals)  # sums over the ranks
-        return totals | token_metrics([totals.pop(k, 0.0) for k in _SUMS])
+        return fold_metrics(parts, B, extra, self.dp)
 
     def evaluator(self):
         """With held-out pairs (data.eval a pairs file): (model, step) -> TRL's eval metrics of the
@@ -200,15 +241,9 @@ class DPOTask:
         if self.eval_ref is None and self.ref_model is None and not self.d.reference_free:
             raise UserError("the held-out pairs have no reference log-probs in this checkpoint (added on a resume?): "
                             "start over with resume=never", where="data.eval")
-        share = self.dp.share(len(self.held_out))
-        mine, parts = self.held_out[share], []
-        was_training = model.training
-        model.eval()
-        for sl in microbatches(len(mine), self.d.micro_batch_size):
-            ref = None if self.eval_ref is None else self.eval_ref[share][sl]
-            parts.append((len(mine[sl]), self._pair_loss(model, mine[sl], ref)[1]))
-        model.train(was_training)
-        m = self._fold(parts, len(self.held_out), {})
+        live = None if self.eval_ref is not None or self.ref_model is None else (
+            lambda batch: self._live_reference(model, batch))
+        m, _ = evaluate_pairs(model, self.held_out, self.eval_ref, self.d, self.pad_id, self.device, self.dp, live)
         return {f"eval/{k}": v for k, v in m.items()} | {"eval/num_pairs": len(self.held_out)}
 
     @torch.no_grad()

@@ -91,14 +91,37 @@ def evaluate_model(cfg, path: str, prompt_set, funcs, weights) -> tuple[dict, "o
 
 def run_eval(args) -> int:
     from preftune.config import load_config, to_dict
-    from preftune.evaluation.gate import check_gate, compare, decide
-    from preftune.evaluation.evaluate import eval_prompt_set, eval_reward_funcs
+    from preftune.evaluation.gate import check_gate, decide
+    from preftune.evaluation.pairs import is_pairs_file
 
     cfg = load_config(args.config, args.overrides)
     stop = process_handler()
     if stop is not None:  # from here a signal stops the evaluation (exit 75) with a line that says so
         stop.setup(cfg.preemption_grace_seconds, "evaluation", f"{EVAL_FILE} was not written")
-    check_gate(cfg.gate, args.baseline is not None)
+    pairs = is_pairs_file(cfg.data.eval)
+    check_gate(cfg.gate, args.baseline is not None, pairs)
+    ckpt, base, comparison, held_out = (pairs_eval if pairs else prompts_eval)(cfg, args)
+    verdict = decide(cfg.gate, ckpt, comparison)
+    report = {"checkpoint": os.path.abspath(args.checkpoint),
+              "baseline": os.path.abspath(args.baseline) if args.baseline else None,
+              **held_out, "num_samples": cfg.eval.num_samples, "seed": cfg.seed,
+              "metrics": {"checkpoint": ckpt, "baseline": base}, "comparison": comparison,
+              "gate": to_dict(cfg.gate), "checks": verdict.checks,
+              "verdict": "pass" if verdict.passed else "fail", "reason": verdict.reason}
+    out = _write_json(Path(args.checkpoint) / EVAL_FILE, report)
+    print(format_eval(report))
+    print(f"eval.json: {out}")
+    if verdict.passed and cfg.gate.registry:
+        where = append(cfg.gate.registry, registry_record(cfg, args.checkpoint, report))
+        print(f"registry: appended to {where}")
+    return EXIT_OK if verdict.passed else EXIT_GATE_FAILED
+
+
+def prompts_eval(cfg, args) -> tuple[dict, dict | None, dict | None, dict]:
+    """Figures of the checkpoint (and baseline) on held-out prompts, and their paired comparison."""
+    from preftune.evaluation.evaluate import eval_prompt_set, eval_reward_funcs
+    from preftune.evaluation.gate import compare
+
     prompt_set = eval_prompt_set(cfg)
     if prompt_set is None:
         raise UserError("no held-out prompts: set data.eval, or eval.split to hold out part of data.train",
@@ -110,20 +133,22 @@ def run_eval(args) -> int:
         base, base_greedy = evaluate_model(cfg, args.baseline, prompt_set, funcs, weights)
         comparison = compare(ckpt_greedy.total[:, 0], base_greedy.total[:, 0], cfg.gate, cfg.seed,
                              ckpt["completions/mean_length"], base["completions/mean_length"])
-    verdict = decide(cfg.gate, ckpt, comparison)
-    report = {"checkpoint": os.path.abspath(args.checkpoint),
-              "baseline": os.path.abspath(args.baseline) if args.baseline else None,
-              "prompts": len(prompt_set), "num_samples": cfg.eval.num_samples, "seed": cfg.seed,
-              "metrics": {"checkpoint": ckpt, "baseline": base}, "comparison": comparison,
-              "gate": to_dict(cfg.gate), "checks": verdict.checks,
-              "verdict": "pass" if verdict.passed else "fail", "reason": verdict.reason}
-    out = _write_json(Path(args.checkpoint) / EVAL_FILE, report)
-    print(format_eval(report))
-    print(f"eval.json: {out}")
-    if verdict.passed and cfg.gate.registry:
-        where = append(cfg.gate.registry, registry_record(cfg, args.checkpoint, report))
-        print(f"registry: appended to {where}")
-    return EXIT_OK if verdict.passed else EXIT_GATE_FAILED
+    return ckpt, base, comparison, {"prompts": len(prompt_set)}
+
+
+def pairs_eval(cfg, args) -> tuple[dict, dict | None, dict | None, dict]:
+    """TRL's DPO metrics of the checkpoint (and baseline) on the held-out pairs of data.eval, and
+    their paired comparison by pair (ranked right or not)."""
+    from preftune.evaluation.gate import compare
+    from preftune.evaluation.pairs import pair_figures
+
+    paths = [args.checkpoint] + ([args.baseline] if args.baseline else [])
+    figures = pair_figures(cfg, paths, _load, _device())
+    (ckpt, ckpt_right), base, comparison = figures[0], None, None
+    if args.baseline:
+        base, base_right = figures[1]
+        comparison = compare(ckpt_right, base_right, cfg.gate, cfg.seed, series="pair accuracy")
+    return ckpt, base, comparison, {"pairs": ckpt["num_pairs"]}
 
 
 def registry_record(cfg, checkpoint: str, report: dict) -> dict:
@@ -168,16 +193,18 @@ def _write_json(path: Path, data: dict) -> Path:
 
 def format_eval(report: dict) -> str:
     ckpt, base = report["metrics"]["checkpoint"], report["metrics"]["baseline"]
-    keys = [k for k in ckpt if k != "num_prompts"]
+    keys = [k for k in ckpt if k not in ("num_prompts", "num_pairs")]
     lines = [f"{'':<34}{'checkpoint':>12}{'baseline':>12}" if base else f"{'':<34}{'checkpoint':>12}"]
     for k in keys:
         row = f"{k:<34}{_fmt(ckpt[k]):>12}"
         lines.append(row + (f"{_fmt(base.get(k)):>12}" if base else ""))
     c = report["comparison"]
     if c:
-        lines.append(f"improvement {c['improvement']:+.4f}  ({c['confidence']:.0%} bounds "
-                     f"{c['improvement_lower']:+.4f} .. {c['improvement_upper']:+.4f}, {c['paired_prompts']} prompts)"
-                     f"  length growth {c['length_growth']:.3f}x")
+        pairs = c["series"] == "pair accuracy"
+        growth = "" if c["length_growth"] is None else f"  length growth {c['length_growth']:.3f}x"
+        lines.append(f"{'pair accuracy ' if pairs else ''}improvement {c['improvement']:+.4f}  "
+                     f"({c['confidence']:.0%} bounds {c['improvement_lower']:+.4f} .. {c['improvement_upper']:+.4f}, "
+                     f"{c['paired_prompts']} {'pairs' if pairs else 'prompts'}){growth}")
     lines.append(f"verdict: {report['verdict'].upper()} ({report['reason']})")
     return "\n".join(lines)
 

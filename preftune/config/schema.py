@@ -326,6 +326,8 @@ class GateConfig:
     """The evaluation gate of `preftune eval`."""
 
     min_reward: float | None = knob(None, "the checkpoint's greedy reward must be >= this", range="(-inf, inf)")
+    min_accuracy: float | None = knob(
+        None, "held-out pairs: the checkpoint's rewards/accuracies must be >= this", range="[0, 1]")
     min_improvement: float | None = knob(
         None, "the improvement's lower confidence bound must be > this (needs --baseline)", range="(-inf, inf)")
     max_length_growth: float | None = knob(

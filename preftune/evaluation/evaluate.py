@@ -132,9 +132,9 @@ def evaluate(model, tokenizer, prompt_set, reward_funcs, *, weights, max_new_tok
 def eval_prompt_set(cfg):
     """data.eval, else with eval.split the held-out prompts of data.train, else None."""
     if cfg.data.eval and {"chosen", "rejected"} <= set(columns(cfg.data.eval)):
-        raise UserError("is a pairs file: held-out pairs are evaluated during DPO training (eval/loss, "
-                        "eval/rewards/accuracies); here data.eval takes prompts, scored by eval.reward_funcs",
-                        where="data.eval")
+        raise UserError("is a pairs file: held-out pairs are evaluated by DPO training and by `preftune eval` "
+                        "(eval/loss, eval/rewards/accuracies); here data.eval takes prompts, scored by "
+                        "eval.reward_funcs", where="data.eval")
     if cfg.data.eval:
         return load_prompts(cfg.data.eval, prompt_column=cfg.data.prompt_column)
     if cfg.eval.split:

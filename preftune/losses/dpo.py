@@ -272,9 +272,21 @@ def token_metrics(sums) -> dict[str, float]:
 
 
 @torch.no_grad()
+def implicit_rewards(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor | None,
+                     ref_rejected_logps: torch.Tensor | None, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DPO's implicit rewards r = β·(log π(y|x) - log π_ref(y|x)) of the chosen and the rejected
+    responses, (B,) each (arXiv:2305.18290, eq. 5); no reference (reference-free) counts as 0. A pair
+    is ranked right when r_c > r_r (TRL's `rewards/accuracies`, strict)."""
+    ref_c = 0.0 if ref_chosen_logps is None else ref_chosen_logps
+    ref_r = 0.0 if ref_rejected_logps is None else ref_rejected_logps
+    return beta * (chosen_logps - ref_c), beta * (rejected_logps - ref_r)
+
+
+@torch.no_grad()
 def _metrics(p: _Pairs, sync: bool = True) -> dict[str, float] | dict[str, torch.Tensor]:
     """TRL's DPO metrics: batch means of rewards β·Δ, of reward accuracy (strict >), margins and log-probs."""
-    chosen_rewards, rejected_rewards = p.beta * p.dc, p.beta * p.dr  # (B,), (B,)
+    chosen_rewards, rejected_rewards = implicit_rewards(p.chosen, p.rejected, p.ref_chosen, p.ref_rejected,
+                                                        p.beta)  # (B,), (B,)
     stats = torch.stack([
         chosen_rewards.mean(), rejected_rewards.mean(), (chosen_rewards > rejected_rewards).to(p.dc.dtype).mean(),
         (chosen_rewards - rejected_rewards).mean(), p.chosen.mean(), p.rejected.mean(),

@@ -205,7 +205,7 @@ def test_loss_list_is_the_weighted_sum(make_config, traces_file, model, tokenize
     g_mix, m_mix = _step(task, model, 6)
     parts = []
     for lt in ("sigmoid", "ipo", "sft"):
-        task.loss_types, task.d.loss_weights = [lt], None
+        task.d.loss_type, task.d.loss_weights = lt, None
         parts.append(_step(task, model, 6))
     want_loss = m_mix["loss"]
     got = 1.0 * parts[0][1]["loss"] + 0.5 * parts[1][1]["loss"] + 0.2 * parts[2][1]["loss"]
@@ -347,11 +347,11 @@ def test_held_out_pairs_are_evaluated_as_trl_does(make_config, traces_file, tmp_
 
 
 def test_a_pairs_file_is_no_prompt_set_for_preftune_eval(make_config, traces_file, tmp_path):
-    """`preftune eval` generates from prompts: a pairs file there is answered, not misread."""
+    """Evaluation from prompts (GRPO, KTO, SFT) answers a pairs file, not misreads it."""
     from preftune.errors import UserError
     from preftune.evaluation.evaluate import eval_prompt_set
 
     held_out = write_parquet(tmp_path / "held_out.parquet", [{"chosen": "1+2=3", "rejected": "1+2=4"}])
     cfg = _cfg(make_config, traces_file, f"data.eval={held_out}")
-    with pytest.raises(UserError, match=r"^data.eval: is a pairs file: held-out pairs are evaluated during DPO"):
+    with pytest.raises(UserError, match=r"^data.eval: is a pairs file: held-out pairs are evaluated by DPO"):
         eval_prompt_set(cfg)
