@@ -26,7 +26,7 @@ from preftune.data.traces import TraceOptions
 from preftune.distributed import Parallel
 from preftune.errors import UserError
 from preftune.losses import grpo_loss
-from preftune.losses.advantages import group_advantages, group_spread, nan_mean_std, nanmean
+from preftune.losses.advantages import group_advantages, group_spread, group_std, nan_mean_std, nanmean
 from preftune.losses.grpo import CLIP_KEYS, batch_normaliser
 from preftune.losses.sampling import importance_weights, mismatch_stats
 from preftune.model.logps import Rows, completion_logps, microbatches
@@ -86,7 +86,8 @@ def reward_metrics(s: Scored, lengths: torch.Tensor, truncated: torch.Tensor) ->
     for j, name in enumerate(s.names):
         m[f"rewards/{name}/mean"] = nanmean(s.per_func[:, j])
         m[f"rewards/{name}/std"] = _nanstd(s.per_func[:, j])
-    m["frac_reward_zero_std"] = (spread == 0).float().mean().item() if spread.numel() else 0.0
+    std = group_std(s.total, s.group_sizes)  # (n_groups,): NaN (< 2 valid rewards) is not zero, as in TRL
+    m["frac_reward_zero_std"] = torch.isclose(std, torch.zeros_like(std)).float().mean().item() if std.numel() else 0.0
     m |= length_metrics(lengths, truncated)
     return m | s.extra | s.log.record()
 

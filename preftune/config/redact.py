@@ -22,15 +22,6 @@ def is_reference(value) -> bool:
     return isinstance(value, dict) and set(value) == {"secret", "key"}
 
 
-def credential_in(value: str) -> str | None:
-    """What kind of credential a string holds, or None."""
-    if URL_USERINFO.search(value):
-        return "a password in a URL"
-    if AWS_KEY_ID.search(value):
-        return "an AWS access key id"
-    return None
-
-
 def redact_value(name: str, value):
     if is_reference(value) or value is None or value == "" or isinstance(value, bool):
         return value

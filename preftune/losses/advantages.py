@@ -12,20 +12,12 @@ frac_reward_zero_std, dynamic sampling's spread test, eval means).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
 from preftune.losses.names import ADVANTAGE_ESTIMATORS, SCALE_REWARDS
 
 GroupSizes = int | Sequence[int]  # G for equal groups, or the size of each group in order
-
-
-class GroupStats(NamedTuple):
-    """Per-row statistics of the row's group, (N,) each; NaN where undefined."""
-
-    mean: torch.Tensor  # mean of the group's valid rewards (NaN if the group has none)
-    std: torch.Tensor  # Bessel-corrected std of the group's valid rewards (NaN if fewer than 2)
 
 
 def nan_mean_std(x: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,27 +64,23 @@ def _ungroup(grouped: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     return flat if index is None else flat[index]
 
 
-def group_spread(rewards: torch.Tensor, sizes: GroupSizes) -> torch.Tensor:
-    """Bessel std of each group's valid rewards, 0 with fewer than two. -> (n_groups,)
+def group_std(rewards: torch.Tensor, sizes: GroupSizes) -> torch.Tensor:
+    """Bessel std of each group's valid rewards, NaN with fewer than two. -> (n_groups,)
 
-    `(group_spread(...) == 0)` marks the groups that carry no learning signal (all valid rewards
-    equal): TRL's `frac_reward_zero_std`, and the groups DAPO's dynamic sampling drops.
-    """
+    TRL's `frac_reward_zero_std` is the share of groups whose std is close to 0 (NaN is not)."""
     if rewards.numel() == 0:
         return torch.zeros(0, dtype=rewards.dtype)
     _, std = nan_mean_std(_grouped(rewards, sizes)[0], dim=1)  # (n, 1)
-    return torch.nan_to_num(std.squeeze(1), nan=0.0)
+    return std.squeeze(1)
 
 
-def group_stats(rewards: torch.Tensor, num_generations: GroupSizes) -> GroupStats:
-    """Mean and std of each row's group, broadcast back to rows: two (N,) tensors.
+def group_spread(rewards: torch.Tensor, sizes: GroupSizes) -> torch.Tensor:
+    """`group_std` with 0 where it is undefined. -> (n_groups,)
 
-    A loop logs `frac_reward_zero_std` as `torch.isclose(std, 0).float().mean()`: the share of
-    rows whose group carries no learning signal (all valid rewards equal).
+    `(group_spread(...) == 0)` marks the groups that carry no learning signal (all valid rewards
+    equal, or fewer than two): the groups DAPO's dynamic sampling drops.
     """
-    grouped, index = _grouped(rewards, num_generations)  # (n, G)
-    mean, std = nan_mean_std(grouped, dim=1)  # (n, 1) each
-    return GroupStats(_ungroup(mean.expand_as(grouped), index), _ungroup(std.expand_as(grouped), index))
+    return torch.nan_to_num(group_std(rewards, sizes), nan=0.0)
 
 
 def group_advantages(

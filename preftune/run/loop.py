@@ -26,9 +26,7 @@ from preftune.data.report import write_data_report
 from preftune.errors import Preempted, Unavailable
 from preftune.model.load import check_model_path, import_model_libraries, load_tokenizer
 from preftune.run import checkpoint as ckpt, optim
-from preftune.run.checkpointer import (  # noqa: F401 - load_weights, rng_state: used by tests and tools
-    METRICS, Checkpointer, load_weights, prepare_task, rng_state, set_rng_state,
-)
+from preftune.run.checkpointer import METRICS, Checkpointer, prepare_task, rng_state, set_rng_state
 from preftune.algorithms.dpo import DPOTask
 from preftune.algorithms.grpo import GRPOTask
 from preftune.algorithms.kto import KTOTask
@@ -232,10 +230,6 @@ class Run:
         follows refuses to publish, exit 78): every rank stops at the same step."""
         asked = self.callbacks.stop or (self.lock is not None and not self.lock.held)
         return self.dp.any(asked) if self.dp.active else asked
-
-    def _everywhere(self, ok: bool) -> bool:
-        """True on every rank when true on all of them (a decision that leads to a collective)."""
-        return not self.dp.any(not ok) if self.dp.active else ok
 
     def _run(self, stop: Preemption) -> Path:
         cfg = self.cfg

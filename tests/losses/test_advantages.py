@@ -1,4 +1,4 @@
-"""group_advantages / group_stats: hand values, NaN rows, and parity with TRL 1.16's trainer code."""
+"""group_advantages / group_spread: hand values, NaN rows, and parity with TRL 1.16's trainer code."""
 from __future__ import annotations
 
 import math
@@ -8,10 +8,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from preftune.losses.advantages import group_advantages, group_stats
+from preftune.losses.advantages import group_advantages, group_spread
 
 NAN = float("nan")
 F64 = torch.float64
+
+
+def _group_mean(r: torch.Tensor, g) -> torch.Tensor:
+    """Each valid row's group mean (N,), read back from the centred advantages."""
+    return r - group_advantages(r, g, scale_rewards="none")
 
 
 def test_hand_values_group_scale():
@@ -21,9 +26,8 @@ def test_hand_values_group_scale():
     a = 0.5 / (math.sqrt(1 / 3) + 1e-4)
     expected = torch.tensor([a, -a, -a, a, 0, 0, 0, 0], dtype=F64)
     torch.testing.assert_close(group_advantages(r, 4), expected, rtol=0, atol=1e-12)
-    stats = group_stats(r, 4)
-    torch.testing.assert_close(stats.mean, torch.tensor([0.5] * 4 + [2.0] * 4, dtype=F64))
-    assert torch.isclose(stats.std, torch.zeros_like(stats.std)).tolist() == [False] * 4 + [True] * 4
+    torch.testing.assert_close(_group_mean(r, 4), torch.tensor([0.5] * 4 + [2.0] * 4, dtype=F64))
+    torch.testing.assert_close(group_spread(r, 4), torch.tensor([math.sqrt(1 / 3), 0.0], dtype=F64))
 
 
 def test_hand_values_batch_and_none_scale():
@@ -47,8 +51,7 @@ def test_nan_rows_get_zero_and_do_not_shift_their_group(scale):
     if scale != "batch":  # batch std spans groups, so dropping the row from group 0 alone differs
         alone = group_advantages(torch.tensor([1.0, 3.0, 8.0], dtype=F64), 3, scale_rewards=scale)
         torch.testing.assert_close(adv[[0, 2, 3]], alone)
-    stats = group_stats(r, 4)
-    assert stats.mean[0].item() == pytest.approx(4.0)  # (1 + 3 + 8) / 3, NaN left out
+    assert _group_mean(r, 4)[0].item() == pytest.approx(4.0)  # (1 + 3 + 8) / 3, NaN left out
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
@@ -57,7 +60,7 @@ def test_single_valid_row_and_all_nan_groups_give_zero(scale):
     adv = group_advantages(r, 2, scale_rewards=scale)
     assert adv[:6].tolist() == [0.0] * 6
     assert adv[6].item() < 0 < adv[7].item()
-    assert torch.isnan(group_stats(r, 2).std[:2]).all()  # std undefined with < 2 rewards
+    assert group_spread(r, 2)[:3].tolist() == [0.0] * 3  # < 2 rewards: no spread, no signal
 
 
 def test_one_generation_per_prompt_gives_zero():
@@ -123,13 +126,18 @@ def test_matches_trl(scale):
     torch.testing.assert_close(ours, theirs.to(F64), rtol=1e-7, atol=1e-7)
     assert (ours != 0).sum() >= 12  # the comparison is not vacuous
     if scale != "batch":  # TRL's batch mode logs whether the single batch std is zero instead
-        std = group_stats(rewards, 4).std
-        assert torch.isclose(std, torch.zeros_like(std)).float().mean().item() == pytest.approx(frac_zero_std)
+        # the metric as the GRPO step logs it: a group with one valid reward has no std (TRL: not zero)
+        from preftune.algorithms.grpo import reward_metrics
+        from preftune.rollout.scored import Scored
+
+        scored = Scored(None, rewards.unsqueeze(1), rewards, ["r"], [4] * 6)
+        m = reward_metrics(scored, torch.full((24,), 2.0), torch.zeros(24, dtype=torch.bool))
+        assert m["frac_reward_zero_std"] == pytest.approx(frac_zero_std) and frac_zero_std == pytest.approx(1 / 6)
 
 
 def test_unequal_groups_equal_each_group_alone():
     """Offline groups of different sizes: one call, the same as each group normalised by itself."""
-    from preftune.losses.advantages import group_spread, nanmean
+    from preftune.losses.advantages import nanmean
 
     groups = [[1.0, 0.0, 0.5], [0.2, float("nan"), 0.9], [0.3, 0.3, 0.6, 0.0, 1.0]]
     flat = torch.tensor([r for g in groups for r in g], dtype=F64)
@@ -140,8 +148,7 @@ def test_unequal_groups_equal_each_group_alone():
     valid = flat[~flat.isnan()]
     centred = group_advantages(flat, sizes, scale_rewards="none")
     torch.testing.assert_close(group_advantages(flat, sizes, scale_rewards="batch"), centred / (valid.std() + 1e-4))
-    stats = group_stats(flat, sizes)
-    assert stats.mean[3].item() == pytest.approx(0.55) and stats.std[3].item() == pytest.approx(0.7 / 2 ** 0.5)
+    assert _group_mean(flat, sizes)[3].item() == pytest.approx(0.55)
     spread = group_spread(flat, sizes)  # (3,)
     assert spread[1].item() == pytest.approx(0.7 / 2 ** 0.5) and spread.shape == (3,)
     assert group_spread(torch.tensor([1.0, 1.0, float("nan"), 2.0]), [2, 2]).tolist() == [0.0, 0.0]
