@@ -196,7 +196,7 @@ class Parallel:
     # ---------------------------------------------------------------- model wrapping
 
     def load(self, cfg, path: str, *, trainable: bool = True, reshard_after_forward: bool = True):
-        """`models.load_model` for this strategy, on this rank's device (the policy, or with
+        """`load.load_model` for this strategy, on this rank's device (the policy, or with
         `trainable` False the frozen reference). Under FSDP2 without LoRA only rank 0 reads the
         weights, into host memory: every rank builds the module on the meta device and shards it,
         then rank 0 sends each rank its shards and the buffers outside the state dict (rotary

@@ -23,6 +23,9 @@ LAYERS = [
     {"api", "deploy", "report"},
     {"cli", "__main__"},
 ]
+# the layers' names in docs/ARCHITECTURE.md's table, which `layer_table` generates from LAYERS
+LAYER_NAMES = ["base", "losses", "config", "data", "model", "rewards", "distributed", "rollout", "algorithms",
+               "evaluation", "run", "entry", "command"]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 # third-party imports a function may defer: heavy or optional (FSDP's import alone takes ~0.7 s)
 DEFERRED = ("transformers", "peft", "safetensors", "torch.distributed.fsdp", "torch.distributed.checkpoint",
@@ -166,3 +169,56 @@ def test_a_run_imports_only_what_it_uses():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=PACKAGE.parent).stdout
     assert out.strip() == "[]"
+
+
+# ---------------------------------------------------------------- docs/ARCHITECTURE.md's layer table
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "ARCHITECTURE.md"
+TABLE_HEAD = "| layer | modules | what it owns |\n|---|---|---|\n"
+
+
+def _layer_modules(names: set[str]) -> str:
+    """The layer's files as the table lists them: `pkg/a.py`, `b.py`, ... or `x.py`; `pkg/` for cli-like packages."""
+    cells = []
+    for name in sorted(names):
+        if (PACKAGE / f"{name}.py").is_file():
+            cells.append(f"`{name}.py`")
+            continue
+        files = sorted(p.name for p in (PACKAGE / name).glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+        cells += [f"`{name}/{f}`" if i == 0 else f"`{f}`" for i, f in enumerate(files)] or [f"`{name}/`"]
+    return ", ".join(cells)
+
+
+def layer_table(owns: dict[str, str]) -> str:
+    """The table, bottom to top in the order the lint enforces, each layer's files from the tree and
+    its "what it owns" text from `owns` (by layer name)."""
+    rows = [f"| {n} | {_layer_modules(names)} | {owns.get(n, '')} |" for n, names in zip(LAYER_NAMES, LAYERS)]
+    return TABLE_HEAD + "\n".join(rows) + "\n"
+
+
+def _doc_table(text: str) -> tuple[int, int, dict[str, str]]:
+    """Where the table is in the doc and its "what it owns" cells by layer name."""
+    start = text.index(TABLE_HEAD)
+    end = text.index("\n\n", start) + 1
+    owns = {}
+    for line in text[start + len(TABLE_HEAD):end].strip().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        owns[cells[0]] = cells[-1]
+    return start, end, owns
+
+
+def test_the_architecture_layer_table_is_the_enforced_order():
+    """docs/ARCHITECTURE.md's table lists the layers in the order this lint enforces, with every
+    module of the tree; `python -m tests.test_layers` rewrites it (keeping each layer's text)."""
+    assert len(LAYER_NAMES) == len(LAYERS)
+    text = ARCHITECTURE.read_text()
+    start, end, owns = _doc_table(text)
+    assert set(owns) == set(LAYER_NAMES), f"layers in the doc {sorted(owns)} vs the lint {LAYER_NAMES}"
+    assert text[start:end] == layer_table(owns), "run `python -m tests.test_layers` to regenerate the table"
+
+
+if __name__ == "__main__":
+    doc = ARCHITECTURE.read_text()
+    a, b, cells = _doc_table(doc)
+    ARCHITECTURE.write_text(doc[:a] + layer_table(cells) + doc[b:])
+    print(f"wrote the layer table of {ARCHITECTURE}")

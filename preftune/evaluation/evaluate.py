@@ -103,7 +103,7 @@ def summarize(r: EvalResult, prefix: str = "eval/") -> dict:
 def evaluate(model, tokenizer, prompt_set, reward_funcs, *, weights, max_new_tokens: int, batch_size: int,
              truncation: PromptTruncation, state=None, dp=None, engine=None, agent=None) -> dict:
     """`eval/reward` = mean over held-out prompts of the (weighted) summed reward of the greedy completion.
-    With `dp` (train/distributed.py's Parallel), each rank generates and scores its contiguous share
+    With `dp` (`distributed.Parallel`), each rank generates and scores its contiguous share
     of the prompts and every rank summarises all of them (a gather of the per-prompt scores).
     `engine`: sample with the rollout engine, after pushing the model's current weights to it (and
     put it back to sleep after, under grpo.vllm_enable_sleep_mode)."""

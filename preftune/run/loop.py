@@ -71,7 +71,7 @@ def build_task(cfg: Config, model, tokenizer, device, dp: Parallel | None = None
 
 class Run:
     """Setup validates and builds everything (model, data, reward functions, eval set) before it
-    writes to output_dir; `train()` also guards the folder until the first step (train/outdir.py)."""
+    writes to output_dir; `train()` also guards the folder until the first step (run/outdir.py)."""
 
     on_first_step = None  # called once the first optimizer step has been taken
     startup: dict = {}  # startup_seconds by phase, until the first training record carries them
@@ -372,7 +372,7 @@ def train(cfg: Config, *, callbacks=()) -> Path:
     process's own (installed at its first line, kept to its exit); otherwise it is installed for
     this call and the handlers in place before are restored when it returns or raises. Until the
     first optimizer step, output_dir is guarded: an error leaves it as it was found
-    (train/outdir.py). A run whose outputs are already complete returns its final/ untouched."""
+    (run/outdir.py). A run whose outputs are already complete returns its final/ untouched."""
     stop = process_handler()
     if stop is None:
         with Preemption(cfg.preemption_grace_seconds) as stop:

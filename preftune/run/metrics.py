@@ -70,7 +70,7 @@ class Window:
 
 
 class MetricsLog:
-    """metrics.jsonl, the progress bar and the trackers of log.report_to (train/loggers.py)."""
+    """metrics.jsonl, the progress bar and the trackers of log.report_to (run/loggers.py)."""
 
     def __init__(self, out_dir: Path, *, total_steps: int, start_step: int, progress: bool, trackers=()):
         self.path = out_dir / "metrics.jsonl"
