@@ -1,4 +1,4 @@
 """`python -m preftune`: the same process as the `preftune` command."""
-from preftune.cli import script
+from preftune.cli.command import script
 
 script()

@@ -14,7 +14,7 @@ from typing import Any
 
 from preftune.config import Config, apply_override, build_config, read_source
 from preftune.config.trl_config import is_peft_lora, is_trl_config, lora_section
-from preftune.data import memory
+from preftune.data import in_memory as memory
 from preftune.errors import UserError
 from preftune.run.callbacks import Callbacks, check_callbacks
 from preftune.run.metrics import read_records
@@ -64,7 +64,7 @@ def train(config: Any, *, overrides: Sequence[str] | Mapping[str, Any] = (),
     functions the policy may call, a class of which each rollout gets an instance, a function that
     samples the completions itself; replace `grpo.tools` / `grpo.environment_factory` / `grpo.rollout_func`.
     """
-    from preftune.rewards import registry  # torch: imported by the call, not by `import preftune.api`
+    from preftune.rewards import functions as registry  # torch: imported by the call, not by `import preftune.api`
 
     callbacks = check_callbacks(callbacks)  # a wrong object fails now, not after the model has loaded
     data, config_dir = read_source(config)
@@ -85,7 +85,7 @@ def train(config: Any, *, overrides: Sequence[str] | Mapping[str, Any] = (),
 
 def run(cfg: Config, *, callbacks: Any = ()) -> TrainResult:
     """Run a validated config; functions and tables it names must be registered (see `train`)."""
-    from preftune.rewards.registry import check_callables
+    from preftune.rewards.functions import check_callables
     from preftune.run.loop import train as train_loop
 
     # before anything is loaded or written: a run's config.yaml names objects only Python can hand over
@@ -125,7 +125,7 @@ def _apply_overrides(data: dict, overrides: Sequence[str] | Mapping[str, Any]) -
 def _with_agent(data: dict, tools, environment_factory, rollout_func) -> None:
     """Tools, an environment class and a rollout function handed over as Python objects, named in
     the config as reward functions are (`callable:<module>.<qualname>`)."""
-    from preftune.rewards.registry import register_callables
+    from preftune.rewards.functions import register_callables
 
     grpo = data.setdefault("grpo", {})
     if tools is not None:
@@ -147,7 +147,7 @@ def _with_objects(data: dict, config_dir: str, reward_funcs, train_data, eval_da
     """The config with Python objects (given as arguments or as config values) replaced by the names
     that stand for them: `callable:<module>.<qualname>`, `in-memory:<name>@<hash>`, and a loaded
     model by the folder it is written to."""
-    from preftune.rewards.registry import register_callables
+    from preftune.rewards.functions import register_callables
 
     section = data.get("model")
     if isinstance(section, dict) and not isinstance(section.get("name_or_path", ""), (str, Path)):

@@ -1,6 +1,6 @@
 """Write-then-rename: a reader (or a resumed run) sees the old file or the new one, never half of one.
 
-The one home for atomic local file writes; checkpoint folders are published by `run/checkpoint.py`
+The one home for atomic local file writes; checkpoint folders are published by `run/checkpoint_folders.py`
 with the same rename rule at folder level.
 """
 from __future__ import annotations

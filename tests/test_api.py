@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from preftune.cli import main
+from preftune.cli.command import main
 from preftune.config import load_config, to_dict
 from preftune.errors import EXIT_USER, UserError
 import preftune
@@ -61,7 +61,7 @@ def test_import_is_light_and_the_surface_is_named():
     code = ("import sys, preftune\n"
             "names = [preftune.train, preftune.load_config, preftune.Config, preftune.GRPOConfig, preftune.UserError,"
             " preftune.Preempted, preftune.TryAgain, preftune.Unavailable, preftune.TrainResult]\n"
-            "import preftune.cli\n"
+            "import preftune.cli.command\n"
             "heavy = [m for m in ('torch', 'transformers', 'pandas', 'datasets', 'wandb', 'mlflow') if m in sys.modules]\n"
             "assert not heavy, heavy\n"
             "import preftune.run.loop\n"
@@ -171,7 +171,7 @@ def test_dpo_from_a_dataframe_of_traces(tmp_path):
 def test_in_memory_tables_are_validated_like_files(tmp_path):
     import pandas as pd
 
-    from preftune.data import memory
+    from preftune.data import in_memory as memory
     from preftune.data.traces import TraceOptions, load_traces
 
     rows = arith_traces(3)
@@ -230,7 +230,7 @@ def test_errors_and_exceptions_leave_handlers_as_found(tmp_path, own_handlers):
         preftune.train({}, overrides=overrides(tmp_path, "c"), reward_funcs=[brevity], train_data=PROMPTS,
                        callbacks=[notice])
     assert handlers() == own_handlers and (tmp_path / "c" / "checkpoints" / "step-1").is_dir()
-    from preftune.data import memory
-    from preftune.rewards.registry import CALLABLES
+    from preftune.data import in_memory as memory
+    from preftune.rewards.functions import CALLABLES
 
     assert not memory.TABLES and not CALLABLES  # nothing of the call stays registered

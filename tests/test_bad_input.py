@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from preftune.cli import main
+from preftune.cli.command import main
 from preftune.errors import EXIT_USER
 from tests.conftest import EVAL_PROMPTS, MODEL_DIR, TRAIN_PROMPTS, arith_traces, write_jsonl, write_parquet
 

@@ -205,6 +205,6 @@ def test_reward_files_resolve_beside_the_config(cfg_file, tmp_path, monkeypatch)
     out.write_text(to_yaml(cfg))
     again = load_config(out)
     assert to_dict(again) == to_dict(cfg)
-    from preftune.rewards.registry import load_reward_function
+    from preftune.rewards.functions import load_reward_function
 
     assert load_reward_function(again.grpo.reward_funcs[1], base_dir=again.config_dir)(completions=["a"]) == [1.0]

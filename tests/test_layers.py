@@ -147,7 +147,7 @@ def test_imports_inside_functions_defer_something_heavy():
 def test_import_preftune_and_its_cli_are_light():
     import subprocess
 
-    code = ("import sys, preftune, preftune.cli, preftune.config, preftune.losses.names; "
+    code = ("import sys, preftune, preftune.cli.command, preftune.config, preftune.losses.names; "
             "print([m for m in ('torch', 'transformers', 'numpy', 'pyarrow') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=PACKAGE.parent).stdout
@@ -161,8 +161,8 @@ def test_a_run_imports_only_what_it_uses():
     charts, S3, the Kubernetes checks): each restart after a spot notice would pay for them."""
     import subprocess
 
-    code = ("import sys; from preftune.cli import parser; parser(); "
-            "import preftune.api, preftune.run.loop, preftune.rewards.registry; "
+    code = ("import sys; from preftune.cli.command import parser; parser(); "
+            "import preftune.api, preftune.run.loop, preftune.rewards.functions; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pyarrow', 'fsspec', 'pandas', 'peft', "
             "'vllm', 'wandb', 'mlflow', 'tensorboard', 'matplotlib', 's3fs', 'jsonschema', 'kubernetes_validate', "
             "'datasets') or m == 'preftune.data.inspect'))")

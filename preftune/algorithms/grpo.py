@@ -30,7 +30,7 @@ from preftune.losses.advantages import group_advantages, group_spread, group_std
 from preftune.losses.grpo import CLIP_KEYS, batch_normaliser
 from preftune.losses.sampling import importance_weights, mismatch_stats
 from preftune.model.logps import Rows, completion_logps, microbatches
-from preftune.rewards.registry import RewardLog, load_callable, load_reward_funcs
+from preftune.rewards.functions import RewardLog, load_callable, load_reward_funcs
 from preftune.rollout.offline import OfflineSource, group_tools
 from preftune.rollout.online import OnlineSource
 from preftune.rollout.sampler import Rollout
@@ -150,7 +150,7 @@ def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig, dp=None) -> GRPOBatc
                       metrics=reward_metrics(whole, lengths, truncated))
     if cfg.beta > 0:
         with dp.gathered(ref_model):
-            batch.ref_logps = reference_logps(ref_model, ro, cfg, without_adapter=ref_model is model,
+            batch.ref_logps = rollout_logps(ref_model, ro, cfg, without_adapter=ref_model is model,
                                               rows=batch.sizes())
     if cfg.vllm_importance_sampling_correction and ro.sampling_logps is not None:  # an engine's behaviour log-probs
         batch.is_weights, stats = engine_correction(model, batch, cfg, dp)
@@ -164,7 +164,7 @@ def engine_correction(model, batch: GRPOBatch, cfg: GRPOConfig, dp) -> tuple[tor
     weights that sampled), against the engine's. Metrics over every rank's tokens, TRL's names."""
     ro = batch.rollout
     with dp.gathered(model):
-        trainer = reference_logps(model, ro, cfg, rows=batch.sizes(), sampler=True)  # (N, T)
+        trainer = rollout_logps(model, ro, cfg, rows=batch.sizes(), sampling_distribution=True)  # (N, T)
     mask = ro.loss_mask().float()  # tool tokens were not sampled: no ratio
     w = importance_weights(trainer, ro.sampling_logps, mask, mode=cfg.vllm_importance_sampling_mode,
                            clip_min=cfg.vllm_importance_sampling_clip_min,
@@ -181,11 +181,12 @@ def engine_correction(model, batch: GRPOBatch, cfg: GRPOConfig, dp) -> tuple[tor
 
 
 @torch.no_grad()
-def reference_logps(model, rollout: Rollout, cfg: GRPOConfig, *, without_adapter: bool = False,
-                    rows: Rows | None = None, sampler: bool = False) -> torch.Tensor:
-    """Log-probs of a rollout under a frozen model (the reference).
-    With LoRA the reference is the policy with its adapters disabled: no second model in memory.
-    `sampler`: the sampling distribution's (top-k/top-p renormalised), for the engine correction."""
+def rollout_logps(model, rollout: Rollout, cfg: GRPOConfig, *, without_adapter: bool = False,
+                  rows: Rows | None = None, sampling_distribution: bool = False) -> torch.Tensor:
+    """Log-probs (N, T) of a rollout's completions under `model`, no grad: the reference's (with
+    LoRA the policy with its adapters disabled: no second model in memory), or with
+    `sampling_distribution` the policy's own sampling distribution (top-k/top-p renormalised), which
+    the engine correction compares with the engine's."""
     with model.disable_adapter() if without_adapter else contextlib.nullcontext():
         out = []
         if rows is None:  # one host read
@@ -194,7 +195,8 @@ def reference_logps(model, rollout: Rollout, cfg: GRPOConfig, *, without_adapter
             lp, _ = completion_logps(model, rollout.prompt_ids[sl], rollout.prompt_mask[sl],
                                      rollout.completion_ids[sl], rollout.completion_mask[sl],
                                      temperature=cfg.temperature, rows=rows[sl],
-                                     top_k=cfg.top_k if sampler else 0, top_p=cfg.top_p if sampler else 1.0)
+                                     top_k=cfg.top_k if sampling_distribution else 0,
+                                     top_p=cfg.top_p if sampling_distribution else 1.0)
             out.append(lp)
     return torch.cat(out)  # (N, T)
 

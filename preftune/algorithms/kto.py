@@ -39,14 +39,14 @@ log = logging.getLogger("preftune")
 
 
 @dataclass
-class EncodedExample:
+class KTOExample:
     prompt: list[int]
     completion: list[int]
     desirable: bool
     mask: list[int] | None = None  # per completion token, 0 at a tool's output (None: every token counts)
 
 
-def encode_labeled(examples, tokenizer, cfg: Config) -> tuple[list[EncodedExample], dict]:
+def encode_labeled(examples, tokenizer, cfg: Config) -> tuple[list[KTOExample], dict]:
     """Prompt and response form one sequence; over kto.max_length, the response is cut (prompt kept).
     A multi-turn response counts its assistant turns only (`data/turns.py`)."""
     trunc = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
@@ -59,7 +59,7 @@ def encode_labeled(examples, tokenizer, cfg: Config) -> tuple[list[EncodedExampl
             continue
         prompt, (completion,), n_cut = enc
         cut += n_cut
-        out.append(EncodedExample(prompt, completion.completion, e.desirable, completion.mask))
+        out.append(KTOExample(prompt, completion.completion, e.desirable, completion.mask))
     desirable = sum(e.desirable for e in out)
     return out, {"examples": len(out), "desirable": desirable, "undesirable": len(out) - desirable,
                  "prompts_truncated": trunc.truncated, "prompts_dropped": trunc.dropped, "responses_truncated": cut}

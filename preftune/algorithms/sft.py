@@ -26,7 +26,7 @@ from preftune.model.logps import list_logps, microbatches
 
 
 @dataclass
-class EncodedExample:
+class SFTExample:
     prompt: list[int]
     completion: list[int]
     mask: list[int] | None = None  # per completion token, 1 where it trains (None: every token)
@@ -40,7 +40,7 @@ class EncodedExample:
         return len(self.completion) if self.mask is None else sum(self.mask)
 
 
-def encode_examples(examples, tokenizer, cfg: Config) -> tuple[list[EncodedExample], dict]:
+def encode_examples(examples, tokenizer, cfg: Config) -> tuple[list[SFTExample], dict]:
     """Prompt under data.max_prompt_length's policy; the completion (+ EOS) cut to fit sft.max_length.
     A multi-turn completion trains its assistant turns only (`sft.assistant_only_loss`, `data/turns.py`)."""
     trunc = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
@@ -53,12 +53,12 @@ def encode_examples(examples, tokenizer, cfg: Config) -> tuple[list[EncodedExamp
             continue
         prompt, (completion,), n_cut = enc
         cut += n_cut
-        out.append(EncodedExample(prompt, completion.completion, completion.mask))
+        out.append(SFTExample(prompt, completion.completion, completion.mask))
     return out, {"examples": len(out), "prompts_truncated": trunc.truncated, "prompts_dropped": trunc.dropped,
                  "completions_truncated": cut}
 
 
-def example_logps(model, batch: list[EncodedExample], pad_id: int, device, *, pack: bool = True):
+def example_logps(model, batch: list[SFTExample], pad_id: int, device, *, pack: bool = True):
     """Completion-token log-probs and entropies, flat (n,) in example order: one example per row, or
     several packed into a row where the packer's rule says so (`pack`; attention stays within each)."""
     logps, entropy, c_mask = list_logps(model, [e.prompt for e in batch], [e.completion for e in batch], pad_id,
@@ -82,7 +82,7 @@ class SFTTask:
         self.pad_id = tokenizer.pad_token_id
         self.stream = IndexStream(len(self.encoded), cfg.seed, cfg.data.shuffle)
 
-    def logps(self, model, batch: list[EncodedExample]):
+    def logps(self, model, batch: list[SFTExample]):
         return example_logps(model, batch, self.pad_id, self.device, pack=self.s.packing)
 
     def step(self, model, step: int, stop) -> dict:

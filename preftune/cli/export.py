@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from preftune.errors import UserError
-from preftune.run import checkpoint as ckpt
+from preftune.run import checkpoint_folders as ckpt
 
 
 def add_parser(sub) -> None:

@@ -1,4 +1,4 @@
-"""Bodies of `preftune data inspect` and `preftune data pairs` (argparse lives in preftune/cli/__init__.py)."""
+"""Bodies of `preftune data inspect` and `preftune data pairs` (argparse lives in preftune/cli/command.py)."""
 from __future__ import annotations
 
 import math

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from preftune.config import CHOICES, DataConfig
-from preftune.data import memory
+from preftune.data import in_memory as memory
 from preftune.data.messages import is_messages
 from preftune.data.tools import TOOLS_COLUMN, drop_nulls, parse_tools
 from preftune.errors import UserError, one_line

@@ -13,7 +13,7 @@ from preftune.data.traces import TraceOptions
 from preftune.errors import UserError
 from preftune.evaluation.stats import is_binary, pass_and_mean_at_k
 from preftune.losses.advantages import nanmean
-from preftune.rewards.registry import RewardLog, RewardState, load_reward_funcs
+from preftune.rewards.functions import RewardLog, RewardState, load_reward_funcs
 from preftune.rollout.online import act, encode_prompts, score
 from preftune.rollout.engine import SamplerEngine
 

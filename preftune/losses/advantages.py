@@ -84,11 +84,12 @@ def group_spread(rewards: torch.Tensor, sizes: GroupSizes) -> torch.Tensor:
 
 
 def group_advantages(
-    rewards: torch.Tensor, num_generations: GroupSizes, *, estimator: str = "grpo", scale_rewards: str = "group",
+    rewards: torch.Tensor, group_sizes: GroupSizes, *, estimator: str = "grpo", scale_rewards: str = "group",
     eps: float = 1e-4,
 ) -> torch.Tensor:
-    """Advantages of flat group-contiguous rewards (N,) -> (N,); `num_generations` is G (equal groups)
-    or the list of group sizes (offline traces). With n_g the valid rewards of row i's group g:
+    """Advantages of flat group-contiguous rewards (N,) -> (N,); `group_sizes` is G (equal groups,
+    TRL's num_generations) or the list of group sizes (offline traces). With n_g the valid rewards
+    of row i's group g:
 
     estimator:
         "grpo": A_i = (r_i - mean_g) / (std + eps) (GRPO, DeepSeekMath arXiv:2402.03300), std set by
@@ -113,7 +114,7 @@ def group_advantages(
         raise ValueError(f"unknown scale_rewards {scale_rewards!r}; expected one of {', '.join(SCALE_REWARDS)}")
     if estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"unknown estimator {estimator!r}; expected one of {', '.join(ADVANTAGE_ESTIMATORS)}")
-    grouped, index = _grouped(rewards, num_generations)  # (n, G), NaN-padded when unequal
+    grouped, index = _grouped(rewards, group_sizes)  # (n, G), NaN-padded when unequal
     mean, group_std = nan_mean_std(grouped, dim=1)  # (n, 1)
     if estimator == "rloo":
         total = torch.nansum(grouped, dim=1, keepdim=True)  # (n, 1)

@@ -6,7 +6,7 @@ import base64
 import html
 import json
 from pathlib import Path
-from preftune.data.report import DATA_REPORT
+from preftune.data.data_report import DATA_REPORT
 
 
 def _pre(text: str) -> str:

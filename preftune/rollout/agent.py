@@ -19,7 +19,7 @@ import torch
 from preftune.data.messages import is_messages
 from preftune.data.tensors import left_pad
 from preftune.errors import UserError, one_line
-from preftune.rewards.registry import load_callable
+from preftune.rewards.functions import load_callable
 from preftune.rollout.sampler import Rollout
 from preftune.rollout.tools import Environments, Tool, make_tool, parse_calls, pick_format, run_call
 

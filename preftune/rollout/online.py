@@ -12,7 +12,7 @@ from preftune.data.tokenize import PromptTruncation, encode_prompt
 from preftune.distributed import Parallel
 from preftune.errors import UserError
 from preftune.losses.advantages import group_spread
-from preftune.rewards.registry import RewardLog, RewardState, as_completions, compute_rewards
+from preftune.rewards.functions import RewardLog, RewardState, as_completions, compute_rewards
 from preftune.rollout.agent import Agent, Trajectory, completions_of, stats, tool_metrics
 from preftune.rollout.custom import RolloutContext, run_rollout_func
 from preftune.rollout.engine import SamplerEngine

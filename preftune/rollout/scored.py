@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from preftune.rewards.registry import RewardLog
+from preftune.rewards.functions import RewardLog
 from preftune.rollout.sampler import Rollout
 
 

@@ -35,7 +35,7 @@ from preftune.errors import CheckpointDamaged, Unavailable, UserError, one_line
 from preftune.tensorfile import TensorFileError
 from preftune.model.core import weight_files
 from preftune.model.load import load_model, save_generation_config, save_pretrained
-from preftune.run import checkpoint as ckpt
+from preftune.run import checkpoint_folders as ckpt
 from preftune.run.resume import CONFIG_FILE, checkpoint_config
 
 log = logging.getLogger("preftune")

@@ -18,7 +18,7 @@ import yaml
 from preftune.config import Config
 from preftune.config.fields import TRAJECTORY
 from preftune.errors import Unavailable
-from preftune.run import checkpoint as ckpt
+from preftune.run import checkpoint_folders as ckpt
 from preftune.run.mirror import RemoteMirror
 from preftune.run.resume import CONFIG_FILE, check_changes
 

@@ -22,10 +22,10 @@ from preftune import distributed
 from preftune.atomic import atomic_write, copy_atomic
 from preftune.config import Config, to_dict, to_yaml
 from preftune.config.redact import redact
-from preftune.data.report import write_data_report
+from preftune.data.data_report import write_data_report
 from preftune.errors import Preempted, Unavailable
 from preftune.model.load import check_model_path, import_model_libraries, load_tokenizer
-from preftune.run import checkpoint as ckpt, optim
+from preftune.run import checkpoint_folders as ckpt, optim
 from preftune.run.checkpointer import METRICS, Checkpointer, prepare_task, rng_state, set_rng_state
 from preftune.algorithms.dpo import DPOTask
 from preftune.algorithms.grpo import GRPOTask

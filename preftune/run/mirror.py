@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 from preftune.errors import Unavailable, UserError, one_line
-from preftune.run.checkpoint import (
+from preftune.run.checkpoint_folders import (
     MANIFEST, STEP_RE, fsync_tree, publish, read_manifest, scratch, snapshot, verify,
 )
 

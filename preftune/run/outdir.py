@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 log = logging.getLogger("preftune")
-KEEP = ("checkpoints", "final")  # managed by run/checkpoint.py and resume.py; never rolled back
+KEEP = ("checkpoints", "final")  # managed by run/checkpoint_folders.py and resume.py; never rolled back
 
 
 class OutputGuard:

@@ -26,9 +26,9 @@ import yaml
 from preftune.config import Config, to_dict
 from preftune.config.fields import FIXED, TRAJECTORY, on_resume
 from preftune.config.redact import redact
-from preftune.data import memory
+from preftune.data import in_memory as memory
 from preftune.errors import Unavailable, UserError, one_line
-from preftune.run import checkpoint as ckpt
+from preftune.run import checkpoint_folders as ckpt
 from preftune.run.lock import LOCK
 
 log = logging.getLogger("preftune")

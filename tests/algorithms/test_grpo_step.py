@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from preftune.algorithms.grpo import GRPOBatch, grpo_step, new_batch, reference_logps
+from preftune.algorithms.grpo import GRPOBatch, grpo_step, new_batch, rollout_logps
 from preftune.config import GRPOConfig
 from preftune.data.prompts import PromptSet
 from preftune.data.tensors import left_pad, right_pad
@@ -104,8 +104,8 @@ def test_completion_logps_without_entropy_has_grad(model, tokenizer):
 def _batch(model, tokenizer, cfg: GRPOConfig) -> GRPOBatch:
     ro = synthetic_rollout(tokenizer)
     # an old policy a little off the current one, so ratios leave [1 - eps, 1 + eps] and clipping acts
-    ro.old_logps = reference_logps(perturbed(model, 0.03, seed=1), ro, cfg)
-    ref = reference_logps(perturbed(model, 0.02, seed=2), ro, cfg) if cfg.beta > 0 else None
+    ro.old_logps = rollout_logps(perturbed(model, 0.03, seed=1), ro, cfg)
+    ref = rollout_logps(perturbed(model, 0.02, seed=2), ro, cfg) if cfg.beta > 0 else None
     adv = torch.randn(N, generator=torch.Generator().manual_seed(3))
     return GRPOBatch(rollout=ro, advantages=adv, ref_logps=ref)
 

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from preftune.algorithms.sft import EncodedExample, SFTTask, example_logps
+from preftune.algorithms.sft import SFTExample, SFTTask, example_logps
 from preftune.model import logps as L
 from preftune.config import load_config
 from preftune.run import loop
@@ -32,7 +32,7 @@ def one_thread():
 
 
 def _examples(tokenizer, pairs):
-    return [EncodedExample(tokenizer(p).input_ids, tokenizer(c).input_ids + [tokenizer.eos_token_id]) for p, c in pairs]
+    return [SFTExample(tokenizer(p).input_ids, tokenizer(c).input_ids + [tokenizer.eos_token_id]) for p, c in pairs]
 
 
 PAIRS = [("12+7=", "19"), ("3+4=", "7"), ("10+19=", "29"), ("1+1=", "2"), ("0+0=", "0"), ("18+17=", "35")]

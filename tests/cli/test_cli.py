@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from preftune.cli import main
+from preftune.cli.command import main
 from preftune.errors import EXIT_OK, EXIT_USER
 from tests.conftest import MODEL_DIR, ROOT, TRAIN_PROMPTS, arith_traces, write_jsonl, write_parquet
 
@@ -172,4 +172,4 @@ def test_the_console_script_is_the_process_entry():
     from tests.conftest import ROOT
 
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"preftune": "preftune.cli:script"}
+    assert scripts == {"preftune": "preftune.cli.command:script"}

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from preftune import cli
+from preftune.cli import command as cli
 from preftune.deploy import cost
 from preftune.errors import UserError
 from tests.conftest import EXAMPLES, write_jsonl

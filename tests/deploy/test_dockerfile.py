@@ -45,7 +45,7 @@ def test_entrypoint_matches_the_rendered_command():
 
 
 def test_the_rendered_command_is_a_preftune_launch_the_cli_accepts():
-    from preftune.cli import parser
+    from preftune.cli.command import parser
 
     args = parser().parse_args(launch_command()[len(ENTRYPOINT):])
     assert (args.command, args.config) == ("launch", "/etc/preftune/config.yaml")

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from preftune import cli
+from preftune.cli import command as cli
 from preftune.config import load_config
 from preftune.deploy import plan as planner
 from preftune.deploy.nodes import INSTANCE_TYPES

@@ -7,7 +7,7 @@ import sys
 import pytest
 import yaml
 
-from preftune import cli
+from preftune.cli import command as cli
 from preftune.deploy.manifests import CONFIG_DIR, CONFIG_FILE, launch_command
 from preftune.deploy.validate import admission_problems, schema_problems
 from tests.deploy.conftest import render
@@ -224,7 +224,7 @@ def test_notes_name_paths_the_container_must_have(tmp_path):
 
 
 def test_deploy_modules_do_not_import_torch(job_config, tmp_path):
-    code = ("import sys; from preftune import cli; "
+    code = ("import sys; from preftune.cli import command as cli; "
             f"rc = cli.main(['render', {str(job_config)!r}, '-o', {str(tmp_path / 'o')!r}, '--check']); "
             "rc2 = cli.main(['cost', '--hours', '4', '--json']); "
             "import preftune.deploy.cost, preftune.deploy.validate, preftune.deploy.nodes; "

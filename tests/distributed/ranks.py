@@ -60,7 +60,7 @@ if pause:
         task.step = step
         return task
     loop.build_task = slow
-from preftune.cli import finish, main
+from preftune.cli.command import finish, main
 finish(main(sys.argv[1:]))  # as `preftune` and `python -m preftune.cli` end: no interpreter teardown
 """
 

@@ -104,7 +104,7 @@ def test_two_ranks_train_like_one(kind, strategy, one_rank, data_dir, tmp_path):
     if kind == "offline":
         assert len([r for r in read_records(out / "metrics.jsonl") if "eval/reward" in r]) == 3  # steps 0, 2, 4
     if kind == "lora":  # step checkpoints hold the adapter and its optimizer state only
-        from preftune.run import checkpoint as ckpt
+        from preftune.run import checkpoint_folders as ckpt
 
         files = ckpt.read_manifest((out / "checkpoints" / "step-2" / ckpt.MANIFEST).read_text())["files"]
         from tests.run.test_resume import MODEL

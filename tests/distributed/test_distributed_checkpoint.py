@@ -12,10 +12,10 @@ import signal
 import pytest
 import torch
 
-from preftune.cli import main
+from preftune.cli.command import main
 from preftune.config import load_config
 from preftune.errors import EXIT_OK, EXIT_PREEMPTED
-from preftune.run import checkpoint as ckpt, loop
+from preftune.run import checkpoint_folders as ckpt, loop
 from tests.distributed.ranks import WEIGHT_TOL, Ranks, final_state, metric_rows
 from tests.run.test_resume import data_dir, one_thread, overrides, saved_steps, write_config  # noqa: F401
 

@@ -33,7 +33,7 @@ def threads():
     names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
     print("TEST threads at exit", names, flush=True)
 atexit.register(threads)
-from preftune.cli import script
+from preftune.cli.command import script
 script(sys.argv[1:])
 """
 

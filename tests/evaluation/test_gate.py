@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from preftune.cli import main
+from preftune.cli.command import main
 from preftune.config import GateConfig
 from preftune.errors import EXIT_CRASH, EXIT_GATE_FAILED, EXIT_USER
 from preftune.evaluation.gate import compare, decide
@@ -106,7 +106,7 @@ def test_an_evaluation_that_crashes_exits_1_not_the_gate_code(tmp_path, models):
     code = ("import sys; import preftune.cli.evaluate as ev\n"
             "def boom(*a, **k): raise RuntimeError('the evaluation broke')\n"
             "ev.evaluate_model = boom\n"
-            "from preftune.cli import script; script(sys.argv[1:])")
+            "from preftune.cli.command import script; script(sys.argv[1:])")
     proc = subprocess.run([sys.executable, "-c", code, "eval", cfg, "--checkpoint", str(ckpt), *ovr],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == EXIT_CRASH, proc.stderr[-2000:]
@@ -149,7 +149,7 @@ def test_sigterm_during_eval_says_what_stopped_and_exits_75(tmp_path, models):
     driver = tmp_path / "driver.py"
     driver.write_text("import sys, time\nimport preftune.cli.evaluate as ev\nreal = ev.evaluate_model\n"
                       "def slow(*a, **k):\n    print('TEST evaluating', flush=True)\n    time.sleep(60)\n"
-                      "    return real(*a, **k)\nev.evaluate_model = slow\nfrom preftune.cli import script\n"
+                      "    return real(*a, **k)\nev.evaluate_model = slow\nfrom preftune.cli.command import script\n"
                       "script(sys.argv[1:])\n")
     cfg, *ovr = _config(tmp_path)
     log = tmp_path / "eval.log"

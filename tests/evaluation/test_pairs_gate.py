@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from preftune.cli import main
+from preftune.cli.command import main
 from preftune.config import GateConfig
 from preftune.errors import EXIT_GATE_FAILED, EXIT_USER
 from preftune.evaluation.gate import compare, decide

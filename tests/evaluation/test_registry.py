@@ -7,7 +7,7 @@ import multiprocessing as mp
 
 import pytest
 
-from preftune.cli import main
+from preftune.cli.command import main
 from preftune.errors import EXIT_USER
 from preftune.evaluation.registry import append, read
 from tests.s3_server import s3_server

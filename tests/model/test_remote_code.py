@@ -56,7 +56,7 @@ def test_remote_code_is_refused_without_a_prompt(tmp_path, where, code):
 
 def test_a_pickled_pytorch_model_bin_is_exit_78_and_never_runs(tmp_path, capsys):
     """Issue 25: a pytorch_model.bin holding arbitrary objects gave exit 1 (a crash)."""
-    from preftune.cli import main
+    from preftune.cli.command import main
     from tests.run.test_data_only import payload
 
     model = tmp_path / "model"

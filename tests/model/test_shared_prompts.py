@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from preftune.algorithms.grpo import GRPOBatch, grpo_step, reference_logps, trained_rows
+from preftune.algorithms.grpo import GRPOBatch, grpo_step, rollout_logps, trained_rows
 from preftune.config import GRPOConfig
 from preftune.model import llama as D, logps as L, ops
 from tests.conftest import MODEL_DIR
@@ -30,8 +30,8 @@ def setup(tokenizer):
     model = D.Llama.from_pretrained(MODEL_DIR, AutoConfig.from_pretrained(str(MODEL_DIR)), dtype=torch.float64)
     ro = synthetic_rollout(tokenizer)
     cfg = GRPOConfig(micro_batch_size=N)
-    ro.old_logps = reference_logps(perturbed(model, 0.03, seed=1), ro, cfg)
-    ref = reference_logps(perturbed(model, 0.02, seed=2), ro, cfg)
+    ro.old_logps = rollout_logps(perturbed(model, 0.03, seed=1), ro, cfg)
+    ref = rollout_logps(perturbed(model, 0.02, seed=2), ro, cfg)
     adv = torch.randn(N, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     yield model, GRPOBatch(rollout=ro, advantages=adv, ref_logps=ref)
     mp.undo()
@@ -104,10 +104,10 @@ def test_reference_pass_shares_prompts(setup, monkeypatch):
     model, batch = setup
     cfg = GRPOConfig(micro_batch_size=5)
     monkeypatch.setattr(L, "MASKED", LAYOUTS["packed"])
-    shared = reference_logps(model, batch.rollout, cfg)
+    shared = rollout_logps(model, batch.rollout, cfg)
     assert not shared.requires_grad  # no autograd state in the reference pass
     monkeypatch.setattr(L, "MASKED", LAYOUTS["plain"])
-    plain = reference_logps(model, batch.rollout, cfg)
+    plain = rollout_logps(model, batch.rollout, cfg)
     m = batch.rollout.completion_mask.bool()
     torch.testing.assert_close(shared[m], plain[m], rtol=0, atol=1e-12)
 
@@ -197,7 +197,7 @@ def test_shared_prompts_with_lora_and_its_reference(tokenizer, monkeypatch):
         lp, _ = L.completion_logps(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
         (lp * ro.completion_mask).sum().backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-        ref = reference_logps(model, ro, GRPOConfig(), without_adapter=True)
+        ref = rollout_logps(model, ro, GRPOConfig(), without_adapter=True)
         out.append((lp.detach(), grads, ref))
     m = ro.completion_mask.bool()
     (a, ga, ra), (b, gb, rb) = out

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from preftune.cli import main
+from preftune.cli.command import main
 from preftune.errors import EXIT_USER
 from preftune.report.charts import read_metrics, series
 

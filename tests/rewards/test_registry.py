@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from preftune.errors import UserError
-from preftune.rewards.registry import (
+from preftune.rewards.functions import (
     RewardState,
     as_completions,
     compute_rewards,

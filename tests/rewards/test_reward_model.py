@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from preftune.errors import EXIT_USER, UserError
-from preftune.rewards.registry import compute_rewards, load_reward_function, load_reward_funcs
+from preftune.rewards.functions import compute_rewards, load_reward_function, load_reward_funcs
 from tests.conftest import MODEL_DIR
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -130,7 +130,7 @@ def test_a_folder_that_is_not_a_reward_model_is_a_user_error(kind, tmp_path):
 
 
 def test_cli_exit_78_naming_the_folder(make_config, tmp_path, capsys):
-    from preftune.cli import main
+    from preftune.cli.command import main
 
     run_yaml = tmp_path / "run.yaml"
     run_yaml.write_text("{}\n")

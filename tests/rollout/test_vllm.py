@@ -193,7 +193,7 @@ def test_preftune_eval_samples_with_an_engine_and_scores_as_the_own_sampler(vllm
     import json
     import shutil
 
-    from preftune.cli import main
+    from preftune.cli.command import main
     from tests.conftest import EXAMPLES, MODEL_DIR
 
     figures = {}

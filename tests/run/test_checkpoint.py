@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from preftune.errors import CheckpointDamaged
-from preftune.run import checkpoint as ckpt
+from preftune.run import checkpoint_folders as ckpt
 from preftune.run.checkpointer import rng_state, set_rng_state
 
 EXAMPLE_MODEL = Path(__file__).resolve().parents[2] / "examples" / "model"

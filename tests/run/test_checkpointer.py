@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
-from preftune.cli import main
+from preftune.cli.command import main
 from preftune.config import load_config
-from preftune.run import checkpoint as ckpt, loop
+from preftune.run import checkpoint_folders as ckpt, loop
 from tests.run.test_resume import data_dir, one_thread, overrides  # noqa: F401 - fixtures used by name
 
 
@@ -31,7 +31,7 @@ def test_a_full_disk_during_a_save_is_one_line_with_its_errno_and_the_rerun_cont
     import errno
 
     from preftune import tensorfile
-    from preftune.cli import main
+    from preftune.cli.command import main
     from preftune.errors import EXIT_UNAVAILABLE
     from tests.run.test_resume import saved_steps, write_config
 

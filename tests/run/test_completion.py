@@ -79,9 +79,9 @@ def test_startup_seconds_in_the_first_record_of_each_process(data_dir, tmp_path,
 
 
 def test_entry_imports_nothing_heavy():
-    """The handler is installed before torch: `import preftune.cli` (whose `script` installs it first) and
+    """The handler is installed before torch: `import preftune.cli.command` (whose `script` installs it first) and
     the handler's module must stay light."""
-    code = ("import sys, signal, preftune.cli, preftune.run.preemption as p; p.install_process_handler(); heavy = [m for m in ('torch', 'numpy', 'transformers', 'yaml') "
+    code = ("import sys, signal, preftune.cli.command, preftune.run.preemption as p; p.install_process_handler(); heavy = [m for m in ('torch', 'numpy', 'transformers', 'yaml') "
             "if m in sys.modules]; print(heavy, signal.getsignal(signal.SIGTERM).__qualname__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}).stdout

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from preftune.cli import main
+from preftune.cli.command import main
 from preftune.config import load_config
 from preftune.errors import EXIT_CRASH
-from preftune.run import checkpoint as ckpt, loop
+from preftune.run import checkpoint_folders as ckpt, loop
 from preftune.run.resume import find_resume_point
 from tests.run.test_resume import data_dir, one_thread, overrides, write_config  # noqa: F401
 from tests.s3_server import s3_server

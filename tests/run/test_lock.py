@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from preftune.cli import main
+from preftune.cli.command import main
 from preftune.errors import EXIT_OK, EXIT_USER, UserError
 from preftune.run.lock import LOCK, RunLock
 from tests.distributed.ranks import DRIVER, ROOT

@@ -162,7 +162,7 @@ def test_an_unreachable_tracker_at_the_start(tmp_path, monkeypatch, capsys, capl
     """Issue 25: an unreachable MLflow server gave 78 (a config error), which the job policy aborts on."""
     import socket
 
-    from preftune.cli import main
+    from preftune.cli.command import main
     from preftune.run.metrics import read_records
 
     with socket.socket() as s:  # a port nothing listens on

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from preftune.errors import EXIT_OK, EXIT_PREEMPTED
-from preftune.run import checkpoint as ckpt
+from preftune.run import checkpoint_folders as ckpt
 from tests.run.test_resume import (  # noqa: F401 - fixtures used by name
     assert_same_run, data_dir, one_thread, overrides, saved_steps, small_eval, write_config,
 )
@@ -28,13 +28,13 @@ CONCURRENT = 4
 LAUNCHERS = {  # the three ways to start the process; each must handle a signal from its first line
     "module": ["-m", "preftune"],
     "cli": ["-m", "preftune.cli"],
-    "script": ["-c", "import sys; from preftune.cli import script; sys.exit(script())"],  # what pip's script does
+    "script": ["-c", "import sys; from preftune.cli.command import script; sys.exit(script())"],  # what pip's script does
 }
 # a driver that waits after main() returns (the process is then "exiting"), so a signal lands there surely
-LINGER = ("import preftune.run.preemption as p; p.install_process_handler(); import sys, time, pathlib; from preftune.cli import main; rc = main(sys.argv[2:]); "
+LINGER = ("import preftune.run.preemption as p; p.install_process_handler(); import sys, time, pathlib; from preftune.cli.command import main; rc = main(sys.argv[2:]); "
           "pathlib.Path(sys.argv[1]).write_text('x'); time.sleep(3); sys.exit(rc)")
 # the completion check must not need torch: report what was imported
-NO_TORCH = ("import preftune.run.preemption as p; p.install_process_handler(); import sys; from preftune.cli import main; rc = main(sys.argv[1:]); "
+NO_TORCH = ("import preftune.run.preemption as p; p.install_process_handler(); import sys; from preftune.cli.command import main; rc = main(sys.argv[1:]); "
             "print('torch imported' if 'torch' in sys.modules else 'torch not imported'); sys.exit(rc)")
 
 

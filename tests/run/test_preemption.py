@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from preftune.cli import main
+from preftune.cli.command import main
 from preftune.errors import EXIT_OK, EXIT_PREEMPTED, Preempted
-from preftune.run import checkpoint as ckpt, loop
+from preftune.run import checkpoint_folders as ckpt, loop
 from preftune.run.preemption import Preemption, StepAbandoned
 from tests.run.test_resume import (  # noqa: F401 - fixtures used by name
     assert_same_run, data_dir, one_thread, overrides, records, saved_steps, sigterm_during, write_config,
@@ -29,7 +29,7 @@ MAX_STEPS = 8
 DRIVER = """
 import os, sys, time
 from pathlib import Path
-from preftune.run import checkpoint as ck
+from preftune.run import checkpoint_folders as ck
 
 marker = os.environ.get("PREFTUNE_TEST_SAVE_MARKER")
 if marker:
@@ -44,7 +44,7 @@ if marker:
             time.sleep(pause)
 
     ck.write_manifest = slow
-from preftune.cli import main
+from preftune.cli.command import main
 sys.exit(main(sys.argv[1:]))
 """
 

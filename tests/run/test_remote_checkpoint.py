@@ -13,7 +13,7 @@ import pytest
 
 from preftune.config import load_config
 from preftune.errors import Preempted, UserError
-from preftune.run import checkpoint as ckpt, loop
+from preftune.run import checkpoint_folders as ckpt, loop
 from preftune.run.mirror import RemoteMirror
 from preftune.run.resume import find_resume_point
 from tests.s3_server import s3_server

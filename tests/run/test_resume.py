@@ -17,10 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from preftune.cli import main
+from preftune.cli.command import main
 from preftune.config import load_config
 from preftune.errors import EXIT_PREEMPTED, EXIT_USER, Preempted, UserError
-from preftune.run import checkpoint as ckpt, loop
+from preftune.run import checkpoint_folders as ckpt, loop
 from preftune.run.metrics import TIMING_KEYS
 from preftune.run.resume import find_resume_point
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import preftune
-from preftune.cli import main
+from preftune.cli.command import main
 from preftune.config import Config, load_config
 from preftune.config.fields import FIXED, FREE, ON_RESUME, TRAJECTORY, keys, knob, on_resume, section
 from preftune.errors import EXIT_OK, EXIT_USER, UserError
