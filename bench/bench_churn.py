@@ -33,8 +33,8 @@ STARTUP_RE = re.compile(r"startup ([\d.]+) s \((.*)\)")
 
 def launch(config: str, out: Path, overrides: list[str], log: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "preftune", "train", config, f"output_dir={out}", "log.progress_bar=false",
-           *overrides]
+    cmd = [sys.executable, "-m", "preftune", "train", config, f"output_dir={out}",
+           "log.progress_bar=false", *overrides]
     with open(log, "w") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
@@ -70,7 +70,8 @@ def run_once(config: str, out: Path, overrides: list[str], logs: Path) -> float:
     return time.monotonic() - t0
 
 
-def churn(config: str, out: Path, overrides: list[str], logs: Path, interval: float, limit: int) -> dict:
+def churn(config: str, out: Path, overrides: list[str], logs: Path,
+          interval: float, limit: int) -> dict:
     """Run with a SIGTERM every `interval` s of each process, restarting on 75, until exit 0."""
     segments, t0 = [], time.monotonic()
     for i in range(limit):
@@ -87,7 +88,8 @@ def churn(config: str, out: Path, overrides: list[str], logs: Path, interval: fl
         rc = p.wait()
         end = time.monotonic()
         text = log.read_text()
-        segments.append({"rc": rc, "wall": end - start, "signal_to_exit": end - signalled if signalled else None,
+        segments.append({"rc": rc, "wall": end - start,
+                         "signal_to_exit": end - signalled if signalled else None,
                          "startup": startup(text),
                          "handler_after_s": handler})
         if rc == 0:
@@ -100,51 +102,64 @@ def churn(config: str, out: Path, overrides: list[str], logs: Path, interval: fl
 def same_weights(a: Path, b: Path) -> bool:
     from safetensors.torch import load_file
 
-    x, y = load_file(str(a / "final" / "model.safetensors")), load_file(str(b / "final" / "model.safetensors"))
+    x, y = (
+        load_file(str(a / "final" / "model.safetensors")),
+        load_file(str(b / "final" / "model.safetensors")),
+    )
     return x.keys() == y.keys() and all(x[k].equal(y[k]) for k in x)
 
 
 def summarize(uninterrupted: float, churned: dict) -> dict:
     segs = churned["segments"]
     n = sum(1 for s in segs if s["signal_to_exit"] is not None)
-    restarts = [s["startup"] for s in segs[1:] if s["startup"]]  # the first process is a fresh start
+    # the first process is a fresh start
+    restarts = [s["startup"] for s in segs[1:] if s["startup"]]
     phases = {k: statistics.fmean(r[k] for r in restarts) for k in restarts[0]} if restarts else {}
     exits = [s["signal_to_exit"] for s in segs if s["signal_to_exit"] is not None]
     handler = [s["handler_after_s"] for s in segs if s["handler_after_s"] is not None]
-    return {"interruptions": n, "uninterrupted_s": uninterrupted, "churned_s": churned["wall"],
-            "goodput": uninterrupted / churned["wall"],
-            "lost_per_interruption_s": (churned["wall"] - uninterrupted) / n if n else 0.0,
-            "restart_startup_s": phases, "signal_to_exit_s": statistics.fmean(exits) if exits else None,
-            "handler_after_s": max(handler) if handler else None}
+    return {
+        "interruptions": n,
+        "uninterrupted_s": uninterrupted,
+        "churned_s": churned["wall"],
+        "goodput": uninterrupted / churned["wall"],
+        "lost_per_interruption_s": (churned["wall"] - uninterrupted) / n if n else 0.0,
+        "restart_startup_s": phases,
+        "signal_to_exit_s": statistics.fmean(exits) if exits else None,
+        "handler_after_s": max(handler) if handler else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="examples/grpo.yaml")
-    ap.add_argument("--interval", type=float, default=10.0, help="seconds of each process's life before its SIGTERM")
+    ap.add_argument("--interval", type=float, default=10.0,
+                    help="seconds of each process's life before its SIGTERM")
     ap.add_argument("--limit", type=int, default=200, help="give up after this many processes")
     ap.add_argument("--json", help="write the numbers (and the load) to this file")
     ap.add_argument("overrides", nargs="*", help="KEY=VALUE overrides for both runs")
     args = ap.parse_args(argv)
     load_before = os.getloadavg()
-    tmp = Path(tempfile.mkdtemp(prefix="preftune-churn-"))  # kept when something fails, for its logs
+    # kept when something fails, for its logs
+    tmp = Path(tempfile.mkdtemp(prefix="preftune-churn-"))
     t_ref = run_once(args.config, tmp / "uninterrupted", args.overrides, tmp)
     churned = churn(args.config, tmp / "churned", args.overrides, tmp, args.interval, args.limit)
-    record = summarize(t_ref, churned) | {"bitwise_equal": same_weights(tmp / "uninterrupted", tmp / "churned")}
+    record = summarize(t_ref, churned) | {
+        "bitwise_equal": same_weights(tmp / "uninterrupted", tmp / "churned")
+    }
     shutil.rmtree(tmp)
     record |= {"config": args.config, "overrides": args.overrides, "interval_s": args.interval,
-               "cpus": os.cpu_count(), "load_avg_before": list(load_before), "load_avg_after": list(os.getloadavg()),
-               "segments": churned["segments"]}
+               "cpus": os.cpu_count(), "load_avg_before": list(load_before),
+               "load_avg_after": list(os.getloadavg()), "segments": churned["segments"]}
     ph = record["restart_startup_s"]
-    print(f"{record['interruptions']} interruptions (SIGTERM every {args.interval:g} s of each process)\n"
-          f"uninterrupted {t_ref:.1f} s, churned {churned['wall']:.1f} s: goodput {record['goodput']:.0%}, "
-          f"{record['lost_per_interruption_s']:.1f} s lost per interruption\n"
-          f"restart start-up (mean): " + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()) + " s\n"
-          f"signal to exit (mean): {record['signal_to_exit_s'] or 0:.2f} s; SIGTERM handled from "
-          f"{(record['handler_after_s'] or 0) * 1000:.0f} ms after the launch (the slowest process)\n"
-          f"final weights bitwise equal: "
-          f"{record['bitwise_equal']}\n"
-          f"load avg (1/5/15 min) before {'/'.join(f'{x:.1f}' for x in load_before)}, after "
+    print(f"{record['interruptions']} interruptions (SIGTERM every {args.interval:g} "
+          f"s of each process)\nuninterrupted {t_ref:.1f} s, churned "
+          f"{churned['wall']:.1f} s: goodput {record['goodput']:.0%}, "
+          f"{record['lost_per_interruption_s']:.1f} s lost per interruption\nrestart "
+          "start-up (mean): " + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()) + " "
+          f"s\nsignal to exit (mean): {record['signal_to_exit_s'] or 0:.2f} s; SIGTERM handled "
+          f"from {(record['handler_after_s'] or 0) * 1000:.0f} ms after the launch (the slowest "
+          f"process)\nfinal weights bitwise equal: {record['bitwise_equal']}\nload avg (1/5/15 "
+          f"min) before {'/'.join(f'{x:.1f}' for x in load_before)}, after "
           f"{'/'.join(f'{x:.1f}' for x in record['load_avg_after'])} on {os.cpu_count()} CPUs")
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1))

@@ -24,10 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(out: Path, determinism: bool, overrides: list[str]) -> tuple[float, str]:
-    cmd = [sys.executable, "-m", "preftune", "train", "examples/grpo.yaml", f"output_dir={out}", "max_steps=20",
+    cmd = [sys.executable, "-m", "preftune", "train", "examples/grpo.yaml",
+           f"output_dir={out}", "max_steps=20",
            "save_steps=0", "eval.eval_steps=0", "log.progress_bar=false",
            f"full_determinism={str(determinism).lower()}", *overrides]
-    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
+                   env=dict(os.environ, PYTHONPATH=str(ROOT)))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     times = [r["step_time"] for r in rows if "step_time" in r and r.get("step", 0) >= 3]
     digest = hashlib.sha256((out / "final" / "model.safetensors").read_bytes()).hexdigest()[:16]
@@ -49,7 +51,8 @@ def main() -> None:
     out = {}
     for det, runs in seen.items():
         s = statistics.median(t for t, _ in runs)
-        out[f"full_determinism={det}"] = {"s_per_step": s, "bitwise_equal": len({d for _, d in runs}) == 1}
+        out[f"full_determinism={det}"] = {"s_per_step": s,
+                                          "bitwise_equal": len({d for _, d in runs}) == 1}
         print(f"full_determinism={str(det).lower():5}  {s:.4f} s/step  runs bitwise equal: "
               f"{out[f'full_determinism={det}']['bitwise_equal']}")
     ratio = out["full_determinism=True"]["s_per_step"] / out["full_determinism=False"]["s_per_step"]

@@ -5,11 +5,11 @@ optimiser step in one forward/backward (chosen and rejected together), sigmoid l
 AdamW constant lr, reference log-probs computed once before training (preftune's cached
 reference; TRL precompute_ref_log_probs=True), so no reference model runs during the steps.
 
-Pairs: from examples/data/traces.parquet (labeled traces) with preftune's rule, chosen reward >= 0.7,
-rejected < 0.5, best_vs_worst; preftune pairs them itself (`algorithm: dpo` on the traces) and TRL
-gets the same pairs from preftune.data.pairs.build_pairs as prompt/chosen/rejected rows. When the
-traces file is missing, a small synthetic pairs set of the a+b task (correct sum vs a wrong one) is
-written as a pairs file and used by both. Timing as in bench_grpo.py. From the repo root:
+Pairs: from examples/data/traces.parquet (labeled traces) with preftune's rule, chosen reward >=
+0.7, rejected < 0.5, best_vs_worst; preftune pairs them itself (`algorithm: dpo` on the traces) and
+TRL gets the same pairs from preftune.data.pairs.build_pairs as prompt/chosen/rejected rows. When
+the traces file is missing, a small synthetic pairs set of the a+b task (correct sum vs a wrong one)
+is written as a pairs file and used by both. Timing as in bench_grpo.py. From the repo root:
 
     .venv/bin/python bench/bench_dpo.py [--steps 50] [--json out.json]
 """
@@ -24,14 +24,17 @@ from pathlib import Path
 
 if __package__:
     from bench import workload
-    from bench.bench_grpo import (check_args, common_args, dtype_overrides, finish, first_last, max_prompt_length,
-                                  model_args, precision, quiet_hf, quiet_trainer, read_metrics, report,
+    from bench.bench_grpo import (check_args, common_args, dtype_overrides, finish,
+                                  first_last, max_prompt_length,
+                                  model_args, precision, quiet_hf,
+                                  quiet_trainer, read_metrics, report,
                                   run_frameworks, step_timer, summarize)
 else:  # run as a script: bench/ is on sys.path
     import workload
-    from bench_grpo import (check_args, common_args, dtype_overrides, finish, first_last, max_prompt_length,
-                            model_args, precision, quiet_hf, quiet_trainer, read_metrics, report, run_frameworks,
-                            step_timer, summarize)
+    from bench_grpo import (check_args, common_args, dtype_overrides, finish,
+                            first_last, max_prompt_length,
+                            model_args, precision, quiet_hf, quiet_trainer, read_metrics,
+                            report, run_frameworks, step_timer, summarize)
 
 EXAMPLES = workload.EXAMPLES
 
@@ -59,7 +62,8 @@ def dpo_data(traces: Path, tmp: str, prefix: int = 0, response: int = 0) -> tupl
         # The example traces hold a few empty completions (an immediate EOS); preftune's default
         # data.invalid=error rejects them, so both sides drop them.
         rows, _ = load_traces(str(traces), TraceOptions(invalid="drop"))
-        pairs, _ = build_pairs(rows, chosen_min=CHOSEN_MIN, rejected_max=REJECTED_MAX, strategy="best_vs_worst")
+        pairs, _ = build_pairs(rows, chosen_min=CHOSEN_MIN, rejected_max=REJECTED_MAX,
+                               strategy="best_vs_worst")
         return str(traces), pairs
     pairs = synthetic_pairs(prefix=prefix, response=response)
     path = os.path.join(tmp, "pairs.parquet")
@@ -74,24 +78,31 @@ def mean_lengths(model: Path, pairs: list) -> tuple[float, float]:
     tok = AutoTokenizer.from_pretrained(model)
     sample = pairs[:64]
     prompt = statistics.fmean(len(tok(p.prompt).input_ids) for p in sample)
-    tokens = lambda text: len(tok(text, verbose=False).input_ids)  # noqa: E731 - long responses: no length warning
+    def tokens(text):  # long responses: no length warning
+        return len(tok(text, verbose=False).input_ids)
+
     response = statistics.fmean(tokens(p.chosen) + tokens(p.rejected) for p in sample) / 2
     return prompt, response
 
 
 def dpo_work(args, model: Path, pairs: list) -> tuple[dict, float]:
-    """Nominal FLOPs per step by phase and response tokens per step (mean lengths of these pairs)."""
+    """Nominal FLOPs per step by phase and response tokens per step (mean lengths of these
+    pairs)."""
     prompt, response = mean_lengths(model, pairs)
-    flops = workload.dpo_flops(workload.model_shape(model), pairs=args.batch, prompt=prompt, response=response)
+    flops = workload.dpo_flops(workload.model_shape(model), pairs=args.batch,
+                               prompt=prompt, response=response)
     return flops, 2 * args.batch * response
 
 
 def dpo_overrides(args, out_dir: str, train: str, model: Path) -> list[str]:
-    return ["algorithm=dpo", f"output_dir={out_dir}", f"max_steps={args.steps}", "save_steps=0", f"seed={args.seed}",
-            *dtype_overrides(args), f"model.name_or_path={model}", f"data.train={train}", "data.invalid=drop",
+    return ["algorithm=dpo", f"output_dir={out_dir}", f"max_steps={args.steps}",
+            "save_steps=0", f"seed={args.seed}",
+            *dtype_overrides(args), f"model.name_or_path={model}",
+            f"data.train={train}", "data.invalid=drop",
             f"data.max_prompt_length={max_prompt_length(args)}",
             f"dpo.max_length={max_prompt_length(args) + args.response_len}",
-            f"data.chosen_min={CHOSEN_MIN}", f"data.rejected_max={REJECTED_MAX}", "data.pair_strategy=best_vs_worst",
+            f"data.chosen_min={CHOSEN_MIN}", f"data.rejected_max={REJECTED_MAX}",
+            "data.pair_strategy=best_vs_worst",
             "dpo.loss_type=sigmoid", f"dpo.beta={args.beta}", f"dpo.batch_size={args.batch}",
             f"dpo.micro_batch_size={args.batch}", f"optim.lr={args.lr}",
             "optim.lr_scheduler=constant", "log.progress_bar=false", "log.logging_steps=1"]
@@ -110,7 +121,8 @@ def run_preftune_dpo(args) -> dict:
         model = workload.model_dir(args.model, args.model_cache or tmp)
         train, pairs = dpo_data(Path(args.traces), tmp, args.prompt_prefix, args.response_len)
         out = os.path.join(tmp, "run")
-        run = Run(load_config(None, dpo_overrides(args, out, train, model)))  # reference log-probs cached here
+        # reference log-probs cached here
+        run = Run(load_config(None, dpo_overrides(args, out, train, model)))
         timer.wrap(dpo, "sequence_logps")  # both layouts (tree-packed and bucketed)
         timer.wrap_backward()
         t0 = time.perf_counter()
@@ -120,8 +132,11 @@ def run_preftune_dpo(args) -> dict:
         n_pairs = json.loads(Path(out, "data_report.json").read_text())["encoded"]["pairs"]
         flops, tokens = dpo_work(args, model, pairs)
     result = summarize([r["step_time"] for r in records], args.warmup) | {"wall_s": wall}
-    result["extra"] = {"pairs": str(n_pairs), "loss first->last": first_last([r.get("loss") for r in records]),
-                       "reward acc first->last": first_last([r.get("rewards/accuracies") for r in records])}
+    result["extra"] = {
+        "pairs": str(n_pairs),
+        "loss first->last": first_last([r.get("loss") for r in records]),
+        "reward acc first->last": first_last([r.get("rewards/accuracies") for r in records]),
+    }
     result["precision"] = precision(run.model, compute_dtype(run.model) is not None)
     return finish(result, timer, flops, tokens, len(records))
 
@@ -139,16 +154,21 @@ def run_trl_dpo(args) -> dict:
         tok = AutoTokenizer.from_pretrained(model_path)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         _, pairs = dpo_data(Path(args.traces), tmp, args.prompt_prefix, args.response_len)
-        ds = Dataset.from_list([{"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected} for p in pairs])
+        ds = Dataset.from_list(
+            [{"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected} for p in pairs]
+        )
         cfg = DPOConfig(
-            output_dir=os.path.join(tmp, "run"), max_steps=args.steps, per_device_train_batch_size=args.batch,
+            output_dir=os.path.join(tmp, "run"), max_steps=args.steps,
+            per_device_train_batch_size=args.batch,
             learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, beta=args.beta,
             loss_type=["sigmoid"], precompute_ref_log_probs=True,
             max_length=max_prompt_length(args) + args.response_len,
-            max_grad_norm=1.0, gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(), bf16=args.bf16,
-            report_to="none", save_strategy="no", logging_steps=1, seed=args.seed, dataloader_num_workers=0,
-            disable_tqdm=True)
-        trainer = DPOTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[step_times])
+            max_grad_norm=1.0, gradient_checkpointing=False,
+            use_cpu=not torch.cuda.is_available(), bf16=args.bf16,
+            report_to="none", save_strategy="no", logging_steps=1, seed=args.seed,
+            dataloader_num_workers=0, disable_tqdm=True)
+        trainer = DPOTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok,
+                             callbacks=[step_times])
         quiet_trainer(trainer)
         timer.wrap(trainer, "compute_loss", "forward")
         timer.wrap_backward()
@@ -158,8 +178,11 @@ def run_trl_dpo(args) -> dict:
         flops, tokens = dpo_work(args, model_path, pairs)
     logs = [h for h in trainer.state.log_history if "loss" in h]
     result = summarize(step_times.times, args.warmup) | {"wall_s": wall}
-    result["extra"] = {"pairs": str(len(pairs)), "loss first->last": first_last([h["loss"] for h in logs]),
-                       "reward acc first->last": first_last([h.get("rewards/accuracies") for h in logs])}
+    result["extra"] = {
+        "pairs": str(len(pairs)),
+        "loss first->last": first_last([h["loss"] for h in logs]),
+        "reward acc first->last": first_last([h.get("rewards/accuracies") for h in logs]),
+    }
     result["precision"] = precision(trainer.model, trainer.accelerator.mixed_precision == "bf16")
     return finish(result, timer, flops, tokens, len(step_times.times))
 
@@ -173,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--traces", default=str(EXAMPLES / "data" / "traces.parquet"),
                     help="labeled traces to pair; when missing, synthetic a+b pairs are used")
     ap.add_argument("--response-len", type=int, default=0,
-                    help="synthetic pairs with responses of about this many tokens (0: the traces' own)")
+                    help="synthetic pairs with responses of about "
+                    "this many tokens (0: the traces' own)")
     model_args(ap)
     return ap
 
@@ -185,12 +209,15 @@ def main(argv: list[str] | None = None) -> dict:
     quiet_hf()
     load_before = os.getloadavg()[0]
     results = run_frameworks(__file__, args, {"preftune": run_preftune_dpo, "trl": run_trl_dpo})
-    source = "traces" if Path(args.traces).exists() and not (args.prompt_prefix or args.response_len) \
+    source = (
+        "traces"
+        if Path(args.traces).exists() and not (args.prompt_prefix or args.response_len)
         else "synthetic pairs"
-    title = (f"DPO: {args.steps} steps ({args.warmup} warmup untimed), {args.batch} pairs/step from {source}, "
-             f"sigmoid, beta {args.beta:g}, lr {args.lr:g}, precomputed reference log-probs, model {args.model}, "
-             f"prompt prefix {args.prompt_prefix}, responses {args.response_len or 'as in the data'}"
-             f"{', bf16 autocast' if args.bf16 else ''}")
+    )
+    title = (f"DPO: {args.steps} steps ({args.warmup} warmup untimed), {args.batch} pairs/step "
+             f"from {source}, sigmoid, beta {args.beta:g}, lr {args.lr:g}, precomputed reference "
+             f"log-probs, model {args.model}, prompt prefix {args.prompt_prefix}, responses "
+             f"{args.response_len or 'as in the data'}{', bf16 autocast' if args.bf16 else ''}")
     return report(title, args, results, load_before)
 
 

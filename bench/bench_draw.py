@@ -45,11 +45,14 @@ def main(argv=None) -> dict:
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     ways = {
         "preftune draw (uniform noise)": lambda: draw(scores, 1.0, 0, 1.0, False, g),
-        "exponential_ noise": lambda: (scores - torch.empty_like(scores).exponential_(generator=g).log_()).argmax(-1),
+        "exponential_ noise": lambda: (
+            scores - torch.empty_like(scores).exponential_(generator=g).log_()
+        ).argmax(-1),
         "softmax + multinomial": lambda: torch.multinomial(scores.softmax(-1), 1, generator=g),
     }
     result = {name: timed(fn, args.repeats, sync) for name, fn in ways.items()}
-    print(f"{args.rows} rows x {args.vocab} scores on {args.device}, {torch.get_num_threads()} threads")
+    print(f"{args.rows} rows x {args.vocab} scores on "
+          f"{args.device}, {torch.get_num_threads()} threads")
     for name, ms in result.items():
         print(f"  {name:32s} {ms:8.2f} ms")
     return result

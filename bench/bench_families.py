@@ -28,8 +28,8 @@ else:  # run as a script: bench/ is on sys.path
 FAMILIES = {
     "qwen2": {},
     "glm4": {"head_dim": 64, "partial_rotary_factor": 0.5},
-    "qwen3_moe": {"head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
-                  "norm_topk_prob": True},
+    "qwen3_moe": {"head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 256, "norm_topk_prob": True},
 }
 
 
@@ -39,13 +39,17 @@ def models(family: str, hidden: int, layers: int):
 
     from preftune.model.families import own_class
 
-    kw = dict(vocab_size=512, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-              num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 128), pad_token_id=0,
-              eos_token_id=1, bos_token_id=None, tie_word_embeddings=False, max_position_embeddings=512)
+    kw = dict(vocab_size=512, hidden_size=hidden, intermediate_size=4 * hidden,
+              num_hidden_layers=layers,
+              num_attention_heads=hidden // 64,
+              num_key_value_heads=max(1, hidden // 128), pad_token_id=0,
+              eos_token_id=1, bos_token_id=None, tie_word_embeddings=False,
+              max_position_embeddings=512)
     if family.endswith("_moe"):
         kw["experts_implementation"] = "eager"
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **(kw | FAMILIES[family])), dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **(kw | FAMILIES[family])),
+                                          dtype=torch.float32)
     with torch.no_grad():
         for p in hf.parameters():  # HF leaves some at 0 or empty: every weight random and small
             p.normal_(0, 0.05)
@@ -57,7 +61,9 @@ def logps_pass(hf, own, args) -> dict:
 
     g = torch.Generator().manual_seed(1)
     B, P, T = args.rows, args.prompt, args.completion
-    p_ids = torch.randint(3, 512, (B // args.group, P), generator=g).repeat_interleave(args.group, 0)  # (B, P)
+    # (B, P)
+    p_ids = torch.randint(3, 512, (B // args.group, P),
+                          generator=g).repeat_interleave(args.group, 0)
     c_ids = torch.randint(3, 512, (B, T), generator=g)
     masks = torch.ones(B, P, dtype=torch.long), torch.ones(B, T, dtype=torch.long)
 
@@ -74,12 +80,14 @@ def rollout(hf, own, args) -> dict:
 
     g = torch.Generator().manual_seed(2)
     groups = max(1, args.rows // args.group)
-    p_ids, p_mask = torch.randint(3, 512, (groups, args.prompt), generator=g), torch.ones(groups, args.prompt,
-                                                                                          dtype=torch.long)
+    p_ids, p_mask = torch.randint(3, 512, (groups, args.prompt),
+                                  generator=g), torch.ones(groups, args.prompt,
+                                                           dtype=torch.long)
 
     def run(model):
         with torch.no_grad():
-            sample(model.eval(), p_ids, p_mask, num_generations=args.group, max_new_tokens=args.completion, eos_id=-1,
+            sample(model.eval(), p_ids, p_mask, num_generations=args.group,
+                   max_new_tokens=args.completion, eos_id=-1,
                    pad_id=0, generator=torch.Generator().manual_seed(1))
         model.train()
 
@@ -99,16 +107,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
     out = {}
-    print(f"hidden {args.hidden}, {args.layers} layers, {args.rows} rows (groups of {args.group}) x "
-          f"({args.prompt} + {args.completion}) tokens, {torch.get_num_threads()} threads; ms, best of "
-          f"{args.rounds} alternating rounds (median of {args.repeats})")
+    print(f"hidden {args.hidden}, {args.layers} layers, {args.rows} rows (groups of {args.group}) "
+          f"x ({args.prompt} + {args.completion}) tokens, {torch.get_num_threads()} threads; ms, "
+          f"best of {args.rounds} alternating rounds (median of {args.repeats})")
     print(f"{'family':<10} {'pass':<22} {'HF ms':>9} {'own ms':>9} {'HF/own':>7}")
     for family in args.families:
         hf, own = models(family, args.hidden, args.layers)
         for name, fn in (("log-probs fwd+bwd", logps_pass), ("rollout", rollout)):
             r = fn(hf, own, args)
             out[f"{family}/{name}"] = r | {"ratio": r["hf"] / r["own"]}
-            print(f"{family:<10} {name:<22} {r['hf']:>9.1f} {r['own']:>9.1f} {r['hf'] / r['own']:>7.2f}")
+            print(f"{family:<10} {name:<22} {r['hf']:>9.1f} {r['own']:>9.1f} "
+                  f"{r['hf'] / r['own']:>7.2f}")
     return out
 
 

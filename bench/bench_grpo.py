@@ -41,21 +41,25 @@ FRAMEWORKS = ("preftune", "trl")
 
 
 def max_prompt_length(args) -> int:
-    """data.max_prompt_length of every workload: the shared prefix and 64 tokens for the task prompt."""
+    """data.max_prompt_length of every workload: the shared prefix and 64 tokens for the task
+    prompt."""
     return args.prompt_prefix + 64
 
 
 def summarize(step_times: list[float], warmup: int) -> dict:
-    """Median/mean seconds per step over the steps after `warmup`; steps/s = timed steps / their total time."""
+    """Median/mean seconds per step over the steps after `warmup`; steps/s = timed steps / their
+    total time."""
     timed = step_times[warmup:]
     if not timed:
         raise ValueError(f"no timed steps: {len(step_times)} steps, {warmup} warmup")
-    return {"timed_steps": len(timed), "median_s": statistics.median(timed), "mean_s": statistics.fmean(timed),
+    return {"timed_steps": len(timed), "median_s": statistics.median(timed),
+            "mean_s": statistics.fmean(timed),
             "steps_per_s": len(timed) / sum(timed), "step_times": timed}
 
 
 def first_last(values: list[float], k: int = 10) -> str:
-    """'first -> last': means of the first and last k values (k shrinks to half the run when short)."""
+    """'first -> last': means of the first and last k values (k shrinks to half the run when
+    short)."""
     values = [v for v in values if v is not None]
     if not values:
         return "n/a"
@@ -64,16 +68,18 @@ def first_last(values: list[float], k: int = 10) -> str:
 
 
 def read_metrics(out_dir: str | Path) -> list[dict]:
-    """preftune's OUTPUT_DIR/metrics.jsonl: one record per logged step (eval records have no step_time)."""
+    """preftune's OUTPUT_DIR/metrics.jsonl: one record per logged step (eval records have no
+    step_time)."""
     lines = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
     return [r for r in (json.loads(line) for line in lines if line.strip()) if "step_time" in r]
 
 
 def step_timer():
-    """A TRL/transformers TrainerCallback recording wall seconds between on_step_begin and on_step_end.
+    """A TRL/transformers TrainerCallback recording wall seconds between on_step_begin and
+    on_step_end.
 
-    Trainer calls on_step_begin before training_step (which, for GRPO, generates and scores the batch)
-    and on_step_end after the optimiser step and zero_grad, before logging/saving."""
+    Trainer calls on_step_begin before training_step (which, for GRPO, generates and scores the
+    batch) and on_step_end after the optimiser step and zero_grad, before logging/saving."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -108,7 +114,8 @@ def versions() -> dict:
 
 
 def child_argv(args: argparse.Namespace, framework: str, out_json: str) -> list[str]:
-    """The command line that reruns this bench for one framework; every option's dest is its flag."""
+    """The command line that reruns this bench for one framework; every option's dest is its
+    flag."""
     argv = ["--only", framework, "--json", out_json, "--worker"]
     for key, value in vars(args).items():
         if key in ("only", "json", "in_process", "worker"):
@@ -134,28 +141,39 @@ def run_frameworks(script: str, args: argparse.Namespace, runners: dict) -> dict
         else:
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(tmp, "result.json")
-                subprocess.run([sys.executable, script, *child_argv(args, name, out)], check=True, cwd=ROOT)
+                subprocess.run([sys.executable, script,
+                                *child_argv(args, name, out)], check=True, cwd=ROOT)
                 results[name] = json.loads(Path(out).read_text())["results"][name]
         results[name]["load_avg_at_start"] = load
     return results
 
 
 def report(title: str, args: argparse.Namespace, results: dict, load_before: float) -> dict:
-    """Print the table (one row per framework, then the TRL/preftune ratio) and return the record."""
+    """Print the table (one row per framework, then the TRL/preftune ratio) and return the
+    record."""
     info = versions()
-    record = {"bench": title,
-              "settings": {k: v for k, v in vars(args).items() if k not in ("json", "only", "worker")},
-              "machine": info | {"cpus": os.cpu_count(), "load_avg_before": load_before,
-                                 "load_avg_after": os.getloadavg()[0]},
-              "results": results}
+    record = {
+        "bench": title,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "only", "worker")},
+        "machine": info
+        | {
+            "cpus": os.cpu_count(),
+            "load_avg_before": load_before,
+            "load_avg_after": os.getloadavg()[0],
+        },
+        "results": results,
+    }
     if args.worker:  # the parent prints the table
         Path(args.json).write_text(json.dumps(record))
         return record
     extra_cols = list(next(iter(results.values())).get("extra", {}))
-    head = f"{'':<16}{'median s/step':>14}{'mean s/step':>13}{'steps/s':>9}" + "".join(f"  {c}" for c in extra_cols)
+    head = f"{'':<16}{'median s/step':>14}{'mean s/step':>13}{'steps/s':>9}" + "".join(
+        f"  {c}" for c in extra_cols
+    )
     print(f"\n{title}")
-    print(f"torch {info['torch']} on {info['device']}, {info['threads']} threads, {os.cpu_count()} CPUs; "
-          f"load avg {load_before:.2f} before, {record['machine']['load_avg_after']:.2f} after")
+    print(f"torch {info['torch']} on {info['device']}, {info['threads']} "
+          f"threads, {os.cpu_count()} CPUs; load avg {load_before:.2f} "
+          f"before, {record['machine']['load_avg_after']:.2f} after")
     print(head)
     for name, r in results.items():
         label = f"{name} {info.get(name, '')}".strip()
@@ -163,7 +181,8 @@ def report(title: str, args: argparse.Namespace, results: dict, load_before: flo
         print(row + "".join(f"  {r['extra'][c]:<{len(c)}}" for c in extra_cols))
     if {"preftune", "trl"} <= set(results):
         p, t = results["preftune"], results["trl"]
-        record["ratio_trl_over_preftune"] = {"median": t["median_s"] / p["median_s"], "mean": t["mean_s"] / p["mean_s"]}
+        record["ratio_trl_over_preftune"] = {"median": t["median_s"] / p["median_s"],
+                                             "mean": t["mean_s"] / p["mean_s"]}
         ratio = record["ratio_trl_over_preftune"]
         print(f"{'TRL / preftune':<16}{ratio['median']:>13.2f}x{ratio['mean']:>12.2f}x")
     if args.json:
@@ -175,10 +194,13 @@ def common_args(ap: argparse.ArgumentParser, steps: int) -> None:
     ap.add_argument("--steps", type=int, default=steps, help="optimiser steps per framework")
     ap.add_argument("--warmup", type=int, default=3, help="first steps left out of the timing")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", choices=FRAMEWORKS, help="run one framework only (also the subprocess worker)")
-    ap.add_argument("--in-process", action="store_true", help="run both in this process, one after the other")
+    ap.add_argument("--only", choices=FRAMEWORKS,
+                    help="run one framework only (also the subprocess worker)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run both in this process, one after the other")
     ap.add_argument("--json", help="write the numbers (and settings, versions, load) to this file")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a subprocess: JSON only
+    # a subprocess: JSON only
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 
 def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -237,7 +259,8 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> 
     with torch.no_grad():
         if hasattr(base_module(model), "generate"):
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                                 pad_token_id=tokenizer.pad_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)
             new = out[:, enc["input_ids"].shape[1]:]  # (B, T)
         else:
             new = sample(model, enc["input_ids"], enc["attention_mask"], num_generations=1,
@@ -250,25 +273,49 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> 
 
 
 def grpo_overrides(args, out_dir: str, model: Path, train: str) -> list[str]:
-    return [f"output_dir={out_dir}", f"max_steps={args.steps}", "save_steps=0", f"seed={args.seed}",
-            *dtype_overrides(args), f"model.name_or_path={model}", f"data.train={train}",
-            f"data.max_prompt_length={max_prompt_length(args)}",
-            "data.eval=null", "log.progress_bar=false", "log.logging_steps=1",
-            f"grpo.prompts_per_step={args.prompts}", f"grpo.num_generations={args.generations}",
-            f"grpo.micro_batch_size={args.prompts * args.generations}",
-            f"grpo.max_completion_length={args.max_new_tokens}", "grpo.temperature=1.0",
-            f"grpo.reward_funcs=[{reward_spec(args)}]", "grpo.loss_type=dapo", f"grpo.beta={args.beta}",
-            f"grpo.num_iterations={args.num_iterations}", f"optim.lr={args.lr}", "optim.lr_scheduler=constant",
-            *(["grpo.use_vllm=true", f"grpo.vllm_gpu_memory_utilization={args.vllm_gpu_memory}"] if args.vllm else [])]
+    return [
+        f"output_dir={out_dir}",
+        f"max_steps={args.steps}",
+        "save_steps=0",
+        f"seed={args.seed}",
+        *dtype_overrides(args),
+        f"model.name_or_path={model}",
+        f"data.train={train}",
+        f"data.max_prompt_length={max_prompt_length(args)}",
+        "data.eval=null",
+        "log.progress_bar=false",
+        "log.logging_steps=1",
+        f"grpo.prompts_per_step={args.prompts}",
+        f"grpo.num_generations={args.generations}",
+        f"grpo.micro_batch_size={args.prompts * args.generations}",
+        f"grpo.max_completion_length={args.max_new_tokens}",
+        "grpo.temperature=1.0",
+        f"grpo.reward_funcs=[{reward_spec(args)}]",
+        "grpo.loss_type=dapo",
+        f"grpo.beta={args.beta}",
+        f"grpo.num_iterations={args.num_iterations}",
+        f"optim.lr={args.lr}",
+        "optim.lr_scheduler=constant",
+        *(
+            ["grpo.use_vllm=true", f"grpo.vllm_gpu_memory_utilization={args.vllm_gpu_memory}"]
+            if args.vllm
+            else []
+        ),
+    ]
 
 
 def dtype_overrides(args) -> list[str]:
-    """--bf16: preftune's mixed precision, float32 master weights with bf16 autocast (TRL's bf16=True)."""
+    """--bf16: preftune's mixed precision, float32 master weights with bf16 autocast (TRL's
+    bf16=True)."""
     return ["model.dtype=bfloat16"] if args.bf16 else []
 
 
 def reward_spec(args) -> str:
-    return "accuracy" if args.reward == "accuracy" else f"{ROOT / 'bench' / 'workload.py'}:digit_fraction"
+    return (
+        "accuracy"
+        if args.reward == "accuracy"
+        else f"{ROOT / 'bench' / 'workload.py'}:digit_fraction"
+    )
 
 
 def reward_func(args):
@@ -290,27 +337,32 @@ def mean_prompt_tokens(model: Path, prefix: int) -> float:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    return statistics.fmean(len(tok(r["input"]).input_ids) for r in workload.prompt_rows(prefix)[:64])
+    return statistics.fmean(
+        len(tok(r["input"]).input_ids) for r in workload.prompt_rows(prefix)[:64]
+    )
 
 
 def grpo_work(args, model: Path, completion: float) -> dict:
     """Nominal FLOPs per step by phase for these settings (see bench/workload.py)."""
     prompt = mean_prompt_tokens(model, args.prompt_prefix)
-    return workload.grpo_flops(workload.model_shape(model), prompts=args.prompts, G=args.generations, prompt=prompt,
-                               completion=completion, beta=args.beta, num_iterations=args.num_iterations)
+    return workload.grpo_flops(workload.model_shape(model), prompts=args.prompts,
+                               G=args.generations, prompt=prompt,
+                               completion=completion, beta=args.beta,
+                               num_iterations=args.num_iterations)
 
 
 def precision(model, autocast: bool) -> dict:
-    """What a framework trained: its weights' dtype and device, and the autocast dtype (None: none)."""
+    """What a framework trained: its weights' dtype and device, and the autocast dtype (None:
+    none)."""
     p = next(model.parameters())
-    return {"params": str(p.dtype).removeprefix("torch."), "autocast": "bfloat16" if autocast else None,
-            "device": p.device.type}
+    return {"params": str(p.dtype).removeprefix("torch."),
+            "autocast": "bfloat16" if autocast else None, "device": p.device.type}
 
 
 def finish(result: dict, timer, flops: dict, tokens_per_step: float, steps: int) -> dict:
-    """Throughput columns: completion tokens trained per second, nominal FLOPs per step and by phase,
-    achieved FLOP/s by phase (over all steps, nominal FLOPs / time in the phase), peak RSS and, on CUDA,
-    peak GPU memory (setup included: model load, the DPO reference pass)."""
+    """Throughput columns: completion tokens trained per second, nominal FLOPs per step and by
+    phase, achieved FLOP/s by phase (over all steps, nominal FLOPs / time in the phase), peak RSS
+    and, on CUDA, peak GPU memory (setup included: model load, the DPO reference pass)."""
     result["completion_tokens_per_s"] = tokens_per_step / result["median_s"]
     result["flops_per_step"] = sum(flops.values())
     result["phase_s"] = dict(timer.seconds)
@@ -333,9 +385,14 @@ def run_preftune_grpo(args) -> dict:
     with tempfile.TemporaryDirectory() as out:
         model = workload.model_dir(args.model, args.model_cache or out)
         train, _ = train_rows(args, out)
-        cfg = load_config(EXAMPLES / "grpo.yaml", grpo_overrides(args, os.path.join(out, "run"), model, train))
+        cfg = load_config(EXAMPLES / "grpo.yaml",
+                          grpo_overrides(args, os.path.join(out, "run"), model, train))
         run = Run(cfg)
-        before = greedy_accuracy(run.model, run.tokenizer, evals, args.max_new_tokens) if args.eval else None
+        before = (
+            greedy_accuracy(run.model, run.tokenizer, evals, args.max_new_tokens)
+            if args.eval
+            else None
+        )
         timer.wrap(engine, "sample", "sampling")
         if args.vllm:
             from preftune.rollout.vllm import VLLMEngine
@@ -379,13 +436,20 @@ def run_trl_grpo(args) -> dict:
         batch = args.prompts * args.generations  # TRL counts completions, not prompts
         step_times = step_timer()
         cfg = GRPOConfig(
-            output_dir=os.path.join(out, "run"), max_steps=args.steps, per_device_train_batch_size=batch,
-            generation_batch_size=batch, num_generations=args.generations, max_completion_length=args.max_new_tokens,
-            temperature=1.0, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, beta=args.beta,
-            num_iterations=args.num_iterations, loss_type="dapo", max_grad_norm=1.0, gradient_checkpointing=False,
-            use_cpu=not torch.cuda.is_available(), bf16=args.bf16, report_to="none", save_strategy="no",
-            logging_steps=1, seed=args.seed, dataloader_num_workers=0, disable_tqdm=True, **trl_vllm(args))
-        trainer = GRPOTrainer(model=model, reward_funcs=reward_func(args), args=cfg, train_dataset=ds,
+            output_dir=os.path.join(out, "run"), max_steps=args.steps,
+            per_device_train_batch_size=batch,
+            generation_batch_size=batch, num_generations=args.generations,
+            max_completion_length=args.max_new_tokens,
+            temperature=1.0, learning_rate=args.lr, lr_scheduler_type="constant",
+            warmup_steps=0, beta=args.beta,
+            num_iterations=args.num_iterations, loss_type="dapo", max_grad_norm=1.0,
+            gradient_checkpointing=False,
+            use_cpu=not torch.cuda.is_available(), bf16=args.bf16,
+            report_to="none", save_strategy="no",
+            logging_steps=1, seed=args.seed, dataloader_num_workers=0,
+            disable_tqdm=True, **trl_vllm(args))
+        trainer = GRPOTrainer(model=model, reward_funcs=reward_func(args),
+                              args=cfg, train_dataset=ds,
                               processing_class=tok, callbacks=[step_times])
         quiet_trainer(trainer)
         timer.wrap(trainer, "_generate", "sampling")
@@ -406,14 +470,17 @@ def run_trl_grpo(args) -> dict:
     if args.eval:
         after = greedy_accuracy(trainer.model, tok, evals, args.max_new_tokens)
         result["extra"]["eval acc before->after"] = f"{before:.2f} -> {after:.2f}"
-    return finish(result, timer, flops, args.prompts * args.generations * completion, len(step_times.times))
+    return finish(result, timer, flops,
+                  args.prompts * args.generations * completion, len(step_times.times))
 
 
 def trl_vllm(args) -> dict:
-    """TRL's colocate mode on the same terms as preftune's engine: the GPU share, the context length."""
+    """TRL's colocate mode on the same terms as preftune's engine: the GPU share, the context
+    length."""
     if not args.vllm:
         return {}
-    return dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_gpu_memory,
+    return dict(use_vllm=True, vllm_mode="colocate",
+                vllm_gpu_memory_utilization=args.vllm_gpu_memory,
                 vllm_max_model_length=max_prompt_length(args) + args.max_new_tokens)
 
 
@@ -440,25 +507,34 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--generations", type=int, default=16, help="completions per prompt (G)")
     ap.add_argument("--max-new-tokens", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--eval", action="store_true", help="also held-out greedy accuracy before and after")
-    ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 runs a reference model)")
-    ap.add_argument("--num-iterations", type=int, default=1, help="optimiser steps per generation batch")
+    ap.add_argument("--eval", action="store_true",
+                    help="also held-out greedy accuracy before and after")
+    ap.add_argument("--beta", type=float, default=0.0,
+                    help="KL coefficient (> 0 runs a reference model)")
+    ap.add_argument("--num-iterations", type=int, default=1,
+                    help="optimiser steps per generation batch")
     ap.add_argument("--reward", choices=("accuracy", "digits"), default="accuracy",
-                    help="accuracy vs the answer, or the dense digit fraction (for random-init models)")
+                    help="accuracy vs the answer, or the dense "
+                    "digit fraction (for random-init models)")
     ap.add_argument("--vllm", action="store_true",
-                    help="both sample with vLLM beside training (preftune grpo.use_vllm, TRL vllm_mode=colocate)")
-    ap.add_argument("--vllm-gpu-memory", type=float, default=0.3, help="the engine's share of GPU memory")
+                    help="both sample with vLLM beside training (preftune "
+                    "grpo.use_vllm, TRL vllm_mode=colocate)")
+    ap.add_argument("--vllm-gpu-memory", type=float, default=0.3,
+                    help="the engine's share of GPU memory")
     model_args(ap)
     return ap
 
 
 def model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="demo",
-                    help="demo (examples/model), a generated model (rand3m, rand3m-v32k, rand0.5b) or a path")
+                    help="demo (examples/model), a generated model "
+                    "(rand3m, rand3m-v32k, rand0.5b) or a path")
     ap.add_argument("--model-cache", help="folder for generated models (default: a temporary one)")
-    ap.add_argument("--prompt-prefix", type=int, default=0, help="tokens of shared text before each prompt")
+    ap.add_argument("--prompt-prefix", type=int, default=0,
+                    help="tokens of shared text before each prompt")
     ap.add_argument("--bf16", action="store_true",
-                    help="float32 weights under bf16 autocast (preftune model.dtype=bfloat16, TRL bf16=True)")
+                    help="float32 weights under bf16 autocast (preftune "
+                    "model.dtype=bfloat16, TRL bf16=True)")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -469,8 +545,10 @@ def main(argv: list[str] | None = None) -> dict:
     load_before = os.getloadavg()[0]
     results = run_frameworks(__file__, args, {"preftune": run_preftune_grpo, "trl": run_trl_grpo})
     title = (f"GRPO: {args.steps} steps ({args.warmup} warmup untimed), {args.prompts} prompts x "
-             f"{args.generations} completions, {args.max_new_tokens} new tokens, lr {args.lr:g}, beta {args.beta:g}, "
-             f"dapo, num_iterations {args.num_iterations}, model {args.model}, prompt prefix {args.prompt_prefix}"
+             f"{args.generations} completions, {args.max_new_tokens} new tokens, lr {args.lr:g}, "
+             f"beta {args.beta:g}, "
+             f"dapo, num_iterations {args.num_iterations}, model {args.model}, prompt prefix "
+             f"{args.prompt_prefix}"
              f"{', bf16 autocast' if args.bf16 else ''}{', vLLM colocate' if args.vllm else ''}")
     return report(title, args, results, load_before)
 

@@ -45,7 +45,8 @@ def median_ms(fn, repeats: int) -> float:
 
 
 def alternate(ways: dict, repeats: int, rounds: int) -> dict:
-    """Median ms of each way, the ways taking turns `rounds` times; the best round's median per way."""
+    """Median ms of each way, the ways taking turns `rounds` times; the best round's median per
+    way."""
     best = {}
     for _ in range(rounds):
         for name, fn in ways.items():
@@ -71,13 +72,18 @@ def masked_attention(model, args) -> dict:
     """One no-grad pass over the same rows: causal (no mask) against an explicit causal mask."""
     ids = torch.cat(batch(args)[0::2], 1)  # (B, P+T)
     pos = torch.arange(ids.size(1)).expand_as(ids)
-    mask = torch.ones(ids.size(1), ids.size(1), dtype=torch.bool).tril()[None, None].expand(ids.size(0), 1, -1, -1)
+    mask = (
+        torch.ones(ids.size(1), ids.size(1), dtype=torch.bool)
+        .tril()[None, None]
+        .expand(ids.size(0), 1, -1, -1)
+    )
 
     def run(masked: bool):
         with torch.no_grad():
             model(ids, pos, mask if masked else None)
 
-    return alternate({"causal": lambda: run(False), "masked": lambda: run(True)}, args.repeats, args.rounds)
+    return alternate({"causal": lambda: run(False), "masked": lambda: run(True)},
+                     args.repeats, args.rounds)
 
 
 def layouts(model, args) -> dict:
@@ -109,9 +115,12 @@ def rollout(model, args) -> dict:
     init = sampler._OwnDecoder.__init__
 
     def run(inference: bool):
-        sampler._OwnDecoder.__init__ = lambda self, *a: init(self, *a) or setattr(self, "inference", inference)
+        sampler._OwnDecoder.__init__ = lambda self, *a: (
+            init(self, *a) or setattr(self, "inference", inference)
+        )
         sampler.sample(model, p_ids[:groups], p_mask[:groups], num_generations=args.rows // groups,
-                       max_new_tokens=args.completion, eos_id=-1, pad_id=0, generator=torch.Generator().manual_seed(1))
+                       max_new_tokens=args.completion, eos_id=-1, pad_id=0,
+                       generator=torch.Generator().manual_seed(1))
 
     try:
         return alternate({"no_grad": lambda: run(False), "inference mode (now)": lambda: run(True)},
@@ -145,7 +154,8 @@ def page_faults(args, argv: list[str]) -> dict:
     out = {}
     for _ in range(args.rounds):
         for mode in ("default", "keep"):
-            done = subprocess.run([sys.executable, __file__, *argv, "--child", mode], env=env, check=True,
+            done = subprocess.run([sys.executable, __file__, *argv, "--child",
+                                   mode], env=env, check=True,
                                   capture_output=True, text=True)
             r = json.loads(done.stdout.splitlines()[-1])
             if mode not in out or r["ms"] < out[mode]["ms"]:
@@ -157,7 +167,8 @@ def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="rand3m")
-    ap.add_argument("--model-cache", default=str(Path(tempfile.gettempdir()) / "preftune-bench-models"))
+    ap.add_argument("--model-cache",
+                    default=str(Path(tempfile.gettempdir()) / "preftune-bench-models"))
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=20)
     ap.add_argument("--completion", type=int, default=64)
@@ -170,13 +181,15 @@ def main(argv=None) -> dict:
         print(json.dumps(faults_child(args)))
         return {}
     model = load(args)
-    result = {"no-grad pass ms": masked_attention(model, args), "fwd+bwd pass ms": layouts(model, args),
-              "rollout ms": rollout(model, args),
+    result = {"no-grad pass ms": masked_attention(model, args),
+              "fwd+bwd pass ms": layouts(model, args), "rollout ms": rollout(model, args),
               "forward+backward": page_faults(args, argv)}
-    print(f"{args.model}, {args.rows} rows x ({args.prompt} + {args.completion}) tokens, "
-          f"{torch.get_num_threads()} threads, best of {args.rounds} alternating rounds (median of {args.repeats})")
+    print(f"{args.model}, {args.rows} rows x ({args.prompt} + "
+          f"{args.completion}) tokens, {torch.get_num_threads()} threads, best "
+          f"of {args.rounds} alternating rounds (median of {args.repeats})")
     for name, ways in result.items():
-        print(f"  {name}: " + ", ".join(f"{k} {json.dumps(v) if isinstance(v, dict) else f'{v:.1f}'}"
+        print(f"  {name}: " + ", ".join(f"{k} "
+                                        f"{json.dumps(v) if isinstance(v, dict) else f'{v:.1f}'}"
                                         for k, v in ways.items()))
     return result
 

@@ -20,23 +20,29 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-# hidden, layers (intermediate 4 x hidden, 4 heads, 2 key/value heads, the examples' 259-token vocabulary)
+# hidden, layers (intermediate 4 x hidden, 4 heads, 2 key/value heads, the examples' 259-token
+# vocabulary)
 SIZES = {"s": (512, 4), "m": (768, 6), "l": (1024, 6)}
 CASES = {  # algorithm and overrides of each workload: two short steps, final/ written
-    # examples/grpo.yaml's batch: 256 completions of 4 tokens in one micro-batch (activations dominate)
-    "grpo-demo": ["algorithm=grpo", "data.train=DATA/train_prompts.jsonl", "grpo.prompts_per_step=16",
-                  "grpo.num_generations=16", "grpo.micro_batch_size=256", "grpo.max_completion_length=4",
-                  "data.max_prompt_length=16"],
+    # examples/grpo.yaml's batch: 256 completions of 4 tokens in one micro-batch (activations
+    # dominate)
+    "grpo-demo": ["algorithm=grpo", "data.train=DATA/train_prompts.jsonl",
+                  "grpo.prompts_per_step=16",
+                  "grpo.num_generations=16", "grpo.micro_batch_size=256",
+                  "grpo.max_completion_length=4", "data.max_prompt_length=16"],
     "grpo": ["algorithm=grpo", "data.train=DATA/train_prompts.jsonl", "grpo.prompts_per_step=4",
              "grpo.num_generations=4", "grpo.micro_batch_size=16", "grpo.max_completion_length=8",
              "data.max_prompt_length=16"],
     "grpo-ref": ["algorithm=grpo", "data.train=DATA/train_prompts.jsonl", "grpo.prompts_per_step=4",
-                 "grpo.num_generations=4", "grpo.micro_batch_size=16", "grpo.max_completion_length=8",
-                 "data.max_prompt_length=16", "grpo.beta=0.04"],
-    "dpo": ["algorithm=dpo", "data.train=DATA/traces.parquet", "data.invalid=drop", "dpo.batch_size=4",
+                 "grpo.num_generations=4", "grpo.micro_batch_size=16",
+                 "grpo.max_completion_length=8", "data.max_prompt_length=16", "grpo.beta=0.04"],
+    "dpo": ["algorithm=dpo", "data.train=DATA/traces.parquet",
+            "data.invalid=drop", "dpo.batch_size=4",
             "dpo.micro_batch_size=4", "dpo.max_length=32", "data.max_prompt_length=16"],
-    "sft": ["algorithm=sft", "data.train=DATA/traces.parquet", "data.invalid=drop", "sft.min_reward=0.0",
-            "sft.batch_size=8", "sft.micro_batch_size=8", "sft.max_length=32", "data.max_prompt_length=16"],
+    "sft": ["algorithm=sft", "data.train=DATA/traces.parquet",
+            "data.invalid=drop", "sft.min_reward=0.0",
+            "sft.batch_size=8", "sft.micro_batch_size=8", "sft.max_length=32",
+            "data.max_prompt_length=16"],
 }
 COMMON = ["max_steps=2", "save_steps=0", "log.progress_bar=false", "grpo.reward_funcs=[accuracy]",
           "optim.lr=1e-4", "seed=0"]
@@ -56,7 +62,8 @@ def status(key):
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key + ":"))
 
-runs = json.loads(open(sys.argv[1]).read())  # [[model folder, config, overrides], ...], one after the other
+# [[model folder, config, overrides], ...], one after the other
+runs = json.loads(open(sys.argv[1]).read())
 AutoTokenizer.from_pretrained(runs[0][0])
 for model, config, overrides in runs:
     gc.collect()
@@ -66,8 +73,8 @@ for model, config, overrides in runs:
         f.write("5")
     preftune.api.train(config, overrides=overrides)
     peak = status("VmHWM")
-    print("MEASURED " + json.dumps({"rank": int(os.environ.get("RANK", 0)), "above_gb": (peak - base) / 1e9}),
-          flush=True)
+    rank = int(os.environ.get("RANK", 0))
+    print("MEASURED " + json.dumps({"rank": rank, "above_gb": (peak - base) / 1e9}), flush=True)
 os._exit(0)
 """
 
@@ -92,7 +99,8 @@ def make_model(folder: Path, hidden: int, layers: int) -> Path:
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(EXAMPLES / "model" / name, folder / name)
-    model = Llama.from_pretrained(folder, AutoConfig.from_pretrained(folder), dtype=torch.float32, weights=False)
+    model = Llama.from_pretrained(folder, AutoConfig.from_pretrained(folder),
+                                  dtype=torch.float32, weights=False)
     gen = torch.Generator().manual_seed(0)
     state = {k: (torch.randn(v.shape, generator=gen) * 0.02 if v.dim() > 1 else torch.ones(v.shape))
              for k, v in model.state_dict().items() if not (model.tied and k == "lm_head.weight")}
@@ -111,10 +119,12 @@ def overrides(case: str, model: Path, out: Path) -> list[str]:
         f"model.name_or_path={model}", f"output_dir={out}"]
 
 
-def measure(runs: list[tuple[str, Path]], work: Path, ranks: int = 1, timeout: float = 600) -> list[list[float]]:
+def measure(runs: list[tuple[str, Path]], work: Path, ranks: int = 1,
+            timeout: float = 600) -> list[list[float]]:
     """Measured peaks (GB above the start of each run) of `runs` ((case, model) pairs, run one after
     the other in one process per rank, imports paid once): one list per run, one value per rank.
-    Ranks of a process group run one run per process (a second group in one process is not tried)."""
+    Ranks of a process group run one run per process (a second group in one process is not
+    tried)."""
     if ranks > 1 and len(runs) > 1:
         return [measure([run], work / f"run-{i}", ranks, timeout)[0] for i, run in enumerate(runs)]
     work.mkdir(parents=True, exist_ok=True)
@@ -129,10 +139,10 @@ def measure(runs: list[tuple[str, Path]], work: Path, ranks: int = 1, timeout: f
     for r in range(ranks):
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         if ranks > 1:
-            env.update(RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(ranks),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                      cwd=work))
+            env.update(RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r),
+                       LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(args, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, env=env, cwd=work))
     found: dict[int, list[float]] = {}
     for p in procs:
         out = p.communicate(timeout=timeout)[0]
@@ -165,7 +175,8 @@ def main() -> None:
     ap.add_argument("--case", nargs="*", default=list(CASES), choices=list(CASES))
     ap.add_argument("--ranks", nargs="*", type=int, default=[1, 2])
     args = ap.parse_args()
-    print(f"{'size':5} {'case':9} {'ranks':>5} {'params':>8} {'plan GB':>8} {'measured GB':>12} {'ratio':>6}  phase")
+    print(f"{'size':5} {'case':9} {'ranks':>5} {'params':>8} "
+          f"{'plan GB':>8} {'measured GB':>12} {'ratio':>6}  phase")
     with tempfile.TemporaryDirectory() as tmp:
         models = {size: model_for(size, Path(tmp)) for size in args.size}
         runs = [(case, models[size]) for size in args.size for case in args.case]
@@ -173,8 +184,9 @@ def main() -> None:
             got = measure(runs, Path(tmp) / f"ranks-{ranks}", ranks)
             for (case, model), peaks in zip(runs, got):
                 plan = planned(case, model, ranks)
-                print(f"{model.name.removeprefix('model-'):5} {case:9} {ranks:>5} {plan['job']['params'] / 1e6:>7.1f}M "
-                      f"{rank0_peak(plan):>8.3f} {peaks[0]:>12.3f} {peaks[0] / rank0_peak(plan):>6.2f}  "
+                print(f"{model.name.removeprefix('model-'):5} {case:9} {ranks:>5} "
+                      f"{plan['job']['params'] / 1e6:>7.1f}M {rank0_peak(plan):>8.3f} "
+                      f"{peaks[0]:>12.3f} {peaks[0] / rank0_peak(plan):>6.2f}  "
                       f"{plan['process']['peak_phase']}", flush=True)
 
 

@@ -26,16 +26,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "examples/grpo.yaml"
-# imported by a GRPO run on jsonl prompts without LoRA, trackers, vLLM or S3 only if something imports too much
-NOT_NEEDED = ("pyarrow", "pandas", "fsspec", "peft", "vllm", "wandb", "mlflow", "tensorboard", "matplotlib",
+# imported by a GRPO run on jsonl prompts without LoRA, trackers, vLLM or S3 only if something
+# imports too much
+NOT_NEEDED = ("pyarrow", "pandas", "fsspec", "peft", "vllm", "wandb", "mlflow",
+              "tensorboard", "matplotlib",
               "s3fs", "jsonschema", "kubernetes_validate", "preftune.data.inspect")
 IMPORT_LINE = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)")
 
 
 def command(out: Path, overrides: list[str], importtime: bool = False) -> list[str]:
     flags = ["-X", "importtime"] if importtime else []
-    return [sys.executable, *flags, "-m", "preftune", "train", CONFIG, f"output_dir={out}", "max_steps=1",
-            "log.progress_bar=false", *overrides]
+    return [sys.executable, *flags, "-m", "preftune", "train", CONFIG,
+            f"output_dir={out}", "max_steps=1", "log.progress_bar=false", *overrides]
 
 
 def run_once(overrides: list[str], importtime: bool = False) -> tuple[dict, str]:
@@ -43,11 +45,15 @@ def run_once(overrides: list[str], importtime: bool = False) -> tuple[dict, str]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
         out = Path(tmp) / "run"
-        proc = subprocess.run(command(out, overrides, importtime), cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=900)
+        proc = subprocess.run(command(out, overrides, importtime), cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             raise SystemExit(f"preftune train exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        records = [
+            json.loads(line)
+            for line in (out / "metrics.jsonl").read_text().splitlines()
+            if line.strip()
+        ]
     first = next(r for r in records if "startup_seconds" in r)
     return {k: v for k, v in first.items() if k.startswith("startup")}, proc.stderr
 
@@ -63,7 +69,8 @@ def import_profile(stderr: str) -> dict:
             names.add(m[4])
     total = sum(by_package.values())
     imported = [w for w in NOT_NEEDED if any(n == w or n.startswith(w + ".") for n in names)]
-    return {"total_s": round(total, 3), "top": {k: round(v, 3) for k, v in by_package.most_common(12)},
+    return {"total_s": round(total, 3),
+            "top": {k: round(v, 3) for k, v in by_package.most_common(12)},
             "not_needed_but_imported": imported}
 
 

@@ -37,8 +37,10 @@ def load(args, *, own: bool, compile_blocks: bool = False):
     from preftune.model.load import load_model
 
     path = workload.model_dir(args.model, args.model_cache or tempfile.mkdtemp())
-    cfg = ModelConfig(dtype="bfloat16" if args.bf16 else "float32", lean_forward=own, compile=compile_blocks)
-    return load_model(cfg, path).to(args.device)  # bf16: float32 masters under bf16 autocast, as training
+    cfg = ModelConfig(dtype="bfloat16" if args.bf16 else "float32", lean_forward=own,
+                      compile=compile_blocks)
+    # bf16: float32 masters under bf16 autocast, as training
+    return load_model(cfg, path).to(args.device)
 
 
 def prompts(args, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,8 +66,10 @@ def _timed(fn, device: str) -> float:
 def decode(model, ids, mask, args, greedy: bool):
     from preftune.rollout.sampler import sample
 
-    return sample(model, ids, mask, num_generations=args.generations, max_new_tokens=args.max_new_tokens,
-                  eos_id=-1, pad_id=0, greedy=greedy, generator=torch.Generator(args.device).manual_seed(0))
+    return sample(model, ids, mask, num_generations=args.generations,
+                  max_new_tokens=args.max_new_tokens,
+                  eos_id=-1, pad_id=0, greedy=greedy,
+                  generator=torch.Generator(args.device).manual_seed(0))
 
 
 def decode_rows(args, ids, mask) -> dict:
@@ -73,11 +77,16 @@ def decode_rows(args, ids, mask) -> dict:
     for name in ("hf", "own"):
         model = load(args, own=name == "own")
         greedy = decode(model, ids, mask, args, True).completion_ids.cpu()
-        times = [_timed(lambda: decode(model, ids, mask, args, False), args.device)[0] for _ in range(args.repeats)]
+        times = [
+            _timed(lambda: decode(model, ids, mask, args, False), args.device)[0]
+            for _ in range(args.repeats)
+        ]
         s = statistics.median(times)
         rows[name] = {"s_per_rollout": s, "ms_per_token": 1e3 * s / args.max_new_tokens,
                       "new_tokens_per_s": greedy.numel() / s, "greedy": greedy}
-    rows["own"]["equal_to_hf_greedy"] = float((rows["own"]["greedy"] == rows["hf"]["greedy"]).float().mean())
+    rows["own"]["equal_to_hf_greedy"] = float(
+        (rows["own"]["greedy"] == rows["hf"]["greedy"]).float().mean()
+    )
     return rows
 
 
@@ -105,13 +114,15 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="rand0.5b", help="a bench/workload.py model name or a path")
     ap.add_argument("--model-cache", help="folder for generated models (default: a temporary one)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--bf16", default="true", choices=("true", "false"), help="bf16 autocast over float32 masters")
+    ap.add_argument("--bf16", default="true", choices=("true", "false"),
+                    help="bf16 autocast over float32 masters")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--compile", default="true", choices=("true", "false"), help="time per-block torch.compile too")
+    ap.add_argument("--compile", default="true", choices=("true", "false"),
+                    help="time per-block torch.compile too")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     args.bf16 = args.bf16 == "true"
@@ -120,14 +131,15 @@ def main(argv=None) -> int:
     if args.compile == "true":
         result["pass"] = pass_rows(args, ids.repeat_interleave(args.generations, 0),
                                    mask.repeat_interleave(args.generations, 0))
-    print(f"{args.prompts} prompts x {args.generations}, prompt {args.prompt_len}, {args.max_new_tokens} new tokens, "
-          f"model {args.model}, {'bf16 autocast' if args.bf16 else 'float32'}, {args.device}")
+    print(f"{args.prompts} prompts x {args.generations}, prompt {args.prompt_len}, "
+          f"{args.max_new_tokens} new tokens, model {args.model}, "
+          f"{'bf16 autocast' if args.bf16 else 'float32'}, {args.device}")
     print("| decoder | s/rollout | ms/token | new tokens/s | vs hf |")
     print("|---|---|---|---|---|")
     hf = result["decode"]["hf"]["s_per_rollout"]
     for v, r in result["decode"].items():
-        print(f"| {v} | {r['s_per_rollout']:.3f} | {r['ms_per_token']:.2f} | {r['new_tokens_per_s']:.0f} | "
-              f"{hf / r['s_per_rollout']:.2f}x |")
+        print(f"| {v} | {r['s_per_rollout']:.3f} | {r['ms_per_token']:.2f} | "
+              f"{r['new_tokens_per_s']:.0f} | {hf / r['s_per_rollout']:.2f}x |")
     print(f"own greedy tokens equal to hf's: {result['decode']['own']['equal_to_hf_greedy']:.3f}")
     for v, r in result["pass"].items():
         print(f"training pass, {v}: {r['ms_per_pass']:.1f} ms (first {r['first_s']:.1f} s)")

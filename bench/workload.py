@@ -18,40 +18,47 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-FILLER = "12+7=19. 3+4=7. 19+19=38. 0+0=0. 5+11=16. "  # byte-level tokenizer: one token per character
+# byte-level tokenizer: one token per character
+FILLER = "12+7=19. 3+4=7. 19+19=38. 0+0=0. 5+11=16. "
 
 
 # Generated random-init Qwen2 models by name: these config fields over examples/model's config.json.
 # All use its byte tokenizer (259 tokens), which covers the first rows of a larger vocabulary.
-_RAND3M = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
+_RAND3M = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+           "num_attention_heads": 4,
            "num_key_value_heads": 2, "max_position_embeddings": 2048}  # ~3M, room for long contexts
 SHAPES = {
     "rand3m": _RAND3M,
     "rand3m-v32k": _RAND3M | {"vocab_size": 32768},  # the vocabulary size of real tokenizers
-    # Qwen2.5-0.5B's shape (494M parameters), for the GPU table. Stored in bfloat16, as that model is
-    # published: half the bytes to write and to read in each of the suite's runs, and both benches load
-    # float32 master weights explicitly, so the stored precision does not change what they train.
-    "rand0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+    # Qwen2.5-0.5B's shape (494M parameters), for the GPU table. Stored in bfloat16, as that model
+    # is published: half the bytes to write and to read in each of the suite's runs, and both
+    # benches load float32 master weights explicitly, so the stored precision does not change what
+    # they train.
+    "rand0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                 "num_attention_heads": 14,
                  "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
-                 "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}, "rms_norm_eps": 1e-6,
+                 "rope_parameters": {"rope_theta": 1e6,
+                                     "rope_type": "default"}, "rms_norm_eps": 1e-6,
                  "max_position_embeddings": 4096, "dtype": "bfloat16"},
 }
-# Sampled from, a random model's next token is about uniform over its vocabulary: with the byte tokenizer
-# 99.8% of rand0.5b's rows would decode to nothing, every completion would score 0, no group would have
-# an advantage (and preftune would skip their rows). So its tokenizer names every row (`name_all_rows`).
+# Sampled from, a random model's next token is about uniform over its vocabulary: with the byte
+# tokenizer 99.8% of rand0.5b's rows would decode to nothing, every completion would score 0, no
+# group would have an advantage (and preftune would skip their rows). So its tokenizer names every
+# row (`name_all_rows`).
 NAMED_ROWS = {"rand0.5b"}
 
 
 def model_dir(name: str, out: str | Path) -> Path:
-    """`demo` (examples/model, ~1M parameters), a name of SHAPES (a seeded random-init Qwen2, written
-    once into `out`) or a path."""
+    """`demo` (examples/model, ~1M parameters), a name of SHAPES (a seeded random-init Qwen2,
+    written once into `out`) or a path."""
     if name == "demo":
         return EXAMPLES / "model"
     if name not in SHAPES:
         return Path(name)
     path = Path(out) / name
     if not (path / "config.json").exists():
-        tmp = path.with_name(name + ".partial")  # a run killed while writing leaves no half model behind
+        # a run killed while writing leaves no half model behind
+        tmp = path.with_name(name + ".partial")
         write_model(name, tmp)
         shutil.rmtree(path, ignore_errors=True)  # what an older writer, interrupted, left there
         tmp.rename(path)
@@ -59,7 +66,8 @@ def model_dir(name: str, out: str | Path) -> Path:
 
 
 def generated_config(name: str) -> dict:
-    """The config.json fields of the generated model `name` (examples/model's, then SHAPES[name])."""
+    """The config.json fields of the generated model `name` (examples/model's, then
+    SHAPES[name])."""
     cfg = json.loads((EXAMPLES / "model" / "config.json").read_text())
     cfg.pop("architectures")
     cfg.update(SHAPES[name])
@@ -74,8 +82,8 @@ def write_model(name: str, path: Path) -> None:
     cfg = generated_config(name)
     shutil.rmtree(path, ignore_errors=True)
     torch.manual_seed(0)
-    # initialised on the CPU, in the stored dtype: the same weights on every machine, and a bf16 init
-    # of the 0.5B model takes seconds on a GPU host's cores
+    # initialised on the CPU, in the stored dtype: the same weights on every machine, and a bf16
+    # init of the 0.5B model takes seconds on a GPU host's cores
     model = AutoModelForCausalLM.from_config(Qwen2Config(**cfg), dtype=getattr(torch, cfg["dtype"]))
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(EXAMPLES / "model").save_pretrained(path)
@@ -86,8 +94,9 @@ def write_model(name: str, path: Path) -> None:
 
 
 def name_all_rows(path: Path, vocab_size: int) -> None:
-    """Extend the byte tokenizer in `path` to `vocab_size` entries: row i >= 259 decodes to three printable
-    ASCII characters (base 94). There are no merges, so text still encodes one token per character."""
+    """Extend the byte tokenizer in `path` to `vocab_size` entries: row i >= 259 decodes to three
+    printable ASCII characters (base 94). There are no merges, so text still encodes one token per
+    character."""
     file = Path(path) / "tokenizer.json"
     tok = json.loads(file.read_text())
     vocab = tok["model"]["vocab"]
@@ -100,8 +109,13 @@ def name_all_rows(path: Path, vocab_size: int) -> None:
 
 
 def prompt_rows(prefix_len: int) -> list[dict]:
-    """The a+b train prompts, each after a shared filler text of `prefix_len` characters (tokens)."""
-    rows = [json.loads(line) for line in (EXAMPLES / "data" / "train_prompts.jsonl").read_text().splitlines() if line]
+    """The a+b train prompts, each after a shared filler text of `prefix_len` characters
+    (tokens)."""
+    rows = [
+        json.loads(line)
+        for line in (EXAMPLES / "data" / "train_prompts.jsonl").read_text().splitlines()
+        if line
+    ]
     prefix = (FILLER * (prefix_len // len(FILLER) + 1))[:prefix_len]
     return [{"input": prefix + r["input"], "answer": r["answer"]} for r in rows]
 
@@ -114,22 +128,31 @@ def digit_fraction(prompts, completions, **kwargs) -> list[float]:
 
 
 def config_of(model: Path | dict) -> dict:
-    return model if isinstance(model, dict) else json.loads((Path(model) / "config.json").read_text())
+    return (
+        model if isinstance(model, dict) else json.loads((Path(model) / "config.json").read_text())
+    )
 
 
 def model_shape(model: Path | dict) -> dict:
     """Multiply-adds per position of the body and the lm_head, and L * H for attention, from a model
     folder or its config dict."""
     cfg = config_of(model)
-    H, L, inter, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"], cfg["vocab_size"]
+    H, L, inter, V = (
+        cfg["hidden_size"],
+        cfg["num_hidden_layers"],
+        cfg["intermediate_size"],
+        cfg["vocab_size"],
+    )
     kv = H * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
-    body = L * (2 * H * H + 2 * H * kv + 3 * H * inter)  # multiply-adds per position: q,o + k,v + MLP
+    # multiply-adds per position: q,o + k,v + MLP
+    body = L * (2 * H * H + 2 * H * kv + 3 * H * inter)
     return {"body": body, "head": H * V, "attn": L * H}
 
 
 def param_count(model: Path | dict) -> int:
-    """Parameters of a Qwen2 from its config, without building it: the body's matrices, the q/k/v biases,
-    two norms per layer and the final one, the embedding, and an lm_head unless it is tied."""
+    """Parameters of a Qwen2 from its config, without building it: the body's matrices, the q/k/v
+    biases, two norms per layer and the final one, the embedding, and an lm_head unless it is
+    tied."""
     cfg = config_of(model)
     H, L, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     kv = H * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
@@ -141,7 +164,9 @@ def forward_flops(shape: dict, rows: int, prompt: float, completion: float) -> f
     """FLOPs of one forward over `rows` sequences of prompt+completion tokens, logits on the
     completion positions, causal attention (2 * L * H * s^2: scores and weighted sum)."""
     s = prompt + completion
-    return rows * (2 * shape["body"] * s + 2 * shape["head"] * completion + 2 * shape["attn"] * s * s)
+    return rows * (
+        2 * shape["body"] * s + 2 * shape["head"] * completion + 2 * shape["attn"] * s * s
+    )
 
 
 def grpo_flops(shape: dict, *, prompts: int, G: int, prompt: float, completion: float, beta: float,
@@ -184,25 +209,27 @@ def reset_peak_cuda() -> None:
 
 
 def peak_cuda_gib() -> float | None:
-    """Peak GPU memory held by tensors (torch.cuda.max_memory_allocated) in GiB; None without CUDA."""
+    """Peak GPU memory held by tensors (torch.cuda.max_memory_allocated) in GiB; None without
+    CUDA."""
     import torch
 
     return torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None
 
 
 def peak_key(bf16: bool) -> tuple[str, str, int]:
-    """(dtype, device, n) of the matmul peak for rows in this precision on this machine: n x n products,
-    8192 on a GPU (large enough to reach its tensor-core peak), 1024 on CPU."""
+    """(dtype, device, n) of the matmul peak for rows in this precision on this machine: n x n
+    products, 8192 on a GPU (large enough to reach its tensor-core peak), 1024 on CPU."""
     dtype = "bfloat16" if bf16 else "float32"
     device = "cuda" if cuda_used() else "cpu"
     return dtype, device, 8192 if device == "cuda" else 1024
 
 
-def matmul_peak_gflops(n: int = 1024, seconds: float = 1.0, dtype: str = "float32", device: str = "cpu") -> float:
+def matmul_peak_gflops(n: int = 1024, seconds: float = 1.0, dtype: str = "float32",
+                       device: str = "cpu") -> float:
     """Measured matmul throughput (the machine's practical peak, the MFU denominator): the best of
-    repeated n x n products in `dtype` on `device` over about `seconds`, at the current thread count on
-    CPU. On CUDA, products are queued in batches of 10 with a synchronize around each (one product is
-    a kernel launch), after a warm-up that loads cuBLAS and raises the clocks."""
+    repeated n x n products in `dtype` on `device` over about `seconds`, at the current thread count
+    on CPU. On CUDA, products are queued in batches of 10 with a synchronize around each (one
+    product is a kernel launch), after a warm-up that loads cuBLAS and raises the clocks."""
     import torch
 
     a = torch.randn(n, n, dtype=getattr(torch, dtype), device=device)
@@ -280,7 +307,8 @@ def run_workloads(names, measure, args, title: str, table) -> dict:
     for name in names:
         if not args.only or any(o in name for o in args.only):
             rows[name] = measure(name)
-            print(f"[{time.perf_counter() - t0:5.0f}s] {name}: {json.dumps(rows[name])}", flush=True)
+            print(f"[{time.perf_counter() - t0:5.0f}s] {name}: {json.dumps(rows[name])}",
+                  flush=True)
     print(f"\n{title}: {args.steps} steps ({args.warmup} warmup), {os.cpu_count()} CPUs\n")
     print(table(rows))
     if args.json:

@@ -57,7 +57,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--lr-schedule", default="linear", help="TRL/transformers lr_scheduler_type")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: no spin-wait thrash)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (1: no spin-wait thrash)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -70,13 +71,12 @@ def main() -> None:
 
     ds = Dataset.from_list([{"prompt": r["input"], "answer": r["answer"]} for r in train])
     with tempfile.TemporaryDirectory() as out:
-        cfg = GRPOConfig(
-            output_dir=out, max_steps=args.steps, per_device_train_batch_size=256,
-            num_generations=16, max_completion_length=4, temperature=1.0, learning_rate=3e-4,
-            beta=0.0, lr_scheduler_type=args.lr_schedule, warmup_steps=0, use_cpu=True, bf16=False,
-            gradient_checkpointing=False, report_to="none", save_strategy="no",
-            logging_steps=20, seed=args.seed, dataloader_num_workers=0, disable_tqdm=True,
-        )
+        cfg = GRPOConfig(output_dir=out, max_steps=args.steps, per_device_train_batch_size=256,
+                         num_generations=16, max_completion_length=4, temperature=1.0,
+                         learning_rate=3e-4, beta=0.0, lr_scheduler_type=args.lr_schedule,
+                         warmup_steps=0, use_cpu=True, bf16=False, gradient_checkpointing=False,
+                         report_to="none", save_strategy="no", logging_steps=20, seed=args.seed,
+                         dataloader_num_workers=0, disable_tqdm=True)
         trainer = GRPOTrainer(model=model, reward_funcs=correctness, args=cfg,
                               train_dataset=ds, processing_class=tok,
                               callbacks=[HeldOutEval(tok, evals, args.eval_every)])
@@ -84,8 +84,9 @@ def main() -> None:
         trainer.train()
         dt = time.time() - t0
     after = greedy_accuracy(trainer.model, tok, evals)
-    print(f"held-out greedy accuracy: before {before:.2f} -> after {after:.2f} "
-          f"(delta {after - before:+.2f}); {args.steps} steps in {dt:.0f} s = {dt / args.steps:.2f} s/step")
+    print(f"held-out greedy accuracy: before {before:.2f} -> after {after:.2f} (delta "
+          f"{after - before:+.2f}); "
+          f"{args.steps} steps in {dt:.0f} s = {dt / args.steps:.2f} s/step")
 
 
 if __name__ == "__main__":

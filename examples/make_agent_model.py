@@ -16,12 +16,12 @@ The model
     512 positions: enough for a few turns. It is untrained: SFT on the agent traces teaches it the
     format (docs/agents.md).
 
-The traces: for each of the first PROMPTS train prompts (examples/data/train_prompts.jsonl, "12+7="), RESPONSES
-distinct scripted agent responses drawn with a fixed seed, each an assistant -> tool -> assistant
-conversation or a direct answer: a correct `add` call, a call with a wrong operand, a call that
-fails (a missing argument, or an unknown tool) and then a guess, or a guess without any call.
-`final_reward` is `arith.trace_reward` of the last assistant turn (1.0 correct, < 0.29 wrong).
-Columns: input (messages), output (messages), tools (JSON text), final_reward, answer.
+The traces: for each of the first PROMPTS train prompts (examples/data/train_prompts.jsonl,
+"12+7="), RESPONSES distinct scripted agent responses drawn with a fixed seed, each an assistant ->
+tool -> assistant conversation or a direct answer: a correct `add` call, a call with a wrong
+operand, a call that fails (a missing argument, or an unknown tool) and then a guess, or a guess
+without any call. `final_reward` is `arith.trace_reward` of the last assistant turn (1.0 correct, <
+0.29 wrong). Columns: input (messages), output (messages), tools (JSON text), final_reward, answer.
 
 Rerun from the repo root (deterministic, seconds):
     .venv/bin/python examples/make_agent_model.py
@@ -52,31 +52,28 @@ TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respons
 EOS = "<|im_end|>"
 ADD_TOOL = {"type": "function", "function": {
     "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "description": "first addend"},
-                                                    "b": {"type": "integer", "description": "second addend"}},
+    "parameters": {"type": "object",
+                   "properties": {"a": {"type": "integer", "description": "first addend"},
+                                  "b": {"type": "integer",
+                                        "description": "second addend"}},
                    "required": ["a", "b"]}}}
 
 # Every literal newline sits inside a Jinja string: transformers compiles templates with
 # trim_blocks, which would eat a newline after a block tag.
 CHAT_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\n' }}"
-    "{%- for tool in tools %}{%- set f = tool.function if tool.function is defined else tool %}"
-    "{{- f.name + '(' }}"
-    "{%- if f.parameters is defined and f.parameters.properties is defined %}"
-    "{%- for name, p in f.parameters.properties.items() %}"
-    "{{- name + ':' + (p.type if p.type is defined else 'any') }}{%- if not loop.last %}{{- ',' }}{%- endif %}"
-    "{%- endfor %}{%- endif %}{{- ')\n' }}"
-    "{%- endfor %}{{- '<|im_end|>\n' }}{%- endif %}"
-    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\n' }}"
-    "{%- if m.role == 'tool' %}{{- '<tool_response>' + m.content + '</tool_response>' }}"
-    "{%- elif m.content is string %}{{- m.content }}{%- endif %}"
-    "{%- if m.role == 'assistant' and m.tool_calls %}{%- for tc in m.tool_calls %}"
-    "{%- set fn = tc.function if tc.function is defined else tc %}"
-    "{{- '<tool_call>{\"name\": \"' + fn.name + '\", \"arguments\": ' }}"
-    "{{- fn.arguments if fn.arguments is string else fn.arguments | tojson }}{{- '}</tool_call>' }}"
-    "{%- endfor %}{%- endif %}{{- '<|im_end|>\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+    "{%- if tools %}{{- '<|im_start|>system\n' }}{%- for tool in tools %}{%- set f = tool.function "
+    "if tool.function is defined else tool %}{{- f.name + '(' }}{%- if f.parameters is defined and "
+    "f.parameters.properties is defined %}{%- for name, p in f.parameters.properties.items() %}{{- "
+    "name + ':' + (p.type if p.type is defined else 'any') }}{%- if not loop.last %}{{- ',' }}{%- "
+    "endif %}{%- endfor %}{%- endif %}{{- ')\n' }}{%- endfor %}{{- '<|im_end|>\n' }}{%- endif "
+    "%}{%- for m in messages %}{{- '<|im_start|>' + m.role + '\n' }}{%- if m.role == 'tool' %}{{- "
+    "'<tool_response>' + m.content + '</tool_response>' }}{%- elif m.content is string %}{{- "
+    "m.content }}{%- endif %}{%- if m.role == 'assistant' and m.tool_calls %}{%- for tc in "
+    "m.tool_calls %}{%- set fn = tc.function if tc.function is defined else tc %}{{- "
+    "'<tool_call>{\"name\": \"' + fn.name + '\", \"arguments\": ' }}{{- fn.arguments if "
+    "fn.arguments is string else fn.arguments | tojson }}{{- '}</tool_call>' }}{%- endfor %}{%- "
+    "endif %}{{- '<|im_end|>\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- "
+    "'<|im_start|>assistant\n' }}{%- endif %}"
 )
 
 
@@ -105,9 +102,11 @@ def save_agent_tokenizer(tok, out: Path) -> None:
 
 def build_agent_model(tok) -> Qwen2ForCausalLM:
     config = Qwen2Config(
-        vocab_size=len(tok), hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=len(tok), hidden_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=512, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None, dtype="float32")
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        bos_token_id=None, dtype="float32")
     return Qwen2ForCausalLM(config)
 
 
@@ -117,7 +116,8 @@ def _call(name: str, arguments: dict) -> dict:
 
 
 def agent_response(a: int, b: int, rng: random.Random) -> list[dict]:
-    """One scripted response: a tool call (right, wrong operand, failing) then an answer, or a guess."""
+    """One scripted response: a tool call (right, wrong operand, failing) then an answer, or a
+    guess."""
     guess = str(max(0, a + b + rng.choice([-2, -1, 0, 0, 1, 2])))
     kind = rng.choices(["correct", "wrong_operand", "missing_argument", "unknown_tool", "no_tool"],
                        weights=[4, 2, 1, 1, 2])[0]
@@ -133,7 +133,8 @@ def agent_response(a: int, b: int, rng: random.Random) -> list[dict]:
         call, result, final = _call("add", {"a": a}), "error: add() missing argument 'b'", guess
     else:
         call, result, final = _call("sum", {"a": a, "b": b}), "error: unknown tool 'sum'", guess
-    return [call, {"role": "tool", "name": call["tool_calls"][0]["function"]["name"], "content": result},
+    return [call,
+            {"role": "tool", "name": call["tool_calls"][0]["function"]["name"], "content": result},
             {"role": "assistant", "content": final}]
 
 
@@ -150,17 +151,23 @@ def agent_rows(train: list[dict], seed: int = SEED) -> list[dict]:
         for response in responses:
             reward = arith.trace_reward(response[-1]["content"], src["answer"])
             rows.append({"input": [{"role": "user", "content": src["input"]}], "output": response,
-                         "tools": json.dumps([ADD_TOOL]), "final_reward": reward, "answer": src["answer"]})
+                         "tools": json.dumps([ADD_TOOL]), "final_reward": reward,
+                         "answer": src["answer"]})
     return rows
 
 
 def write_traces(rows: list[dict], out: Path) -> None:
     """Messages as JSON-compatible structs; `arguments` is JSON text (schemas differ per tool)."""
-    call = pa.struct([("type", pa.string()), ("function", pa.struct([("name", pa.string()),
-                                                                       ("arguments", pa.string())]))])
+    call = pa.struct(
+        [
+            ("type", pa.string()),
+            ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())])),
+        ]
+    )
     message = pa.struct([("role", pa.string()), ("content", pa.string()), ("name", pa.string()),
                          ("tool_calls", pa.list_(call))])
-    schema = pa.schema([("input", pa.list_(message)), ("output", pa.list_(message)), ("tools", pa.string()),
+    schema = pa.schema([("input", pa.list_(message)), ("output", pa.list_(message)),
+                        ("tools", pa.string()),
                         ("final_reward", pa.float64()), ("answer", pa.string())])
     out.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), out)
@@ -178,13 +185,16 @@ def main() -> None:
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(args.out, safe_serialization=True)
     save_agent_tokenizer(tok, args.out)
-    train = [json.loads(x) for x in (HERE / "data" / "train_prompts.jsonl").read_text().splitlines() if x]
+    train = [
+        json.loads(x) for x in (HERE / "data" / "train_prompts.jsonl").read_text().splitlines() if x
+    ]
     rows = agent_rows(train[:PROMPTS])
     write_traces(rows, args.traces)
     correct = sum(r["final_reward"] == 1.0 for r in rows)
     calls = sum(len(r["output"]) > 1 for r in rows)
-    print(f"saved {args.out} ({sum(p.numel() for p in model.parameters()):,} params, vocab {len(tok)}); "
-          f"wrote {args.traces}: {len(rows)} rows, {calls} with a tool call, {correct} correct")
+    print(f"saved {args.out} ({sum(p.numel() for p in model.parameters()):,} "
+          f"params, vocab {len(tok)}); wrote {args.traces}: {len(rows)} "
+          f"rows, {calls} with a tool call, {correct} correct")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ What it makes
     Measured with check_trl_grpo.py: a 0.24 base gained ~0 held-out, this 0.33 one +0.2..0.4;
   - examples/data/{train,eval}_prompts.jsonl with rows {"input": "12+7=", "answer": "19"}.
 
-Rerun (deterministic, one thread, a few minutes on a CPU core), from the repo root, then make_traces.py:
+Rerun (deterministic, one thread, a few minutes on a CPU core), from the repo root, then
+make_traces.py:
     .venv/bin/python examples/make_base_model.py
 The committed examples/model was made by an earlier version of this script with a hand-written
 SFT loop (same model, data, LR and batch size, its own batch sampling): 0.33 held-out. This version
@@ -39,8 +40,8 @@ SEED = 1234
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
 # Plain-text chat: contents concatenated; an assistant turn is closed by EOS like an SFT target.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['content'] }}"
-    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% for m in messages %}{{ m['content'] }}{% if m['role'] "
+    "== 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
 )
 MAX_POSITIONS = 64
 MAX_NEW_TOKENS = 4  # longest answer "38" + EOS is 3 tokens
@@ -76,10 +77,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
-        model_max_length=MAX_POSITIONS, chat_template=CHAT_TEMPLATE,
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>", model_max_length=MAX_POSITIONS,
+                                   chat_template=CHAT_TEMPLATE)
 
 
 def save_tokenizer(tok: PreTrainedTokenizerFast, out: Path) -> None:
@@ -97,17 +97,17 @@ def save_tokenizer(tok: PreTrainedTokenizerFast, out: Path) -> None:
 
 def build_model(tok: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
     """Random-init ~1M-parameter Qwen2 sized for the 259-token vocabulary."""
-    config = Qwen2Config(
-        vocab_size=len(tok), hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=512, max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-        bos_token_id=None, dtype="float32",
-    )
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
+                         max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                         bos_token_id=None, dtype="float32")
     return Qwen2ForCausalLM(config)
 
 
 @torch.no_grad()
-def greedy_completions(model, tok, prompts: list[str], max_new_tokens: int = MAX_NEW_TOKENS) -> list[str]:
+def greedy_completions(model, tok, prompts: list[str],
+                       max_new_tokens: int = MAX_NEW_TOKENS) -> list[str]:
     """Greedy continuations (left-padded batch), decoded with special tokens kept so the
     scorer can cut at the first <eos>."""
     was_training = model.training
@@ -134,7 +134,8 @@ def sft_until_band(init: Path, train: list[dict], work: Path) -> tuple[int, floa
     answer + EOS is the completion, the prompt carries no loss) on TRL prompt/completion rows, in
     segments of EVAL_EVERY steps: each segment resumes the previous one exactly (same data order,
     optimizer, RNG) with a larger max_steps and ends with a held-out greedy evaluation; stop at the
-    first evaluation past MIN_STEPS inside [TARGET_ACC, MAX_ACC]. Returns (steps, accuracy, model folder).
+    first evaluation past MIN_STEPS inside [TARGET_ACC, MAX_ACC]. Returns (steps, accuracy, model
+    folder).
 
     Constant LR on purpose: at equal greedy accuracy, a cosine-decayed base had flatter sampling
     (fewer correct samples at temperature 1), so GRPO got less signal and gained less.
@@ -145,8 +146,10 @@ def sft_until_band(init: Path, train: list[dict], work: Path) -> tuple[int, floa
     data = work / "sft_train.jsonl"
     write_jsonl(data, [{"prompt": r["input"], "completion": r["answer"]} for r in train])
     overrides = [f"model.name_or_path={init}", f"data.train={data}", f"output_dir={work / 'run'}",
-                 f"seed={SEED}", f"optim.lr={LR}", "optim.lr_scheduler=constant", "optim.max_grad_norm=0",
-                 f"sft.batch_size={BATCH_SIZE}", f"sft.micro_batch_size={BATCH_SIZE}", f"save_steps={EVAL_EVERY}",
+                 f"seed={SEED}", f"optim.lr={LR}", "optim.lr_scheduler=constant",
+                 "optim.max_grad_norm=0",
+                 f"sft.batch_size={BATCH_SIZE}", f"sft.micro_batch_size={BATCH_SIZE}",
+                 f"save_steps={EVAL_EVERY}",
                  "save_total_limit=1", "log.progress_bar=false", "eval.eval_steps=0"]
     for steps in range(MIN_STEPS, MAX_STEPS + 1, EVAL_EVERY):
         final = preftune_train(load_config(HERE / "sft.yaml", overrides + [f"max_steps={steps}"]))
@@ -170,7 +173,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=HERE / "model")
     ap.add_argument("--data", type=Path, default=HERE / "data")
-    ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    ap.add_argument("--work", type=Path, default=None,
+                    help="scratch folder (default: a temporary one)")
     args = ap.parse_args()
 
     # One thread: the same bits on any machine (reduction order depends on the thread count), and
@@ -178,7 +182,8 @@ def main() -> None:
     torch.set_num_threads(1)
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # a load and a save per segment: keep the log to one line each
+    # a load and a save per segment: keep the log to one line each
+    hf_logging.disable_progress_bar()
     torch.manual_seed(SEED)
     train, evals = arith.make_split()
     write_jsonl(args.data / "train_prompts.jsonl", train)
@@ -197,11 +202,12 @@ def main() -> None:
         tok.padding_side = "right"
         save_tokenizer(tok, init)
         steps, acc, final = sft_until_band(init, train, work)
-        model = Qwen2ForCausalLM.from_pretrained(final, dtype=torch.float32)  # final/ is float32 (model.dtype)
+        # final/ is float32 (model.dtype)
+        model = Qwen2ForCausalLM.from_pretrained(final, dtype=torch.float32)
         model.save_pretrained(args.out, safe_serialization=True)
     save_tokenizer(tok, args.out)
-    print(f"saved {args.out}: {steps} SFT steps, held-out greedy accuracy {acc:.2f}, "
-          f"train greedy accuracy {greedy_accuracy(model, tok, train):.2f}")
+    print(f"saved {args.out}: {steps} SFT steps, held-out greedy accuracy {acc:.2f}, train greedy "
+          f"accuracy {greedy_accuracy(model, tok, train):.2f}")
 
 
 if __name__ == "__main__":

@@ -67,7 +67,9 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(1)  # machine-independent samples, as in make_base_model.py
-    train = [json.loads(l) for l in (HERE / "data" / "train_prompts.jsonl").read_text().splitlines() if l]
+    train = [
+        json.loads(l) for l in (HERE / "data" / "train_prompts.jsonl").read_text().splitlines() if l
+    ]
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     outputs = sample_completions(model, tok, [r["input"] for r in train], SAMPLES_PER_PROMPT, SEED)
@@ -75,7 +77,8 @@ def main() -> None:
     for i, text in enumerate(outputs):
         src = train[i // SAMPLES_PER_PROMPT]
         reward = arith.trace_reward(text, src["answer"])
-        rows.append({"input": src["input"], "output": text, "final_reward": reward, "answer": src["answer"]})
+        rows.append({"input": src["input"], "output": text, "final_reward": reward,
+                     "answer": src["answer"]})
 
     schema = pa.schema([("input", pa.string()), ("output", pa.string()),
                         ("final_reward", pa.float64()), ("answer", pa.string())])

@@ -3,20 +3,22 @@
 The public surface: `train`, `load_config`, `TrainResult`, the config dataclasses (`Config`,
 `ModelConfig`, `LoraConfig`, `DataConfig`, `GRPOConfig`, `DPOConfig`, `SFTConfig`, `OptimConfig`,
 `EvalConfig`, `GateConfig`, `LogConfig`, `DistributedConfig`, `DeployConfig`), `losses.grpo_loss`,
-`losses.dpo_loss`, and the errors a run ends with: `UserError` (78), `Preempted` and `TryAgain` (75: run
-again), `Unavailable` (69: a service unreachable). Everything else is internal. Names are imported on first use, so
-`import preftune` stays light (no torch).
+`losses.dpo_loss`, and the errors a run ends with: `UserError` (78), `Preempted` and `TryAgain` (75:
+run again), `Unavailable` (69: a service unreachable). Everything else is internal. Names are
+imported on first use, so `import preftune` stays light (no torch).
 """
 import importlib
 
 __version__ = "0.1.0"
 
-_CONFIG_CLASSES = ("Config", "ModelConfig", "LoraConfig", "DataConfig", "GRPOConfig", "DPOConfig", "SFTConfig",
-                   "OptimConfig", "EvalConfig", "GateConfig", "LogConfig", "DistributedConfig", "DeployConfig")
+_CONFIG_CLASSES = ("Config", "ModelConfig", "LoraConfig", "DataConfig", "GRPOConfig",
+                   "DPOConfig", "SFTConfig",
+                   "OptimConfig", "EvalConfig", "GateConfig", "LogConfig",
+                   "DistributedConfig", "DeployConfig")
 _HOMES = {"train": "preftune.api", "load_config": "preftune.config", "TrainResult": "preftune.api",
           "UserError": "preftune.errors",
-          "Preempted": "preftune.errors", "TryAgain": "preftune.errors", "Unavailable": "preftune.errors",
-          **dict.fromkeys(_CONFIG_CLASSES, "preftune.config")}
+          "Preempted": "preftune.errors", "TryAgain": "preftune.errors",
+          "Unavailable": "preftune.errors", **dict.fromkeys(_CONFIG_CLASSES, "preftune.config")}
 __all__ = ["losses", *_HOMES]
 
 

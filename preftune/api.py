@@ -1,4 +1,5 @@
-"""`preftune.train()`: what `preftune train` runs, from Python, with in-memory rewards, data and callbacks.
+"""`preftune.train()`: what `preftune train` runs, from Python, with in-memory rewards, data and
+callbacks.
 
 The command line is a thin layer over this function: it is called with the YAML path and the
 overrides, and maps `UserError` to exit 78 and `Preempted` to exit 75. Importing this module
@@ -35,7 +36,8 @@ class TrainResult:
     step: int  # the last optimiser step
     metrics: dict = field(default_factory=dict)
     eval: list[dict] = field(default_factory=list)
-    stopped_early: bool = False  # a callback stopped the run before max_steps (a checkpoint was saved)
+    # a callback stopped the run before max_steps (a checkpoint was saved)
+    stopped_early: bool = False
 
     @property
     def metrics_path(self) -> Path:
@@ -43,35 +45,40 @@ class TrainResult:
 
 
 def train(config: Any, *, overrides: Sequence[str] | Mapping[str, Any] = (),
-          reward_funcs: Sequence[str | Callable] | None = None, train_data: Any = None, eval_data: Any = None,
+          reward_funcs: Sequence[str | Callable] | None = None,
+          train_data: Any = None, eval_data: Any = None,
           callbacks: Sequence[Any] | None = None, peft_config: Any = None, model: Any = None,
           processing_class: Any = None, tools: Sequence[str | Callable] | None = None,
-          environment_factory: str | Callable | None = None, rollout_func: str | Callable | None = None
+          environment_factory: str | Callable | None = None,
+          rollout_func: str | Callable | None = None
           ) -> TrainResult:
     """Train as `preftune train CONFIG KEY=VALUE...` does, and return what it produced.
 
-    config: a YAML path, a nested dict, a `Config`, one algorithm's section (`preftune.DPOConfig(...)`)
-    or a TRL `GRPOConfig`/`DPOConfig`/`KTOConfig`/`SFTConfig` (translated, its table printed).
-    overrides: `["grpo.beta=0.04", ...]` as on the command line, or `{"grpo.beta": 0.04}`. reward_funcs:
-    TRL-contract functions and/or the names the config accepts; replaces `grpo.reward_funcs`. train_data /
-    eval_data: a `datasets.Dataset`, a pandas DataFrame or a list of dicts in place of `data.train` /
-    `data.eval`. callbacks: functions `cb(step, metrics)` and transformers `TrainerCallback`s.
-    peft_config: a `peft.LoraConfig` (or a `model.lora` mapping). model: a model folder, or a loaded
-    transformers model (written once to OUTPUT_DIR/base_model; its tokenizer is `processing_class`, else
-    read from the folder it was loaded from). Raises `UserError` for what the command line reports with
-    exit 78 and `Preempted` after a signal-triggered checkpoint.
-    tools / environment_factory / rollout_func (online GRPO, TRL's contracts, docs/agents.md):
-    functions the policy may call, a class of which each rollout gets an instance, a function that
-    samples the completions itself; replace `grpo.tools` / `grpo.environment_factory` / `grpo.rollout_func`.
+    config: a YAML path, a nested dict, a `Config`, one algorithm's section
+    (`preftune.DPOConfig(...)`) or a TRL `GRPOConfig`/`DPOConfig`/`KTOConfig`/`SFTConfig`
+    (translated, its table printed). overrides: `["grpo.beta=0.04", ...]` as on the command line, or
+    `{"grpo.beta": 0.04}`. reward_funcs: TRL-contract functions and/or the names the config accepts;
+    replaces `grpo.reward_funcs`. train_data / eval_data: a `datasets.Dataset`, a pandas DataFrame
+    or a list of dicts in place of `data.train` / `data.eval`. callbacks: functions `cb(step,
+    metrics)` and transformers `TrainerCallback`s. peft_config: a `peft.LoraConfig` (or a
+    `model.lora` mapping). model: a model folder, or a loaded transformers model (written once to
+    OUTPUT_DIR/base_model; its tokenizer is `processing_class`, else read from the folder it was
+    loaded from). Raises `UserError` for what the command line reports with exit 78 and `Preempted`
+    after a signal-triggered checkpoint. tools / environment_factory / rollout_func (online GRPO,
+    TRL's contracts, docs/agents.md): functions the policy may call, a class of which each rollout
+    gets an instance, a function that samples the completions itself; replace `grpo.tools` /
+    `grpo.environment_factory` / `grpo.rollout_func`.
     """
-    from preftune.rewards import functions as registry  # torch: imported by the call, not by `import preftune.api`
+    # torch: imported by the call, not by `import preftune.api`
+    from preftune.rewards import functions as registry
 
-    callbacks = check_callbacks(callbacks)  # a wrong object fails now, not after the model has loaded
+    # a wrong object fails now, not after the model has loaded
+    callbacks = check_callbacks(callbacks)
     data, config_dir = read_source(config)
     if peft_config is not None:
         lora = lora_section(peft_config) if is_peft_lora(peft_config) else peft_config
         if not isinstance(lora, Mapping):
-            raise UserError(f"expected a peft.LoraConfig or a mapping of model.lora keys, got a "
+            raise UserError("expected a peft.LoraConfig or a mapping of model.lora keys, got a "
                             f"{type(lora).__name__}", where="peft_config")
         data.setdefault("model", {})["lora"] = {"enabled": True, **lora}
     if model is not None:
@@ -80,7 +87,9 @@ def train(config: Any, *, overrides: Sequence[str] | Mapping[str, Any] = (),
     with _scoped(memory.TABLES, registry.CALLABLES):
         _with_agent(data, tools, environment_factory, rollout_func)
         cfg = _with_objects(data, config_dir, reward_funcs, train_data, eval_data, processing_class)
-        return run(cfg, callbacks=Callbacks(callbacks, cfg, args=config if is_trl_config(config) else None))
+        return run(
+            cfg, callbacks=Callbacks(callbacks, cfg, args=config if is_trl_config(config) else None)
+        )
 
 
 def run(cfg: Config, *, callbacks: Any = ()) -> TrainResult:
@@ -88,7 +97,8 @@ def run(cfg: Config, *, callbacks: Any = ()) -> TrainResult:
     from preftune.rewards.functions import check_callables
     from preftune.run.loop import train as train_loop
 
-    # before anything is loaded or written: a run's config.yaml names objects only Python can hand over
+    # before anything is loaded or written: a run's config.yaml names objects only Python can hand
+    # over
     memory.check_registered(cfg.data.train, "data.train")
     memory.check_registered(cfg.data.eval, "data.eval")
     check_callables(cfg.grpo.reward_funcs, "grpo.reward_funcs")
@@ -102,13 +112,15 @@ def run(cfg: Config, *, callbacks: Any = ()) -> TrainResult:
     for r in read_records(final.parent / "metrics.jsonl"):
         (evals if any(k.startswith("eval/") for k in r) else trained).append(r)
     step = trained[-1]["step"] if trained else 0
-    return TrainResult(model_path=final, output_dir=final.parent, step=step, metrics=trained[-1] if trained else {},
-                       eval=evals, stopped_early=step < cfg.max_steps)
+    return TrainResult(model_path=final, output_dir=final.parent, step=step,
+                       metrics=trained[-1] if trained else {}, eval=evals,
+                       stopped_early=step < cfg.max_steps)
 
 
 def _apply_overrides(data: dict, overrides: Sequence[str] | Mapping[str, Any]) -> None:
     if isinstance(overrides, str):
-        raise UserError(f"overrides must be a list of KEY=VALUE strings or a dict, got the string {overrides!r}")
+        raise UserError("overrides must be a list of KEY=VALUE strings "
+                        f"or a dict, got the string {overrides!r}")
     if isinstance(overrides, Mapping):
         for key, value in overrides.items():
             node = data
@@ -143,7 +155,8 @@ def _with_agent(data: dict, tools, environment_factory, rollout_func) -> None:
         del data["grpo"]
 
 
-def _with_objects(data: dict, config_dir: str, reward_funcs, train_data, eval_data, processing_class=None) -> Config:
+def _with_objects(data: dict, config_dir: str, reward_funcs, train_data, eval_data,
+                  processing_class=None) -> Config:
     """The config with Python objects (given as arguments or as config values) replaced by the names
     that stand for them: `callable:<module>.<qualname>`, `in-memory:<name>@<hash>`, and a loaded
     model by the folder it is written to."""
@@ -170,7 +183,8 @@ def _with_objects(data: dict, config_dir: str, reward_funcs, train_data, eval_da
         if obj is not None:
             data.setdefault("data", {})[key] = obj
         value = (data.get("data") or {}).get(key)
-        if value is not None and not isinstance(value, (str, Path)):  # a table given as the config value
+        # a table given as the config value
+        if value is not None and not isinstance(value, (str, Path)):
             data["data"][key] = memory.register(value, f"{key}_data")
         elif isinstance(value, Path):
             data["data"][key] = str(value)
@@ -179,7 +193,8 @@ def _with_objects(data: dict, config_dir: str, reward_funcs, train_data, eval_da
 
 @contextmanager
 def _scoped(*registries: dict):
-    """Forget what gets registered in `registries` inside the block: the names stand for objects of this call only."""
+    """Forget what gets registered in `registries` inside the block: the names stand for objects of
+    this call only."""
     before = [set(r) for r in registries]
     try:
         yield
@@ -191,7 +206,8 @@ def _scoped(*registries: dict):
 
 @contextmanager
 def _quiet_transformers():
-    """transformers' own bars (loading, writing shards) would bury the run's; its settings are put back after."""
+    """transformers' own bars (loading, writing shards) would bury the run's; its settings are put
+    back after."""
     from transformers.utils import logging as hf_logging
 
     bars, level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()

@@ -1,7 +1,8 @@
-"""Write-then-rename: a reader (or a resumed run) sees the old file or the new one, never half of one.
+"""Write-then-rename: a reader (or a resumed run) sees the old file or the new one, never half of
+one.
 
-The one home for atomic local file writes; checkpoint folders are published by `run/checkpoint_folders.py`
-with the same rename rule at folder level.
+The one home for atomic local file writes; checkpoint folders are published by
+`run/checkpoint_folders.py` with the same rename rule at folder level.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from pathlib import Path
 
 @contextlib.contextmanager
 def atomic_path(path: str | Path, *, fsync: bool = False) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; on success it replaces `path`, on error it is removed."""
+    """Yield a temporary path beside `path`; on success it replaces `path`, on error it is
+    removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

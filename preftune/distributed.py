@@ -6,7 +6,8 @@ collectives are identities, so the single-process path runs the same code.
 
 Strategies (`distributed.strategy`):
   fsdp  FSDP2: `fully_shard` on each decoder block, then the root; parameters, gradients and
-        optimizer state sharded over the ranks; bf16 compute with fp32 reduction for model.dtype=bfloat16.
+        optimizer state sharded over the ranks; bf16 compute with fp32 reduction for
+        model.dtype=bfloat16.
   ddp   every rank holds the whole model; gradients are summed with one all-reduce per step
         (after all micro-batches, as DDP's no_sync does), so uneven micro-batch counts cannot hang.
   none  one process only.
@@ -119,8 +120,8 @@ class Parallel:
         return result
 
     def together(self, fn):
-        """Run `fn` on every rank; a known error on any rank is raised on every rank (the lowest such
-        rank's), so all exit with its code together instead of the others waiting at their next
+        """Run `fn` on every rank; a known error on any rank is raised on every rank (the lowest
+        such rank's), so all exit with its code together instead of the others waiting at their next
         collective for a rank that has left (work split over ranks: each sees only its share)."""
         if not self.active:
             return fn()
@@ -140,7 +141,8 @@ class Parallel:
     # ---------------------------------------------------------------- batch split
 
     def split(self, n: int, what: str) -> slice:
-        """This rank's contiguous share of n global items; n must divide evenly (checked at start-up)."""
+        """This rank's contiguous share of n global items; n must divide evenly (checked at
+        start-up)."""
         if n % self.world:
             raise UserError(f"{what}={n} is not divisible by the {self.world} ranks", where=what)
         k = n // self.world
@@ -152,8 +154,8 @@ class Parallel:
         return slice(self._share_start(n, self.rank), self._share_start(n, self.rank + 1))
 
     def group_share(self, n: int, size: int) -> slice:
-        """The shares (`share`) of this rank's group of `size` consecutive ranks, as one slice: what a
-        tensor-parallel engine the group runs together samples."""
+        """The shares (`share`) of this rank's group of `size` consecutive ranks, as one slice: what
+        a tensor-parallel engine the group runs together samples."""
         first = self.rank - self.rank % size
         return slice(self._share_start(n, first), self._share_start(n, first + size))
 
@@ -168,16 +170,18 @@ class Parallel:
         return sum(counts[:self.rank]), sum(counts)
 
     def require_divisible(self, values: dict[str, int]) -> None:
-        """Global batch sizes are split over the ranks: each must divide evenly (exit 78 otherwise)."""
+        """Global batch sizes are split over the ranks: each must divide evenly (exit 78
+        otherwise)."""
         bad = [f"{k}={v}" for k, v in values.items() if v % self.world]
         if bad:
-            raise UserError(f"{', '.join(bad)} not divisible by the world size {self.world} (the global batch "
+            raise UserError(f"{', '.join(bad)} not divisible by the world size {self.world} (the "
+                            "global batch "
                             "is split evenly over the ranks)", where=", ".join(k for k in values))
 
     def reduce_metrics(self, m: dict) -> dict:
-        """Per-rank partial metrics -> global: keys ending _min/_max combine by min/max, the rest are
-        partial sums (each rank pre-weights by its share of the global batch). A key missing on a rank
-        (a NaN it skipped) is combined over the ranks that have it."""
+        """Per-rank partial metrics -> global: keys ending _min/_max combine by min/max, the rest
+        are partial sums (each rank pre-weights by its share of the global batch). A key missing on
+        a rank (a NaN it skipped) is combined over the ranks that have it."""
         if not self.active:
             return m
         out: dict = {}
@@ -202,7 +206,8 @@ class Parallel:
         then rank 0 sends each rank its shards and the buffers outside the state dict (rotary
         tables). So no other rank ever holds a whole weight, and no device the whole model (the
         32B sizing in docs/distributed.md: 131 GB of fp32 weights per rank otherwise)."""
-        def wrap(model):  # bf16 mixed precision where load_model chose float32 masters under bf16 autocast
+        # bf16 mixed precision where load_model chose float32 masters under bf16 autocast
+        def wrap(model):
             return self.wrap(model, mixed_bf16=loader.compute_dtype(model) is not None,
                              reshard_after_forward=reshard_after_forward)
 
@@ -210,11 +215,14 @@ class Parallel:
             return wrap(loader.load_model(cfg, path, trainable=trainable))
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        full = self.on_main(lambda: loader.load_model(cfg, path, trainable=trainable), share=False)  # rank 0, host
-        model = wrap(loader.load_model(cfg, path, trainable=trainable, weights=False))  # meta shards
+        # rank 0, host
+        full = self.on_main(lambda: loader.load_model(cfg, path, trainable=trainable), share=False)
+        # meta shards
+        model = wrap(loader.load_model(cfg, path, trainable=trainable, weights=False))
         model.to_empty(device=self.device)
         set_model_state_dict(model, full.state_dict() if full is not None else {},
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+                             options=StateDictOptions(full_state_dict=True,
+                                                      broadcast_from_rank0=True))
         sources = dict(full.named_buffers()) if full is not None else {}
         for name, buf in model.named_buffers():
             if full is not None:
@@ -224,16 +232,19 @@ class Parallel:
         return model
 
     def wrap(self, model, *, mixed_bf16: bool = False, reshard_after_forward: bool = True):
-        """The policy (or the frozen reference) for this strategy, on this rank's device (a module on
-        the meta device stays there: `load` gives it storage once it is sharded)."""
+        """The policy (or the frozen reference) for this strategy, on this rank's device (a module
+        on the meta device stays there: `load` gives it storage once it is sharded)."""
         if not next(model.parameters()).is_meta:
             model = model.to(self.device)
         if not self.active or self.strategy != "fsdp":
             return model
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_bf16 \
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if mixed_bf16
             else MixedPrecisionPolicy()
+        )
         for block in decoder_blocks(model):
             fully_shard(block, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
@@ -246,7 +257,8 @@ class Parallel:
         return model
 
     def sync_grads(self, model) -> None:
-        """ddp: sum every gradient over the ranks (one flat all-reduce). fsdp reduce-scatters in backward."""
+        """ddp: sum every gradient over the ranks (one flat all-reduce). fsdp reduce-scatters in
+        backward."""
         if not self.active or self.strategy != "ddp":
             return
         params = [p for p in model.parameters() if p.requires_grad]
@@ -269,10 +281,19 @@ class Parallel:
             params = [p for p in model.parameters() if p.grad is not None]
             if max_grad_norm > 0:
                 return float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
-            return float(torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params]))) \
-                if params else 0.0
+            return (
+                float(
+                    torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params]))
+                )
+                if params
+                else 0.0
+            )
         local = [p.grad.to_local() for p in model.parameters() if p.grad is not None]
-        sq = torch.stack([g.detach().float().pow(2).sum() for g in local]).sum() if local else torch.zeros(())
+        sq = (
+            torch.stack([g.detach().float().pow(2).sum() for g in local]).sum()
+            if local
+            else torch.zeros(())
+        )
         sq = sq.to(self._comm_device())
         torch.distributed.all_reduce(sq)
         norm = sq.sqrt()
@@ -306,7 +327,8 @@ def decoder_blocks(model) -> list:
     return best
 
 
-_WHOLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # models inside `whole`, and how deep
+# models inside `whole`, and how deep
+_WHOLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
@@ -316,7 +338,11 @@ def whole(model):
     forwards, such as the decode step, see them whole). Nested blocks gather once; a model that
     is not sharded is left as it is."""
     depth = _WHOLE.get(model, 0)
-    mods = [] if depth or not any(hasattr(m, "reshard") for m in model.modules()) else fsdp_modules(model)
+    mods = (
+        []
+        if depth or not any(hasattr(m, "reshard") for m in model.modules())
+        else fsdp_modules(model)
+    )
     _WHOLE[model] = depth + 1
     for m in mods:
         m.set_reshard_after_forward(False)
@@ -352,7 +378,8 @@ def hf_weights(model):
             lora.append(prefix)
             w = full_tensor(mod.base_layer.weight)
             for key in mod.active_adapters:
-                a, b = full_tensor(mod.lora_A[key].weight), full_tensor(mod.lora_B[key].weight)  # (r, in), (out, r)
+                # (r, in), (out, r)
+                a, b = full_tensor(mod.lora_A[key].weight), full_tensor(mod.lora_B[key].weight)
                 w = w + (b.float() @ a.float()).mul_(mod.scaling[key]).to(w.dtype)  # (out, in)
             yield f"{dot}weight", w
             if getattr(mod.base_layer, "bias", None) is not None:
@@ -385,8 +412,8 @@ def init(cfg, env=os.environ) -> Parallel:
         torch.cuda.set_device(device)
     torch.distributed.init_process_group(backend=backend, rank=rank, world_size=world,
                                          timeout=datetime.timedelta(seconds=cfg.timeout_seconds))
-    log.info("rank %d of %d (local %d): strategy %s, backend %s, device %s", rank, world, local, cfg.strategy,
-             backend, device)
+    log.info("rank %d of %d (local %d): strategy %s, backend %s, device %s", rank,
+             world, local, cfg.strategy, backend, device)
     return Parallel(rank, world, local, cfg.strategy, device)
 
 
@@ -396,13 +423,14 @@ def init(cfg, env=os.environ) -> Parallel:
 def _options(*, full: bool = False, trainable_only: bool = False, strict: bool = True):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=full, cpu_offload=full, ignore_frozen_params=trainable_only,
+    return StateDictOptions(full_state_dict=full, cpu_offload=full,
+                            ignore_frozen_params=trainable_only,
                             strict=strict and not trainable_only)
 
 
 def model_state(model, *, full: bool = False, trainable_only: bool = False) -> dict:
-    """The model's state dict: this rank's shards (DTensors) or, with `full`, whole tensors on the CPU
-    of rank 0 (an all-gather under FSDP: every rank must call it)."""
+    """The model's state dict: this rank's shards (DTensors) or, with `full`, whole tensors on the
+    CPU of rank 0 (an all-gather under FSDP: every rank must call it)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return get_model_state_dict(model, options=_options(full=full, trainable_only=trainable_only))
@@ -418,7 +446,10 @@ def optimizer_state(model, optimizer, *, full: bool = False) -> dict:
 def load_full_state(model, optimizer, weights: dict, optim: dict | None):
     """Whole-tensor weights (and name-keyed optimizer state) into a model of any strategy; returns
     the (missing, unexpected) keys of the weights."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     keys = set_model_state_dict(model, weights, options=_options(full=True, strict=False))
     if optim is not None:
@@ -426,14 +457,16 @@ def load_full_state(model, optimizer, weights: dict, optim: dict | None):
     return keys.missing_keys, keys.unexpected_keys
 
 
-def save_sharded(model, optimizer, folder: Path, rank: int, *, trainable_only: bool = False) -> None:
+def save_sharded(model, optimizer, folder: Path, rank: int, *,
+                 trainable_only: bool = False) -> None:
     """Each rank writes its pieces of the weights and optimizer state, data only (tensorfile.py):
     shards/rank-R.json (the structure; for each sharded tensor its global shape and this rank's
     offset in it) and shards/rank-R.safetensors (the pieces). Nothing is unpickled on reading them
     (torch.distributed.checkpoint's files are pickles, so they are not used)."""
     from safetensors.torch import save_file
 
-    state = {"model": model_state(model, trainable_only=trainable_only), "optim": optimizer_state(model, optimizer)}
+    state = {"model": model_state(model, trainable_only=trainable_only),
+             "optim": optimizer_state(model, optimizer)}
     pieces: dict[str, torch.Tensor] = {}
 
     def leaf(name: str, t: torch.Tensor) -> dict:
@@ -466,12 +499,16 @@ def shard_files(folder: Path) -> list[str]:
     return [f"rank-{r}{ext}" for r in range(world) for ext in (tensorfile.JSON, tensorfile.TENSORS)]
 
 
-def load_sharded(model, optimizer, folder: Path, *, trainable_only: bool = False, weights_only: bool = False) -> None:
+def load_sharded(model, optimizer, folder: Path, *, trainable_only: bool = False,
+                 weights_only: bool = False) -> None:
     """Pieces written at any world size, cut to this rank's (or one plain process's) layout: each
     tensor of this rank's state dict is filled from the saved pieces that overlap it. A piece
     missing, or a shape that does not fit, raises TensorFileError."""
     from safetensors import SafetensorError
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     state = {"model": model_state(model, trainable_only=trainable_only)}
     if not weights_only:
@@ -481,7 +518,9 @@ def load_sharded(model, optimizer, folder: Path, *, trainable_only: bool = False
     try:
         saved = _read_pieces(folder, targets, list(state))
     except (SafetensorError, OSError, KeyError, TypeError) as e:
-        raise tensorfile.TensorFileError(f"shards are not readable: {type(e).__name__}: {e}") from None
+        raise tensorfile.TensorFileError(
+            f"shards are not readable: {type(e).__name__}: {e}"
+        ) from None
     set_model_state_dict(model, saved["model"], options=_options(trainable_only=trainable_only))
     if not weights_only:
         set_optimizer_state_dict(model, optimizer, saved["optim"])
@@ -495,9 +534,12 @@ def _read_pieces(folder: Path, targets: dict[str, torch.Tensor], parts: list[str
     docs = [tensorfile.read_doc(folder / n.removesuffix(tensorfile.JSON)) for n in names[::2]]
     found: dict[str, dict] = {}
     for r, doc in enumerate(docs):
-        tensorfile.decode(doc["tree"], lambda m, r=r: found.setdefault(m.get("$shard"), {}).setdefault(r, m))
+        tensorfile.decode(doc["tree"], lambda m,
+                          r=r: found.setdefault(m.get("$shard"), {}).setdefault(r, m))
     with contextlib.ExitStack() as stack:
-        files = [stack.enter_context(safe_open(str(folder / n), framework="pt")) for n in names[1::2]]
+        files = [
+            stack.enter_context(safe_open(str(folder / n), framework="pt")) for n in names[1::2]
+        ]
 
         def tensor(marker: dict) -> torch.Tensor:
             name = marker.get("$shard")

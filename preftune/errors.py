@@ -19,10 +19,12 @@ from __future__ import annotations
 
 EXIT_OK = 0
 EXIT_CRASH = 1
-EXIT_UNAVAILABLE = 69  # BSD EX_UNAVAILABLE: checkpoint storage or a tracker unreachable; retry later
+# BSD EX_UNAVAILABLE: checkpoint storage or a tracker unreachable; retry later
+EXIT_UNAVAILABLE = 69
 EXIT_PREEMPTED = 75  # BSD EX_TEMPFAIL: interrupted, checkpoint saved, resume me
 EXIT_USER = 78  # BSD EX_CONFIG: config or data error
-EXIT_GATE_FAILED = 3  # `preftune eval`: the evaluation worked and the checkpoint failed its gate (not a crash)
+# `preftune eval`: the evaluation worked and the checkpoint failed its gate (not a crash)
+EXIT_GATE_FAILED = 3
 
 
 class UserError(Exception):
@@ -56,13 +58,15 @@ class Unavailable(Exception):
     exit_code = EXIT_UNAVAILABLE
 
 
-KNOWN = (UserError, TryAgain, Unavailable)  # the errors that end a run with one line and their own code
+# the errors that end a run with one line and their own code
+KNOWN = (UserError, TryAgain, Unavailable)
 
 
 def same_error(kind: str, message: str) -> Exception:
     """The error named `kind` (a class in KNOWN, by name) with `message`: raised on every rank when
     one rank met it, so all of them exit with its code."""
-    classes = {c.__name__: c for c in (UserError, TryAgain, Preempted, CheckpointDamaged, Unavailable)}
+    classes = {c.__name__: c for c in (UserError, TryAgain, Preempted,
+                                       CheckpointDamaged, Unavailable)}
     return classes.get(kind, UserError)(message)
 
 

@@ -1,5 +1,5 @@
-"""Data-only files for trees of tensors and plain values: a JSON file for the structure, a safetensors
-file for the tensors (`NAME.json`, `NAME.safetensors`).
+"""Data-only files for trees of tensors and plain values: a JSON file for the structure, a
+safetensors file for the tensors (`NAME.json`, `NAME.safetensors`).
 
 Nothing read here can run code: no pickle anywhere (not even torch.load's restricted unpickler), so
 a planted or rewritten file is at worst wrong data, which its reader refuses or trains on. Every
@@ -52,7 +52,8 @@ def encode(tree, leaf: Leaf, path: str = ""):
             return {k: encode(v, leaf, sub(k)) for k, v in tree.items()}
         return {"$dict": [[encode(k, leaf, sub(f"key{i}")), encode(v, leaf, sub(k))]
                           for i, (k, v) in enumerate(tree.items())]}
-    raise TypeError(f"{path or 'state'}: a {type(tree).__name__} cannot be written to a data-only state file")
+    raise TypeError(f"{path or 'state'}: a {type(tree).__name__} "
+                    "cannot be written to a data-only state file")
 
 
 def decode(data, tensor: Callable[[dict], torch.Tensor]):

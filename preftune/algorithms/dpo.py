@@ -24,8 +24,8 @@ from preftune.data.tools import default_tools
 from preftune.data.turns import encode_fitted
 from preftune.distributed import Parallel
 from preftune.errors import UserError
-from preftune.losses.dpo import (TOKEN_SUMS, check_dpo_options, dpo_loss_multi, implicit_rewards, token_metrics,
-                                 token_sums, wpo_weights)
+from preftune.losses.dpo import (TOKEN_SUMS, check_dpo_options, dpo_loss_multi,
+                                 implicit_rewards, token_metrics, token_sums, wpo_weights)
 from preftune.model.load import to_device
 from preftune.model.logps import list_logps, microbatches
 
@@ -35,7 +35,8 @@ class EncodedPair:
     prompt: list[int]
     chosen: list[int]
     rejected: list[int]
-    chosen_mask: list[int] | None = None  # per response token, 0 at a tool's output (None: every token counts)
+    # per response token, 0 at a tool's output (None: every token counts)
+    chosen_mask: list[int] | None = None
     rejected_mask: list[int] | None = None
 
 
@@ -43,28 +44,36 @@ def encode_pairs(pairs, tokenizer, cfg: Config) -> tuple[list[EncodedPair], dict
     """Prompt and response form one sequence; over max_length, the response is cut (prompt kept).
     A multi-turn response counts its assistant turns only (`data/turns.py`)."""
     trunc = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
-    tools = default_tools(tokenizer, cfg.data.tools, cfg.model.name_or_path, (p.tools for p in pairs))
+    tools = default_tools(tokenizer, cfg.data.tools, cfg.model.name_or_path,
+                          (p.tools for p in pairs))
     out, cut = [], 0
     for i, p in enumerate(pairs):
-        enc = encode_fitted(tokenizer, trunc, p.prompt, [p.chosen, p.rejected], max_length=cfg.dpo.max_length,
+        enc = encode_fitted(tokenizer, trunc, p.prompt, [p.chosen, p.rejected],
+                            max_length=cfg.dpo.max_length,
                             tools=p.tools or tools, where=f"pair {i}")
         if enc is None:
             continue
         prompt, (chosen, rejected), n_cut = enc
         cut += n_cut
-        out.append(EncodedPair(prompt, chosen.completion, rejected.completion, chosen.mask, rejected.mask))
-    stats = {"pairs": len(out), "prompts_truncated": trunc.truncated, "prompts_dropped": trunc.dropped,
-             "responses_truncated": cut}
+        out.append(EncodedPair(prompt, chosen.completion, rejected.completion,
+                               chosen.mask, rejected.mask))
+    stats = {"pairs": len(out), "prompts_truncated": trunc.truncated,
+             "prompts_dropped": trunc.dropped, "responses_truncated": cut}
     return out, stats
 
 
-def sequence_logps(model, batch: list[EncodedPair], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logps(model, batch: list[EncodedPair], pad_id: int,
+                   device) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed completion log-probs (2b,) and completion lengths (2b,): the b chosen, then the b
     rejected. One pass: chosen_i and rejected_i are next to each other, so the packer can run each
     prompt once with both responses as its branches (`model/logps.py`)."""
-    prompts, responses = [e.prompt for e in batch for _ in (0, 1)], [r for e in batch for r in (e.chosen, e.rejected)]
+    prompts, responses = (
+        [e.prompt for e in batch for _ in (0, 1)],
+        [r for e in batch for r in (e.chosen, e.rejected)],
+    )
     masks = [m for e in batch for m in (e.chosen_mask, e.rejected_mask)]
-    logps, _, c_mask = list_logps(model, prompts, responses, pad_id, device, masks=masks)  # (2b, T), 0 at padding
+    # (2b, T), 0 at padding
+    logps, _, c_mask = list_logps(model, prompts, responses, pad_id, device, masks=masks)
     sums, counts = logps.sum(-1).view(-1, 2), c_mask.sum(-1).view(-1, 2)  # (b, 2): chosen, rejected
     return sums.t().reshape(-1), counts.t().reshape(-1)
 
@@ -75,7 +84,8 @@ def held_out_pairs(cfg: Config, tokenizer) -> list[EncodedPair]:
         return []
     encoded, stats = encode_pairs(read_pairs(cfg.data.eval), tokenizer, cfg)
     if not encoded:
-        raise UserError(f"no held-out pair left: {stats['prompts_dropped']} dropped by data.prompt_truncation",
+        raise UserError(f"no held-out pair left: {stats['prompts_dropped']} dropped by "
+                        "data.prompt_truncation",
                         where="data.eval")
     return encoded
 
@@ -84,9 +94,14 @@ def policy_logps(model, batch: list[EncodedPair], pad_id: int, device, *, weight
     """`sequence_logps` of the policy, plus the sums behind TRL's per-token metrics (`token_sums`,
     (7,)) and, with `weighting`, each pair's WPO weight w(y_c) w(y_r) (b,) (else None): one pass."""
     b = len(batch)
-    prompts, responses = [e.prompt for e in batch for _ in (0, 1)], [r for e in batch for r in (e.chosen, e.rejected)]
-    logps, stats, mask = list_logps(model, prompts, responses, pad_id, device, stats=True)  # (2b, T), (2b, T, 4)
-    order = torch.cat([torch.arange(0, 2 * b, 2), torch.arange(1, 2 * b, 2)]).to(logps.device)  # chosen, rejected
+    prompts, responses = (
+        [e.prompt for e in batch for _ in (0, 1)],
+        [r for e in batch for r in (e.chosen, e.rejected)],
+    )
+    # (2b, T), (2b, T, 4)
+    logps, stats, mask = list_logps(model, prompts, responses, pad_id, device, stats=True)
+    # chosen, rejected
+    order = torch.cat([torch.arange(0, 2 * b, 2), torch.arange(1, 2 * b, 2)]).to(logps.device)
     logps, stats, mask = logps[order], stats[order], mask[order].to(logps.dtype)
     weights = None
     if weighting:
@@ -96,23 +111,37 @@ def policy_logps(model, batch: list[EncodedPair], pad_id: int, device, *, weight
 
 
 @torch.no_grad()
-def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int, device, *, dp=None) -> torch.Tensor:
-    """(n, 2) reference [chosen, rejected] log-probs, cached in the output folder (`cached_reference`:
-    each rank its share of the pairs, rank 0 reads and writes the cache)."""
+def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int, device, *,
+                    dp=None) -> torch.Tensor:
+    """(n, 2) reference [chosen, rejected] log-probs, cached in the output folder
+    (`cached_reference`: each rank its share of the pairs, rank 0 reads and writes the cache)."""
     def pair_logps(batch: list[EncodedPair]) -> torch.Tensor:
         lp, _ = sequence_logps(model, batch, pad_id, device)  # (2b,)
         return torch.stack([lp[:len(batch)], lp[len(batch):]], dim=1)  # (b, 2)
 
-    return cached_reference(model, encoded, pair_logps, cfg, micro_batch_size=cfg.dpo.micro_batch_size, what="pairs",
-                            key_rows=lambda: ((e.prompt, e.chosen, e.rejected, *_masks(e)) for e in encoded), dp=dp)
+    return cached_reference(
+        model,
+        encoded,
+        pair_logps,
+        cfg,
+        micro_batch_size=cfg.dpo.micro_batch_size,
+        what="pairs",
+        key_rows=lambda: ((e.prompt, e.chosen, e.rejected, *_masks(e)) for e in encoded),
+        dp=dp,
+    )
 
 
 def _masks(e: EncodedPair) -> tuple:
     """The masks where a pair has any (so a cache of unmasked pairs keeps its fingerprint)."""
-    return () if e.chosen_mask is None and e.rejected_mask is None else (e.chosen_mask, e.rejected_mask)
+    return (
+        ()
+        if e.chosen_mask is None and e.rejected_mask is None
+        else (e.chosen_mask, e.rejected_mask)
+    )
 
 
-_SUMS = tuple(f"token_sums/{k}" for k in TOKEN_SUMS)  # summed over micro-batches and ranks, then divided
+# summed over micro-batches and ranks, then divided
+_SUMS = tuple(f"token_sums/{k}" for k in TOKEN_SUMS)
 
 
 def loss_types(d: DPOConfig) -> list[str]:
@@ -131,8 +160,10 @@ def pair_loss(model, batch: list[EncodedPair], ref: torch.Tensor | None, d: DPOC
     if ref is not None:
         ref = to_device(ref, lp.device)  # (b, 2)
         ref_c, ref_r = ref[:, 0], ref[:, 1]
-    loss, m = dpo_loss_multi(lp[:b], lp[b:], ref_c, ref_r, loss_types=loss_types(d), loss_weights=d.loss_weights,
-                             beta=d.beta, label_smoothing=d.label_smoothing, chosen_lengths=lengths[:b],
+    loss, m = dpo_loss_multi(lp[:b], lp[b:], ref_c, ref_r, loss_types=loss_types(d),
+                             loss_weights=d.loss_weights,
+                             beta=d.beta, label_smoothing=d.label_smoothing,
+                             chosen_lengths=lengths[:b],
                              rejected_lengths=lengths[b:], pair_weights=pair_w, sync_metrics=False)
     return loss, m | {"loss": loss.detach()} | dict(zip(_SUMS, sums.unbind())), lp.detach()
 
@@ -149,12 +180,14 @@ def fold_metrics(parts: list, B: int, extra: dict, dp: Parallel) -> dict:
 
 
 @torch.no_grad()
-def evaluate_pairs(model, pairs: list[EncodedPair], ref: torch.Tensor | None, d: DPOConfig, pad_id: int, device,
+def evaluate_pairs(model, pairs: list[EncodedPair], ref: torch.Tensor | None,
+                   d: DPOConfig, pad_id: int, device,
                    dp: Parallel, live_ref=None) -> tuple[dict, torch.Tensor]:
-    """TRL's DPO metrics of held-out pairs (loss, rewards/accuracies, rewards/margins, ...; unprefixed)
-    and whether each of this rank's pairs is ranked right (n_share,) 0/1: each rank its share of the
-    pairs, in eval mode. `ref` (n, 2) reference log-probs, or None with `live_ref(batch) -> (2b,)`
-    (a reference model run on each micro-batch) or neither (reference-free)."""
+    """TRL's DPO metrics of held-out pairs (loss, rewards/accuracies, rewards/margins, ...;
+    unprefixed) and whether each of this rank's pairs is ranked right (n_share,) 0/1: each rank its
+    share of the pairs, in eval mode. `ref` (n, 2) reference log-probs, or None with
+    `live_ref(batch) -> (2b,)` (a reference model run on each micro-batch) or neither
+    (reference-free)."""
     share = dp.share(len(pairs))
     mine, parts, right = pairs[share], [], []
     was_training = model.training
@@ -171,7 +204,9 @@ def evaluate_pairs(model, pairs: list[EncodedPair], ref: torch.Tensor | None, d:
         right.append(rc > rr)
         parts.append((len(batch), m))
     model.train(was_training)
-    return fold_metrics(parts, len(pairs), {}, dp), torch.cat(right).float().cpu() if right else torch.zeros(0)
+    return fold_metrics(parts, len(pairs), {}, dp), torch.cat(
+        right
+    ).float().cpu() if right else torch.zeros(0)
 
 
 class DPOTask:
@@ -179,21 +214,25 @@ class DPOTask:
 
     def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp=None):
         self.cfg, self.d, self.device, self.dp = cfg, cfg.dpo, device, dp or Parallel()
-        check_dpo_options(loss_types(self.d), self.d.loss_weights, self.d.beta, self.d.label_smoothing)
+        check_dpo_options(loss_types(self.d), self.d.loss_weights, self.d.beta,
+                          self.d.label_smoothing)
         pairs, report = load_pairs(cfg)
         self.encoded, stats = encode_pairs(pairs, tokenizer, cfg)
         self.data_report = report | {"encoded": stats}
         if not self.encoded:
-            raise UserError(f"no DPO pairs to train on: {stats['prompts_dropped']} dropped by data.prompt_truncation",
+            raise UserError(f"no DPO pairs to train on: {stats['prompts_dropped']} dropped by "
+                            "data.prompt_truncation",
                             where=cfg.data.train)
         self.pad_id = tokenizer.pad_token_id
-        self.ref, self.ref_model = None, None  # ref (n, 2): from the checkpoint on a resume, else prepare()
+        # ref (n, 2): from the checkpoint on a resume, else prepare()
+        self.ref, self.ref_model = None, None
         if not self.d.reference_free and not self.d.precompute_ref_logps:
             # run on each batch: the base under LoRA, else a frozen copy, sharded like the policy
             self.ref_model = model if cfg.model.lora.enabled else self.dp.load(
                 cfg.model, cfg.model.name_or_path, trainable=False)
         self.stream = IndexStream(len(self.encoded), cfg.seed, cfg.data.shuffle)
-        self.held_out, self.eval_ref = held_out_pairs(cfg, tokenizer), None  # TRL's eval_dataset of pairs
+        # TRL's eval_dataset of pairs
+        self.held_out, self.eval_ref = held_out_pairs(cfg, tokenizer), None
 
     def prepare(self, model) -> None:
         """The reference log-probs (of the held-out pairs too), with `model` still holding the
@@ -202,7 +241,8 @@ class DPOTask:
             # each rank computes its share of the pairs on gathered parameters (no collective per
             # pass); the shares are gathered and rank 0 writes the cache
             with self.dp.gathered(model):
-                ref = reference_logps(model, self.encoded + self.held_out, self.cfg, self.pad_id, self.device,
+                ref = reference_logps(model, self.encoded + self.held_out, self.cfg,
+                                      self.pad_id, self.device,
                                       dp=self.dp)  # (n + n_eval, 2): one cache
             self.ref, self.eval_ref = ref[:len(self.encoded)], ref[len(self.encoded):]
 
@@ -215,12 +255,14 @@ class DPOTask:
             part = idx[sl]
             batch = [self.encoded[i] for i in part]
             loss, m = self._pair_loss(model, batch, None if self.ref is None else self.ref[part])
-            (loss * (len(part) / B)).backward()  # per-pair means: a micro-batch of b pairs weighs b/B
+            # per-pair means: a micro-batch of b pairs weighs b/B
+            (loss * (len(part) / B)).backward()
             parts.append((len(part), m))
             tokens += sum(2 * len(e.prompt) + len(e.chosen) + len(e.rejected) for e in batch)
         return self._fold(parts, B, {"num_tokens": tokens})
 
-    def _pair_loss(self, model, batch: list[EncodedPair], ref: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+    def _pair_loss(self, model, batch: list[EncodedPair],
+                   ref: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
         """The loss of b pairs and their metrics; `ref` (b, 2) precomputed reference log-probs, else
         the live reference or none."""
         if ref is None and self.ref_model is not None:
@@ -239,11 +281,12 @@ class DPOTask:
     @torch.no_grad()
     def evaluate(self, model, step: int) -> dict:
         if self.eval_ref is None and self.ref_model is None and not self.d.reference_free:
-            raise UserError("the held-out pairs have no reference log-probs in this checkpoint (added on a resume?): "
-                            "start over with resume=never", where="data.eval")
+            raise UserError("the held-out pairs have no reference log-probs in this checkpoint "
+                            "(added on a resume?): start over with resume=never", where="data.eval")
         live = None if self.eval_ref is not None or self.ref_model is None else (
             lambda batch: self._live_reference(model, batch))
-        m, _ = evaluate_pairs(model, self.held_out, self.eval_ref, self.d, self.pad_id, self.device, self.dp, live)
+        m, _ = evaluate_pairs(model, self.held_out, self.eval_ref, self.d, self.pad_id,
+                              self.device, self.dp, live)
         return {f"eval/{k}": v for k, v in m.items()} | {"eval/num_pairs": len(self.held_out)}
 
     @torch.no_grad()
@@ -263,7 +306,13 @@ class DPOTask:
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state["stream"])
-        if self.d.precompute_ref_logps and state.get("ref") is not None and len(state["ref"]) == len(self.encoded):
+        if (
+            self.d.precompute_ref_logps
+            and state.get("ref") is not None
+            and len(state["ref"]) == len(self.encoded)
+        ):
             self.ref = state["ref"]
             eval_ref = state.get("eval_ref")
-            self.eval_ref = eval_ref if eval_ref is not None and len(eval_ref) == len(self.held_out) else None
+            self.eval_ref = (
+                eval_ref if eval_ref is not None and len(eval_ref) == len(self.held_out) else None
+            )

@@ -26,7 +26,13 @@ from preftune.data.traces import TraceOptions
 from preftune.distributed import Parallel
 from preftune.errors import UserError
 from preftune.losses import grpo_loss
-from preftune.losses.advantages import group_advantages, group_spread, group_std, nan_mean_std, nanmean
+from preftune.losses.advantages import (
+    group_advantages,
+    group_spread,
+    group_std,
+    nan_mean_std,
+    nanmean,
+)
 from preftune.losses.grpo import CLIP_KEYS, batch_normaliser
 from preftune.losses.sampling import importance_weights, mismatch_stats
 from preftune.model.logps import Rows, completion_logps, microbatches
@@ -47,11 +53,14 @@ class GRPOBatch:
     advantages: torch.Tensor  # (N,)
     ref_logps: torch.Tensor | None  # (N, T)
     metrics: dict = field(default_factory=dict)
-    is_weights: torch.Tensor | None = None  # (N, T) or (N, 1): the engine correction (`losses/sampling.py`)
-    rows: Rows | None = None  # the rollout's sizes, read once for all of the batch's passes (`sizes`)
+    # (N, T) or (N, 1): the engine correction (`losses/sampling.py`)
+    is_weights: torch.Tensor | None = None
+    # the rollout's sizes, read once for all of the batch's passes (`sizes`)
+    rows: Rows | None = None
 
     def sizes(self) -> Rows:
-        """The rollout's `Rows`: one host read, shared by the reference pass and every step on this batch."""
+        """The rollout's `Rows`: one host read, shared by the reference pass and every step on this
+        batch."""
         if self.rows is None:
             ro = self.rollout
             self.rows = Rows.read(ro.prompt_ids, ro.prompt_mask, ro.completion_mask)
@@ -65,15 +74,16 @@ class GRPOBatch:
             tensors["ref_logps"] = self.ref_logps
         if self.is_weights is not None:
             tensors["is_weights"] = self.is_weights
-        # references, not copies: the per-step rollback snapshot stays free; torch.save handles devices
+        # references, not copies: the per-step rollback snapshot stays free; torch.save handles
+        # devices
         return {"tensors": tensors, "metrics": dict(self.metrics)}
 
     @classmethod
     def from_state_dict(cls, state: dict, device: torch.device | str = "cpu") -> "GRPOBatch":
         t = {k: v.to(device) for k, v in state["tensors"].items()}
         ro = Rollout(**{k: t.get(k) for k in Rollout.__slots__})
-        return cls(rollout=ro, advantages=t["advantages"], ref_logps=t.get("ref_logps"), metrics=state["metrics"],
-                   is_weights=t.get("is_weights"))
+        return cls(rollout=ro, advantages=t["advantages"], ref_logps=t.get("ref_logps"),
+                   metrics=state["metrics"], is_weights=t.get("is_weights"))
 
 
 def reward_metrics(s: Scored, lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
@@ -86,8 +96,11 @@ def reward_metrics(s: Scored, lengths: torch.Tensor, truncated: torch.Tensor) ->
     for j, name in enumerate(s.names):
         m[f"rewards/{name}/mean"] = nanmean(s.per_func[:, j])
         m[f"rewards/{name}/std"] = _nanstd(s.per_func[:, j])
-    std = group_std(s.total, s.group_sizes)  # (n_groups,): NaN (< 2 valid rewards) is not zero, as in TRL
-    m["frac_reward_zero_std"] = torch.isclose(std, torch.zeros_like(std)).float().mean().item() if std.numel() else 0.0
+    # (n_groups,): NaN (< 2 valid rewards) is not zero, as in TRL
+    std = group_std(s.total, s.group_sizes)
+    m["frac_reward_zero_std"] = (
+        torch.isclose(std, torch.zeros_like(std)).float().mean().item() if std.numel() else 0.0
+    )
     m |= length_metrics(lengths, truncated)
     return m | s.extra | s.log.record()
 
@@ -116,14 +129,15 @@ def global_view(s: Scored, dp) -> tuple[Scored, torch.Tensor, torch.Tensor, int]
     """The rewards of the whole generation batch, every rank's rows in rank order (groups never span
     ranks), plus completion lengths and truncation flags (N,), and where this rank's rows start."""
     ro = s.rollout
-    mine = (s.total.cpu(), s.per_func.cpu(), list(s.group_sizes), ro.loss_mask().sum(-1).cpu(), ro.truncated.cpu(),
-            list(s.names), s.log)
+    mine = (s.total.cpu(), s.per_func.cpu(), list(s.group_sizes),
+            ro.loss_mask().sum(-1).cpu(), ro.truncated.cpu(), list(s.names), s.log)
     parts = dp.gather(mine) if dp.active else [mine]
     names = next((p[5] for p in parts if p[5]), s.names)  # a rank with no rows may not know them
     offset = sum(p[0].numel() for p in parts[:dp.rank])
     total, per_func = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     sizes = [g for p in parts for g in p[2]]
-    logged = RewardLog()  # what the reward functions logged on every rank: TRL's mean over all of it
+    # what the reward functions logged on every rank: TRL's mean over all of it
+    logged = RewardLog()
     for p in parts:
         logged.add(p[6])
     whole = Scored(None, per_func, total, names, sizes, s.extra, logged)
@@ -134,8 +148,8 @@ def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig, dp=None) -> GRPOBatc
     """Advantages and reference log-probs, all on the policy's device (rewards are scored on the
     CPU; offline rollouts are built there); old log-probs are left to the batch's first step.
     `ref_model` is None without a KL term, or the policy itself for LoRA (adapters switched off).
-    Advantages and reward metrics see the whole generation batch (`dp` gathers every rank's rewards);
-    this rank keeps its own rows. The reference pass runs on gathered parameters."""
+    Advantages and reward metrics see the whole generation batch (`dp` gathers every rank's
+    rewards); this rank keeps its own rows. The reference pass runs on gathered parameters."""
     dp = dp or Parallel()
     device = next(model.parameters()).device
     ro = s.rollout.to(device)
@@ -143,16 +157,17 @@ def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig, dp=None) -> GRPOBatc
     adv = group_advantages(whole.total, whole.group_sizes, estimator=cfg.advantage_estimator,
                            scale_rewards=cfg.scale_rewards)  # (N_global,)
     adv = adv[offset:offset + ro.completion_ids.size(0)]  # (N_rank,)
-    # old log-probs (num_iterations > 1) are not a pass of their own: the batch's first step runs the
-    # same weights with grad and records them (`grpo_step`)
+    # old log-probs (num_iterations > 1) are not a pass of their own: the batch's first step runs
+    # the same weights with grad and records them (`grpo_step`)
     ro.old_logps = None
     batch = GRPOBatch(rollout=ro, advantages=adv.to(device), ref_logps=None,
                       metrics=reward_metrics(whole, lengths, truncated))
     if cfg.beta > 0:
         with dp.gathered(ref_model):
             batch.ref_logps = rollout_logps(ref_model, ro, cfg, without_adapter=ref_model is model,
-                                              rows=batch.sizes())
-    if cfg.vllm_importance_sampling_correction and ro.sampling_logps is not None:  # an engine's behaviour log-probs
+                                            rows=batch.sizes())
+    # an engine's behaviour log-probs
+    if cfg.vllm_importance_sampling_correction and ro.sampling_logps is not None:
         batch.is_weights, stats = engine_correction(model, batch, cfg, dp)
         batch.metrics |= stats
     return batch
@@ -164,13 +179,15 @@ def engine_correction(model, batch: GRPOBatch, cfg: GRPOConfig, dp) -> tuple[tor
     weights that sampled), against the engine's. Metrics over every rank's tokens, TRL's names."""
     ro = batch.rollout
     with dp.gathered(model):
-        trainer = rollout_logps(model, ro, cfg, rows=batch.sizes(), sampling_distribution=True)  # (N, T)
+        # (N, T)
+        trainer = rollout_logps(model, ro, cfg, rows=batch.sizes(), sampling_distribution=True)
     mask = ro.loss_mask().float()  # tool tokens were not sampled: no ratio
     w = importance_weights(trainer, ro.sampling_logps, mask, mode=cfg.vllm_importance_sampling_mode,
                            clip_min=cfg.vllm_importance_sampling_clip_min,
                            clip_max=cfg.vllm_importance_sampling_clip_max)
     (st,) = read_once([mismatch_stats(trainer, ro.sampling_logps, mask, w)])  # one host read
-    d_sum, d_n, r_sum, r_n = dp.sum(st["diff_sum"], st["diff_count"], st["ratio_sum"], st["ratio_count"])
+    d_sum, d_n, r_sum, r_n = dp.sum(st["diff_sum"], st["diff_count"],
+                                    st["ratio_sum"], st["ratio_count"])
     d_max, r_max, neg_r_min = dp.max(st["diff_max"], st["ratio_max"], -st["ratio_min"])
     pre = "sampling/"
     return w, {f"{pre}sampling_logp_difference/mean": d_sum / max(d_n, 1.0),
@@ -228,19 +245,24 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
     """
     dp = dp or Parallel()
     ro = batch.rollout
-    mask = ro.loss_mask().float()  # (N, T) sampled tokens: a tool's result is out of every term and count
+    # (N, T) sampled tokens: a tool's result is out of every term and count
+    mask = ro.loss_mask().float()
     if cfg.mask_truncated_completions:
         mask = mask * (~ro.truncated).float()[:, None]
-    all_tokens = mask.sum(1).tolist()  # one host sync: each row's tokens (normalisers, metric shares)
-    batch_seqs, batch_tokens = dp.sum(len(all_tokens), sum(all_tokens))  # global sequences and tokens
+    # one host sync: each row's tokens (normalisers, metric shares)
+    all_tokens = mask.sum(1).tolist()
+    # global sequences and tokens
+    batch_seqs, batch_tokens = dp.sum(len(all_tokens), sum(all_tokens))
     batch_seqs = int(batch_seqs)
     keep = trained_rows(batch.advantages, mask, cfg.beta)
     kept = None if keep is None else keep.tolist()
     row_tokens = all_tokens if kept is None else [all_tokens[i] for i in kept]
-    rows = batch.sizes() if kept is None else batch.sizes()[kept]  # sizes every pass: no read per pass
+    # sizes every pass: no read per pass
+    rows = batch.sizes() if kept is None else batch.sizes()[kept]
     pick = (lambda t: t) if keep is None else (lambda t: t.index_select(0, keep))  # noqa: E731
-    ro_ids, ro_pmask, ro_cids, ro_cmask = (pick(t) for t in (ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
-                                                               ro.completion_mask))
+    ro_ids, ro_pmask, ro_cids, ro_cmask = (pick(t) for t in (ro.prompt_ids,
+                                                             ro.prompt_mask, ro.completion_ids,
+                                                             ro.completion_mask))
     mask, adv = pick(mask), pick(batch.advantages)
     old_all = None if ro.old_logps is None else pick(ro.old_logps)
     record = cfg.num_iterations > 1 and ro.old_logps is None  # the first of the batch's steps
@@ -252,32 +274,42 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
                             max_completion_length=cfg.max_completion_length)
     parts = []  # per micro-batch (slice, metric tensors), read once after the loop
     slices = list(microbatches(mask.size(0), cfg.micro_batch_size))
-    for _ in range(int(dp.max(len(slices))[0]) - len(slices)):  # FSDP: every rank runs as many passes
+    # FSDP: every rank runs as many passes
+    for _ in range(int(dp.max(len(slices))[0]) - len(slices)):
         check()
         idle_pass(model, ro)
     for sl in slices:
         check()  # preemption: may abandon the step between micro-batches
-        logps, entropy = completion_logps(model, ro_ids[sl], ro_pmask[sl], ro_cids[sl], ro_cmask[sl],
-                                          temperature=cfg.temperature, with_entropy=True, rows=rows[sl])
+        logps, entropy = completion_logps(model, ro_ids[sl], ro_pmask[sl],
+                                          ro_cids[sl], ro_cmask[sl],
+                                          temperature=cfg.temperature,
+                                          with_entropy=True, rows=rows[sl])
         if record:  # the policy that sampled this batch, as its later steps' old log-probs
             recorded.append(logps.detach())
         old = None if record or old_all is None else old_all[sl]
         loss, m = grpo_loss(logps, old, None if ref_all is None else ref_all[sl],
-                            adv[sl], mask[sl], loss_type=cfg.loss_type, beta=cfg.beta, epsilon=cfg.epsilon,
+                            adv[sl], mask[sl], loss_type=cfg.loss_type,
+                            beta=cfg.beta, epsilon=cfg.epsilon,
                             epsilon_high=cfg.epsilon_high, delta=cfg.delta,
                             importance_sampling_level=cfg.importance_sampling_level,
-                            normaliser=norm, kl_ratio_correction=cfg.use_bias_correction_kl, sync_metrics=False,
-                            importance_weights=None if is_all is None else is_all[sl], vespo=vespo_options(cfg))
+                            normaliser=norm,
+                            kl_ratio_correction=cfg.use_bias_correction_kl, sync_metrics=False,
+                            importance_weights=None if is_all is None else is_all[sl],
+                            vespo=vespo_options(cfg))
         loss.backward()
-        parts.append((sl, m | {"loss": loss.detach(), "entropy_sum": (entropy.detach() * mask[sl]).sum()}))
+        parts.append((sl,
+                      m | {"loss": loss.detach(),
+                           "entropy_sum": (entropy.detach() * mask[sl]).sum()}))
     totals, ent_sum = _fold(parts, row_tokens, batch_tokens, batch_seqs,
                             by_rows=cfg.importance_sampling_level == "sequence")
     if record:  # only once the step is whole: an abandoned step leaves the batch as it was
         ro.old_logps = _scatter_rows(recorded, keep, ro.completion_mask)
     skipped = len(all_tokens) - len(row_tokens)
     if skipped:
-        _zero_missing_grads(model)  # every row skipped: the optimiser still steps on zeros, as without skipping
-        for k in ("loss", "kl", *(f"clip_ratio/{c}" for c in CLIP_KEYS)):  # nothing ran: zero loss, no clipping
+        # every row skipped: the optimiser still steps on zeros, as without skipping
+        _zero_missing_grads(model)
+        # nothing ran: zero loss, no clipping
+        for k in ("loss", "kl", *(f"clip_ratio/{c}" for c in CLIP_KEYS)):
             totals.setdefault(k, 0.0)
         if cfg.beta == 0 and skipped > all_tokens.count(0.0):
             # some skipped row has tokens, and is never clipped: its per-row fraction is 0
@@ -287,10 +319,12 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
     return dp.reduce_metrics(totals)
 
 
-def _scatter_rows(parts: list[torch.Tensor], keep: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+def _scatter_rows(parts: list[torch.Tensor], keep: torch.Tensor | None,
+                  like: torch.Tensor) -> torch.Tensor:
     """The trained rows' log-probs back at their rows of the batch (N, T). A skipped row stays 0: it
     is skipped again on every later step of the batch (same advantage, same beta), so never read."""
-    rows = torch.cat(parts) if parts else like.new_zeros((0, like.size(1)), dtype=torch.float32)  # (N', T)
+    # (N', T)
+    rows = torch.cat(parts) if parts else like.new_zeros((0, like.size(1)), dtype=torch.float32)
     if keep is None:
         return rows
     out = rows.new_zeros(like.shape)  # (N, T)
@@ -318,7 +352,8 @@ def _fold(parts: list, row_tokens: list[float], batch_tokens: float, batch_seqs:
     return totals, ent_sum
 
 
-def _accumulate(totals: dict, m: dict, loss: float, *, token_share: float, row_share: float, by_rows: bool) -> None:
+def _accumulate(totals: dict, m: dict, loss: float, *, token_share: float, row_share: float,
+                by_rows: bool) -> None:
     """Fold one micro-batch's metrics into the batch's: token means by token share (GSPO's clip
     ratios, means over sequences, by row share), extremes by min/max, the loss (already the
     micro-batch's share of the batch's) by its sum."""
@@ -326,11 +361,13 @@ def _accumulate(totals: dict, m: dict, loss: float, *, token_share: float, row_s
     for k, v in m.items():
         if isinstance(v, float) and math.isnan(v):
             continue
-        if k.endswith("_min") or k.endswith("_max"):  # extremes combine by min/max, not by averaging
+        # extremes combine by min/max, not by averaging
+        if k.endswith("_min") or k.endswith("_max"):
             pick = min if k.endswith("_min") else max
             totals[k] = pick(totals[k], v) if k in totals else v
         else:
-            rows = by_rows and k.startswith("clip_ratio/") or k == "vespo/phi_seq_mean"  # a mean over rows
+            # a mean over rows
+            rows = by_rows and k.startswith("clip_ratio/") or k == "vespo/phi_seq_mean"
             totals[k] = totals.get(k, 0.0) + v * (row_share if rows else token_share)
 
 
@@ -355,12 +392,14 @@ def check_prompt_lengths(tokenizer, prompts: list, limit: int, where: str) -> No
 
 
 def start_engine(cfg: Config, dp=None):
-    """The rollout engine beside this rank's trainer (`rollout/engine.make_engine`): tests replace it here."""
+    """The rollout engine beside this rank's trainer (`rollout/engine.make_engine`): tests replace
+    it here."""
     return make_engine(cfg, dp)
 
 
 class GRPOTask:
-    """Builds everything and writes nothing: the loop writes `data_report` once setup has succeeded."""
+    """Builds everything and writes nothing: the loop writes `data_report` once setup has
+    succeeded."""
 
     def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp=None):
         self.cfg, self.g, self.device, self.dp = cfg, cfg.grpo, device, dp or Parallel()
@@ -375,26 +414,35 @@ class GRPOTask:
                 held_out = {"held_out_prompts": n - len(prompts)}
             funcs = load_reward_funcs(self.g.reward_funcs, self.g, cfg.config_dir, device=device)
             self.engine = start_engine(cfg, self.dp)
-            agent = build_agent(self.g, tokenizer, cfg.config_dir)  # None without tools or an environment
+            # None without tools or an environment
+            agent = build_agent(self.g, tokenizer, cfg.config_dir)
             custom = load_callable(self.g.rollout_func, cfg.config_dir, "grpo.rollout_func") \
                 if self.g.rollout_func else None
             self.source = OnlineSource(self.g, tokenizer, prompts, funcs, device=device, dp=self.dp,
-                                       engine=self.engine, agent=agent, rollout_func=custom, **common)
-            self.source.state.max_steps = cfg.max_steps  # what TRL's trainer_state.max_steps tells reward functions
+                                       engine=self.engine, agent=agent,
+                                       rollout_func=custom, **common)
+            # what TRL's trainer_state.max_steps tells reward functions
+            self.source.state.max_steps = cfg.max_steps
             self.data_report = {"prompts": len(prompts)} | held_out
             texts = prompts.prompts
         else:
-            self.engine = SamplerEngine()  # samples nothing: its `serving` gathers FSDP2 parameters once
-            groups, self.data_report = trace_items(cfg.data.train, TraceOptions.from_config(cfg.data), "groups",
+            # samples nothing: its `serving` gathers FSDP2 parameters once
+            self.engine = SamplerEngine()
+            groups, self.data_report = trace_items(cfg.data.train,
+                                                   TraceOptions.from_config(cfg.data), "groups",
                                                    group_builder, split=cfg.eval.split)
-            tools = default_tools(tokenizer, cfg.data.tools, cfg.model.name_or_path, map(group_tools, groups))
-            self.source = OfflineSource(self.g, tokenizer, groups, reward_name=cfg.data.reward_column, dp=self.dp,
+            tools = default_tools(tokenizer, cfg.data.tools, cfg.model.name_or_path,
+                                  map(group_tools, groups))
+            self.source = OfflineSource(self.g, tokenizer, groups,
+                                        reward_name=cfg.data.reward_column, dp=self.dp,
                                         tools=tools, **common)
             texts = [g.prompt for g in groups]
-        if cfg.data.prompt_truncation == "error":  # fail now, not when the long prompt is drawn hours later
+        # fail now, not when the long prompt is drawn hours later
+        if cfg.data.prompt_truncation == "error":
             check_prompt_lengths(tokenizer, texts, cfg.data.max_prompt_length, cfg.data.train)
         self.ref_model = None
-        if self.g.beta > 0 and cfg.model.lora.enabled:  # the base under the adapters is the reference
+        # the base under the adapters is the reference
+        if self.g.beta > 0 and cfg.model.lora.enabled:
             self.ref_model = model
         elif self.g.beta > 0:  # the reference is only needed for the KL term
             self.ref_model = self.dp.load(cfg.model, cfg.model.name_or_path, trainable=False)
@@ -409,26 +457,42 @@ class GRPOTask:
                 scored = self.source.make_batch(model, step)
             scored.extra = scored.extra | extra
             if self.g.log_trajectories and scored.trajectories and self.dp.rank == 0:
-                dump_trajectories(Path(self.cfg.output_dir) / "trajectories.jsonl", step, scored, self.tokenizer,
-                                  self.g.log_trajectories)
+                dump_trajectories(Path(self.cfg.output_dir) / "trajectories.jsonl", step,
+                                  scored, self.tokenizer, self.g.log_trajectories)
             stop.check()
             self.pending = new_batch(scored, model, self.ref_model, self.g, self.dp)
         m = grpo_step(model, self.pending, self.g, check=stop.check, dp=self.dp)
         m.update(self.pending.metrics)
         ro = self.pending.rollout
-        tokens, truncated, dropped = self.dp.sum(float(ro.completion_mask.sum() + ro.prompt_mask.sum()),
-                                                 self.truncation.truncated, self.truncation.dropped)
-        m["num_tokens"], m["prompts_truncated"], m["prompts_dropped"] = int(tokens), int(truncated), int(dropped)
+        tokens, truncated, dropped = self.dp.sum(
+            float(ro.completion_mask.sum() + ro.prompt_mask.sum()),
+            self.truncation.truncated,
+            self.truncation.dropped,
+        )
+        m["num_tokens"], m["prompts_truncated"], m["prompts_dropped"] = (
+            int(tokens),
+            int(truncated),
+            int(dropped),
+        )
         return m
 
     def state_dict(self) -> dict:
         reuse = self.pending is not None and self.g.num_iterations > 1
-        return {"source": self.source.state_dict(), "pending": self.pending.state_dict() if reuse else None,
-                "truncation": [self.truncation.truncated, self.truncation.dropped, sorted(self.truncation.seen)]}
+        return {
+            "source": self.source.state_dict(),
+            "pending": self.pending.state_dict() if reuse else None,
+            "truncation": [
+                self.truncation.truncated,
+                self.truncation.dropped,
+                sorted(self.truncation.seen),
+            ],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.source.load_state_dict(state["source"])
         pending = state["pending"]
-        self.pending = GRPOBatch.from_state_dict(pending, self.device) if pending is not None else None
+        self.pending = (
+            GRPOBatch.from_state_dict(pending, self.device) if pending is not None else None
+        )
         t, d, seen = state["truncation"]
         self.truncation.truncated, self.truncation.dropped, self.truncation.seen = t, d, set(seen)

@@ -43,17 +43,20 @@ class KTOExample:
     prompt: list[int]
     completion: list[int]
     desirable: bool
-    mask: list[int] | None = None  # per completion token, 0 at a tool's output (None: every token counts)
+    # per completion token, 0 at a tool's output (None: every token counts)
+    mask: list[int] | None = None
 
 
 def encode_labeled(examples, tokenizer, cfg: Config) -> tuple[list[KTOExample], dict]:
-    """Prompt and response form one sequence; over kto.max_length, the response is cut (prompt kept).
-    A multi-turn response counts its assistant turns only (`data/turns.py`)."""
+    """Prompt and response form one sequence; over kto.max_length, the response is cut (prompt
+    kept). A multi-turn response counts its assistant turns only (`data/turns.py`)."""
     trunc = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
-    tools = default_tools(tokenizer, cfg.data.tools, cfg.model.name_or_path, (e.tools for e in examples))
+    tools = default_tools(tokenizer, cfg.data.tools, cfg.model.name_or_path,
+                          (e.tools for e in examples))
     out, cut = [], 0
     for i, e in enumerate(examples):
-        enc = encode_fitted(tokenizer, trunc, e.prompt, [e.completion], max_length=cfg.kto.max_length,
+        enc = encode_fitted(tokenizer, trunc, e.prompt, [e.completion],
+                            max_length=cfg.kto.max_length,
                             tools=e.tools or tools, where=f"example {i}")
         if enc is None:
             continue
@@ -62,17 +65,21 @@ def encode_labeled(examples, tokenizer, cfg: Config) -> tuple[list[KTOExample], 
         out.append(KTOExample(prompt, completion.completion, e.desirable, completion.mask))
     desirable = sum(e.desirable for e in out)
     return out, {"examples": len(out), "desirable": desirable, "undesirable": len(out) - desirable,
-                 "prompts_truncated": trunc.truncated, "prompts_dropped": trunc.dropped, "responses_truncated": cut}
+                 "prompts_truncated": trunc.truncated, "prompts_dropped": trunc.dropped,
+                 "responses_truncated": cut}
 
 
 def fixed_batches(n: int, batch_size: int, seed: int, shuffle: bool) -> list[tuple[int, int]]:
-    """Slots (example, its mismatched partner), batch after batch: slots [b B, (b + 1) B) are batch b."""
+    """Slots (example, its mismatched partner), batch after batch: slots [b B, (b + 1) B) are batch
+    b."""
     n_batches = -(-n // batch_size)
-    order = IndexStream(n, seed, shuffle).take(n_batches * batch_size)  # the filler comes from the next order
+    # the filler comes from the next order
+    order = IndexStream(n, seed, shuffle).take(n_batches * batch_size)
     slots = []
     for b in range(n_batches):
         batch = order[b * batch_size:(b + 1) * batch_size]
-        slots += [(e, batch[k - 1]) for k, e in enumerate(batch)]  # k = 0 takes the batch's last completion
+        # k = 0 takes the batch's last completion
+        slots += [(e, batch[k - 1]) for k, e in enumerate(batch)]
     return slots
 
 
@@ -92,8 +99,8 @@ class KTOTask:
         self.cfg, self.k, self.device, self.dp = cfg, cfg.kto, device, dp or Parallel()
         self.with_kl = self.k.loss_type == "kto"  # apo_zero_unpaired has no reference point
         if self.with_kl and self.k.batch_size < 2:
-            raise UserError("must be >= 2 for loss_type kto: z comes from the batch's other completions "
-                            "(TRL: the batch size must be > 1)", where="kto.batch_size")
+            raise UserError("must be >= 2 for loss_type kto: z comes from the batch's other "
+                            "completions (TRL: the batch size must be > 1)", where="kto.batch_size")
         examples, report = load_labeled(cfg)
         self.encoded, stats = encode_labeled(examples, tokenizer, cfg)
         self.data_report = report | {"encoded": stats}
@@ -107,11 +114,13 @@ class KTOTask:
         self.pad_id = tokenizer.pad_token_id
         self.slots = fixed_batches(len(self.encoded), self.k.batch_size, cfg.seed, cfg.data.shuffle)
         self.stream = IndexStream(len(self.slots) // self.k.batch_size, cfg.seed, cfg.data.shuffle)
-        self.ref = None  # (n_slots, 2) [matched, mismatched], or (n_slots, 1): from a checkpoint, else prepare()
+        # (n_slots, 2) [matched, mismatched], or (n_slots, 1): from a checkpoint, else prepare()
+        self.ref = None
 
-    def rows(self, slots: list[int], mismatched: bool = False) -> list[tuple[list[int], list[int], list[int] | None]]:
-        """(prompt, completion, mask) of each slot, or of its mismatched pair (the partner's completion,
-        cut to fit kto.max_length beside this prompt)."""
+    def rows(self, slots: list[int],
+             mismatched: bool = False) -> list[tuple[list[int], list[int], list[int] | None]]:
+        """(prompt, completion, mask) of each slot, or of its mismatched pair (the partner's
+        completion, cut to fit kto.max_length beside this prompt)."""
         out = []
         for s in slots:
             e, partner = (self.encoded[i] for i in self.slots[s])
@@ -119,7 +128,8 @@ class KTOTask:
                 out.append((e.prompt, e.completion, e.mask))
                 continue
             room = self.k.max_length - len(e.prompt)
-            out.append((e.prompt, partner.completion[:room], None if partner.mask is None else partner.mask[:room]))
+            out.append((e.prompt, partner.completion[:room],
+                        None if partner.mask is None else partner.mask[:room]))
         return out
 
     def prepare(self, model) -> None:
@@ -130,21 +140,29 @@ class KTOTask:
 
         def slot_logps(slots: list[int]) -> torch.Tensor:
             if not self.with_kl:
-                return summed_logps(model, self.rows(slots), self.pad_id, self.device)[:, None]  # (b, 1)
+                # (b, 1)
+                return summed_logps(model, self.rows(slots), self.pad_id, self.device)[:, None]
             pairs = [r for s in zip(self.rows(slots), self.rows(slots, mismatched=True)) for r in s]
-            return summed_logps(model, pairs, self.pad_id, self.device).view(-1, 2)  # (b, 2): one prompt each
+            # (b, 2): one prompt each
+            return summed_logps(model, pairs, self.pad_id, self.device).view(-1, 2)
 
         every = list(range(len(self.slots)))
 
-        def key_rows():  # (prompt, completion, mismatched completion) of every slot, masks where there are any
-            kl = self.rows(every, mismatched=True) if self.with_kl else [(None, None, None)] * len(every)
+        # (prompt, completion, mismatched completion) of every slot, masks where there are any
+        def key_rows():
+            kl = (
+                self.rows(every, mismatched=True)
+                if self.with_kl
+                else [(None, None, None)] * len(every)
+            )
             return ((p, c, k) + (() if m is None and km is None else (m, km))
                     for (p, c, m), (_, k, km) in zip(self.rows(every), kl))
 
         with self.dp.gathered(model):  # each rank its share of the slots, on gathered parameters
             self.ref = cached_reference(model, every, slot_logps, self.cfg,
                                         key_rows=key_rows, micro_batch_size=self.k.micro_batch_size,
-                                        what="KTO examples", width=2 if self.with_kl else 1, dp=self.dp)
+                                        what="KTO examples",
+                                        width=2 if self.with_kl else 1, dp=self.dp)
 
     @torch.no_grad()
     def reference_point(self, model, mine: list[int], B: int, stop) -> torch.Tensor | None:
@@ -154,14 +172,16 @@ class KTOTask:
         total = torch.zeros((), dtype=torch.float64)
         for sl in microbatches(len(mine), self.k.micro_batch_size):
             stop.check()
-            lp = summed_logps(model, self.rows(mine[sl], mismatched=True), self.pad_id, self.device)  # (b,)
+            # (b,)
+            lp = summed_logps(model, self.rows(mine[sl], mismatched=True), self.pad_id, self.device)
             total += (lp.double().cpu() - self.ref[mine[sl], 1].double()).sum()
         return kto_reference_point(torch.tensor(self.dp.sum(total.item())[0]), B)
 
     def step(self, model, step: int, stop) -> dict:
         B = self.k.batch_size
         first = self.stream.take(1)[0] * B
-        batch = list(range(first, first + B))  # the global batch's slots; this rank trains on its share
+        # the global batch's slots; this rank trains on its share
+        batch = list(range(first, first + B))
         desirable = sum(self.encoded[self.slots[s][0]].desirable for s in batch)
         mine = batch[self.dp.split(B, "kto.batch_size")]
         z = self.reference_point(model, mine, B, stop)
@@ -173,11 +193,13 @@ class KTOTask:
             part = mine[sl]
             lp = summed_logps(model, self.rows(part), self.pad_id, self.device)  # (b,)
             ref = to_device(self.ref[part, 0], lp.device)  # (b,)
-            labels = torch.tensor([self.encoded[self.slots[s][0]].desirable for s in part], device=lp.device)
-            loss, m = kto_loss(lp, ref, labels, None, None, kl=z, normaliser=B, counts=counts, sync_metrics=False,
-                               **kw)
+            labels = torch.tensor([self.encoded[self.slots[s][0]].desirable for s in part],
+                                  device=lp.device)
+            loss, m = kto_loss(lp, ref, labels, None, None, kl=z, normaliser=B,
+                               counts=counts, sync_metrics=False, **kw)
             loss.backward()  # each part's summed losses over the whole batch's B: the parts add up
-            m["kl"] = m["kl"] * (len(part) / B)  # z is the same for every part: shares that add up to it
+            # z is the same for every part: shares that add up to it
+            m["kl"] = m["kl"] * (len(part) / B)
             parts.append(m | {"loss": loss.detach()})
         read = read_once(parts)  # one host read for the step
         totals = {k: sum(r[k] for r in read) for k in read[0]}

@@ -41,23 +41,28 @@ def read_cache(cache: Path, key: str) -> torch.Tensor | None:
         if not cache.exists():
             return None
         saved = torch.load(cache, weights_only=True)
-        return saved["logps"] if isinstance(saved, dict) and saved.get("fingerprint") == key else None
+        return (
+            saved["logps"] if isinstance(saved, dict) and saved.get("fingerprint") == key else None
+        )
     except Exception as e:  # noqa: BLE001 - any damage means: compute them again
-        log.warning("%s unreadable (%s): computing the reference log-probs again", cache, type(e).__name__)
+        log.warning("%s unreadable (%s): computing the reference log-probs again", cache,
+                    type(e).__name__)
         return None
 
 
 @torch.no_grad()
 def cached_reference(model, items: list, logps_of: Callable[[list], torch.Tensor], cfg: Config, *,
-                     key_rows: Callable[[], Iterable[tuple]], micro_batch_size: int, what: str, width: int = 2,
-                     dp=None) -> torch.Tensor:
+                     key_rows: Callable[[], Iterable[tuple]], micro_batch_size: int,
+                     what: str, width: int = 2, dp=None) -> torch.Tensor:
     """(n, width) reference log-probs of n items, `logps_of(batch)` -> (b, width) for a micro-batch
     of them, in eval mode. Rank 0 reads the cache and hands it to every rank; without a valid one
     each rank computes its contiguous share (`dp`: distributed.py's Parallel; None: one process, all
-    of them) and rank 0 writes the cache (atomically). `key_rows`: the items' token lists, fingerprinted."""
+    of them) and rank 0 writes the cache (atomically). `key_rows`: the items' token lists,
+    fingerprinted."""
     dp = dp or Parallel()
     cache = Path(cfg.output_dir) / CACHE
-    key = fingerprint(cfg, key_rows()) if dp.is_main else None  # only rank 0 reads and writes the cache
+    # only rank 0 reads and writes the cache
+    key = fingerprint(cfg, key_rows()) if dp.is_main else None
     cached = dp.on_main(lambda: read_cache(cache, key))
     if cached is not None:
         log.info("reference log-probs of %d %s read from %s", len(cached), what, cache)

@@ -41,43 +41,54 @@ class SFTExample:
 
 
 def encode_examples(examples, tokenizer, cfg: Config) -> tuple[list[SFTExample], dict]:
-    """Prompt under data.max_prompt_length's policy; the completion (+ EOS) cut to fit sft.max_length.
-    A multi-turn completion trains its assistant turns only (`sft.assistant_only_loss`, `data/turns.py`)."""
+    """Prompt under data.max_prompt_length's policy; the completion (+ EOS) cut to fit
+    sft.max_length. A multi-turn completion trains its assistant turns only
+    (`sft.assistant_only_loss`, `data/turns.py`)."""
     trunc = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
-    tools = default_tools(tokenizer, cfg.data.tools, cfg.model.name_or_path, (e.tools for e in examples))
+    tools = default_tools(tokenizer, cfg.data.tools, cfg.model.name_or_path,
+                          (e.tools for e in examples))
     out, cut = [], 0
     for i, e in enumerate(examples):
-        enc = encode_fitted(tokenizer, trunc, e.prompt, [e.completion], max_length=cfg.sft.max_length,
-                            tools=e.tools or tools, assistant_only=cfg.sft.assistant_only_loss, where=f"example {i}")
+        enc = encode_fitted(tokenizer, trunc, e.prompt, [e.completion],
+                            max_length=cfg.sft.max_length,
+                            tools=e.tools or tools,
+                            assistant_only=cfg.sft.assistant_only_loss, where=f"example {i}")
         if enc is None:
             continue
         prompt, (completion,), n_cut = enc
         cut += n_cut
         out.append(SFTExample(prompt, completion.completion, completion.mask))
-    return out, {"examples": len(out), "prompts_truncated": trunc.truncated, "prompts_dropped": trunc.dropped,
-                 "completions_truncated": cut}
+    return out, {"examples": len(out), "prompts_truncated": trunc.truncated,
+                 "prompts_dropped": trunc.dropped, "completions_truncated": cut}
 
 
 def example_logps(model, batch: list[SFTExample], pad_id: int, device, *, pack: bool = True):
     """Completion-token log-probs and entropies, flat (n,) in example order: one example per row, or
-    several packed into a row where the packer's rule says so (`pack`; attention stays within each)."""
-    logps, entropy, c_mask = list_logps(model, [e.prompt for e in batch], [e.completion for e in batch], pad_id,
-                                        device, with_entropy=True, pack=pack, masks=[e.mask for e in batch])  # (b, T)
+    several packed into a row where the packer's rule says so (`pack`; attention stays within
+    each)."""
+    logps, entropy, c_mask = list_logps(model, [e.prompt for e in batch],
+                                        [e.completion for e in batch], pad_id,
+                                        # (b, T)
+                                        device, with_entropy=True, pack=pack,
+                                        masks=[e.mask for e in batch])
     real = c_mask.bool()  # the trained tokens: not padding, not masked out (another turn's)
     return logps[real], entropy[real]  # row-major: example order
 
 
 class SFTTask:
-    """Builds everything and writes nothing: the loop writes `data_report` once setup has succeeded."""
+    """Builds everything and writes nothing: the loop writes `data_report` once setup has
+    succeeded."""
 
     def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp=None):
         self.cfg, self.s, self.device, self.dp = cfg, cfg.sft, device, dp or Parallel()
-        examples, report = load_examples(cfg.data.train, TraceOptions.from_config(cfg.data), self.s.min_reward,
+        examples, report = load_examples(cfg.data.train,
+                                         TraceOptions.from_config(cfg.data), self.s.min_reward,
                                          split=cfg.eval.split)
         self.encoded, stats = encode_examples(examples, tokenizer, cfg)
         self.data_report = report | {"encoded": stats}
         if not self.encoded:
-            raise UserError("no SFT example left after tokenisation (prompts dropped by data.prompt_truncation: "
+            raise UserError("no SFT example left after tokenisation (prompts dropped by "
+                            "data.prompt_truncation: "
                             f"{stats['prompts_dropped']})", where=cfg.data.train)
         self.pad_id = tokenizer.pad_token_id
         self.stream = IndexStream(len(self.encoded), cfg.seed, cfg.data.shuffle)
@@ -87,21 +98,29 @@ class SFTTask:
 
     def step(self, model, step: int, stop) -> dict:
         batch = [self.encoded[i] for i in self.stream.take(self.s.batch_size)]  # the global batch
-        # n_items: the whole step's loss normaliser (>= 1: a cut agent row can keep only masked tokens)
+        # n_items: the whole step's loss normaliser (>= 1: a cut agent row can keep only masked
+        # tokens)
         B, n_items = len(batch), max(sum(e.trained for e in batch), 1)
-        mine = batch[self.dp.split(B, "sft.batch_size")]  # this rank's share (all of it in one process)
+        # this rank's share (all of it in one process)
+        mine = batch[self.dp.split(B, "sft.batch_size")]
         loss_sum = entropy_sum = 0.0
         for sl in microbatches(len(mine), self.s.micro_batch_size):
             stop.check()
             logps, entropy = self.logps(model, mine[sl])  # (n,), (n,)
             loss = sft_loss(logps, torch.ones_like(logps), n_items)
-            loss.backward()  # normalised by the step's token count: micro-batches and ranks add up exactly
+            # normalised by the step's token count: micro-batches and ranks add up exactly
+            loss.backward()
             loss_sum += loss.item()
             entropy_sum += entropy.sum().item()
         # partial sums of this rank's share, added up over the ranks
-        return self.dp.reduce_metrics({"loss": loss_sum, "entropy": entropy_sum / n_items,
-                                       "completions/mean_length": sum(len(e.completion) for e in mine) / B,
-                                       "num_tokens": sum(len(e) for e in mine)})
+        return self.dp.reduce_metrics(
+            {
+                "loss": loss_sum,
+                "entropy": entropy_sum / n_items,
+                "completions/mean_length": sum(len(e.completion) for e in mine) / B,
+                "num_tokens": sum(len(e) for e in mine),
+            }
+        )
 
     def state_dict(self) -> dict:
         return {"stream": self.stream.state_dict()}

@@ -1,13 +1,15 @@
-"""The `preftune` command: train | data inspect | data pairs | eval | registry list | report | launch | export
+"""The `preftune` command: train | data inspect | data pairs | eval | registry list | report |
+launch | export
 | render | cost | plan.
 
-`script` is the process's first line (the console script, `python -m preftune`, `python -m preftune.cli`):
-it installs the SIGTERM/SIGINT handler (exit 75, never 143) before torch or anything heavy is imported,
-so this module imports nothing heavy at its top (tests/run/test_completion.py checks it).
+`script` is the process's first line (the console script, `python -m preftune`, `python -m
+preftune.cli`): it installs the SIGTERM/SIGINT handler (exit 75, never 143) before torch or anything
+heavy is imported, so this module imports nothing heavy at its top (tests/run/test_completion.py
+checks it).
 
-Exit codes (preftune/errors.py): 0 finished · 75 stopped with nothing lost, run again · 69 checkpoint
-storage or a tracker unreachable · 78 config or data error (one line, no traceback) · 3 `preftune eval`: the
-checkpoint failed its gate · 1 anything else.
+Exit codes (preftune/errors.py): 0 finished · 75 stopped with nothing lost, run again · 69
+checkpoint storage or a tracker unreachable · 78 config or data error (one line, no traceback) · 3
+`preftune eval`: the checkpoint failed its gate · 1 anything else.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from preftune.run.preemption import install_process_handler, process_handler
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """A usage error is a user error: one line, exit 78 (argparse's own code, 2, is not in our table).
+    """A usage error is a user error: one line, exit 78 (argparse's own code, 2, is not in our
+    table).
 
     Subparsers inherit this class (argparse builds them with the parent's type), so a subcommand
     added with `add_parser(subparsers)` in its own module gets the same behaviour.
@@ -41,20 +44,25 @@ class ArgumentParser(argparse.ArgumentParser):
 
 # `preftune data` flags -> DataConfig fields; defaults, types and choices come from the dataclass.
 DATA_FLAGS = {"--prompt-column": "prompt_column", "--response-column": "response_column",
-              "--reward-column": "reward_column", "--reward-range": "reward_range", "--invalid": "invalid",
+              "--reward-column": "reward_column", "--reward-range": "reward_range",
+              "--invalid": "invalid",
               "--duplicates": "duplicates", "--min-reward-threshold": "min_reward_threshold",
-              "--chosen-min": "chosen_min", "--rejected-max": "rejected_max", "--strategy": "pair_strategy",
+              "--chosen-min": "chosen_min", "--rejected-max": "rejected_max",
+              "--strategy": "pair_strategy",
               "--max-pairs-per-prompt": "max_pairs_per_prompt", "--min-margin": "min_margin"}
 
 
 def _trace_args(p: argparse.ArgumentParser) -> None:
     from preftune.config import DataConfig
 
-    p.add_argument("path", help="a trace file, folder or glob (parquet, jsonl, csv; local or s3://)")
+    p.add_argument("path",
+                   help="a trace file, folder or glob (parquet, jsonl, csv; local or s3://)")
     defaults, hints = DataConfig(), typing.get_type_hints(DataConfig)
     fields = {f.name: f for f in dataclasses.fields(DataConfig)}
     for flag, name in DATA_FLAGS.items():
-        tp = next(t for t in (str, int, float) if t == hints[name] or t in typing.get_args(hints[name]))
+        tp = next(
+            t for t in (str, int, float) if t == hints[name] or t in typing.get_args(hints[name])
+        )
         meta = fields[name].metadata
         kwargs = dict(dest=name, default=getattr(defaults, name),
                       help=f"{meta['help']} (data.{name} in a config; default: %(default)s)")
@@ -66,17 +74,20 @@ def _trace_args(p: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = ArgumentParser(prog="preftune", description="Preference and reward fine-tuning (GRPO family, DPO).")
+    ap = ArgumentParser(prog="preftune",
+                        description="Preference and reward fine-tuning (GRPO family, DPO).")
     sub = ap.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train a model from a YAML config")
     tr.add_argument("config", help="YAML config file")
-    tr.add_argument("overrides", nargs="*", default=[], help="dotted KEY=VALUE overrides, e.g. grpo.beta=0.04")
+    tr.add_argument("overrides", nargs="*", default=[],
+                    help="dotted KEY=VALUE overrides, e.g. grpo.beta=0.04")
     data = sub.add_parser("data", help="inspect labeled traces and build DPO pairs")
     dsub = data.add_subparsers(dest="data_command", required=True)
     ins = dsub.add_parser("inspect", help="summarise a trace dataset")
     _trace_args(ins)
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
-    pairs = dsub.add_parser("pairs", help="write DPO pairs (prompt, chosen, rejected, rewards) to parquet")
+    pairs = dsub.add_parser("pairs",
+                            help="write DPO pairs (prompt, chosen, rejected, rewards) to parquet")
     _trace_args(pairs)
     pairs.add_argument("-o", "--output", required=True, help="output .parquet file")
 
@@ -91,7 +102,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _data_overrides(ap, args, extra: list[str]) -> None:
-    """data.KEY=VALUE after a data command: the same keys as its flags, typed as in a config file."""
+    """data.KEY=VALUE after a data command: the same keys as its flags, typed as in a config
+    file."""
     import yaml
 
     from preftune.config import DataConfig, from_dict
@@ -119,7 +131,11 @@ def _data_section(args):
     try:
         check_section(d, "data.")
     except UserError as e:  # name the flag the user typed
-        flags = {f"data.{name}": flag for flag, name in DATA_FLAGS.items() if name not in getattr(args, "dotted", ())}
+        flags = {
+            f"data.{name}": flag
+            for flag, name in DATA_FLAGS.items()
+            if name not in getattr(args, "dotted", ())
+        }
         key = (e.where or "").split("[")[0]
         raise UserError(e.message, where=flags.get(key, key)) from None
     return d
@@ -129,7 +145,8 @@ def _train(args) -> None:
     from preftune.config import load_config
     from preftune.run.completion import completed
 
-    done = completed(load_config(args.config, args.overrides))  # before torch: a finished run exits at once
+    # before torch: a finished run exits at once
+    done = completed(load_config(args.config, args.overrides))
     if done is not None:
         if process_handler() is not None:
             process_handler().complete()  # a notice from here on changes nothing
@@ -150,7 +167,8 @@ def _data(args) -> None:
     from preftune.data.traces import TraceOptions
 
     stop = process_handler()
-    if stop is not None:  # files may be written from here: a signal unwinds (exit 75) instead of exiting at once
+    # files may be written from here: a signal unwinds (exit 75) instead of exiting at once
+    if stop is not None:
         stop.setup(stop.grace)
 
     d = _data_section(args)
@@ -178,14 +196,24 @@ def _main(argv: list[str] | None = None) -> int:
     ap = parser()
     args, extra = ap.parse_known_args(argv)
     # KEY=VALUE overrides may follow options (`render CONFIG -o DIR KEY=VALUE`)
-    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+    if (
+        extra
+        and hasattr(args, "overrides")
+        and all("=" in e and not e.startswith("-") for e in extra)
+    ):
         args.overrides = [*args.overrides, *extra]
-    elif extra and args.command == "data" and all(e.startswith("data.") and "=" in e for e in extra):
-        _data_overrides(ap, args, extra)  # `preftune data inspect F data.invalid=drop`, as train takes them
+    elif (
+        extra and args.command == "data" and all(e.startswith("data.") and "=" in e for e in extra)
+    ):
+        # `preftune data inspect F data.invalid=drop`, as train takes them
+        _data_overrides(ap, args, extra)
     elif extra:
         ap.error(f"unrecognized arguments: {' '.join(extra)}")
-    rank = f" rank {os.environ['RANK']}" if "LOCAL_RANK" in os.environ and "RANK" in os.environ else ""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s" + rank + " %(levelname)s %(message)s",
+    rank = (
+        f" rank {os.environ['RANK']}" if "LOCAL_RANK" in os.environ and "RANK" in os.environ else ""
+    )
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s" + rank + " %(levelname)s %(message)s",
                         datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "botocore", "s3fs", "fsspec", "aiobotocore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

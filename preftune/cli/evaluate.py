@@ -1,8 +1,9 @@
-"""`preftune eval CONFIG --checkpoint PATH [--baseline PATH] [KEY=VALUE ...]` and `preftune registry list`.
+"""`preftune eval CONFIG --checkpoint PATH [--baseline PATH] [KEY=VALUE ...]` and `preftune registry
+list`.
 
-eval: exit 0 when the checkpoint passes the gate, 3 when it fails (1 stays a crash), 78 on a config or data error;
-eval.json (every figure, the thresholds, the verdict and its reason) is written into the checkpoint
-folder, and a pass appends a record to `gate.registry` when one is set.
+eval: exit 0 when the checkpoint passes the gate, 3 when it fails (1 stays a crash), 78 on a config
+or data error; eval.json (every figure, the thresholds, the verdict and its reason) is written into
+the checkpoint folder, and a pass appends a record to `gate.registry` when one is set.
 """
 from __future__ import annotations
 
@@ -27,17 +28,24 @@ log = logging.getLogger("preftune")
 
 
 def add_parser(sub) -> None:
-    ev = sub.add_parser("eval", help="evaluate a checkpoint on held-out prompts and gate it against a baseline")
-    ev.add_argument("config", help="YAML config (data.eval or eval.split, reward functions, gate thresholds)")
-    ev.add_argument("--checkpoint", required=True, help="model folder to evaluate (final/ or checkpoints/step-N/)")
-    ev.add_argument("--baseline", default=None, help="model folder to compare with (e.g. the one in production)")
-    ev.add_argument("overrides", nargs="*", default=[], help="dotted KEY=VALUE overrides, e.g. gate.min_reward=0.5")
+    ev = sub.add_parser("eval",
+                        help="evaluate a checkpoint on held-out "
+                        "prompts and gate it against a baseline")
+    ev.add_argument("config",
+                    help="YAML config (data.eval or eval.split, reward functions, gate thresholds)")
+    ev.add_argument("--checkpoint", required=True,
+                    help="model folder to evaluate (final/ or checkpoints/step-N/)")
+    ev.add_argument("--baseline", default=None,
+                    help="model folder to compare with (e.g. the one in production)")
+    ev.add_argument("overrides", nargs="*", default=[],
+                    help="dotted KEY=VALUE overrides, e.g. gate.min_reward=0.5")
     ev.set_defaults(handler=run_eval)
     reg = sub.add_parser("registry", help="the model registry that passing gates append to")
     rsub = reg.add_subparsers(dest="registry_command", required=True)
     ls = rsub.add_parser("list", help="list the registry's records, oldest first")
-    ls.add_argument("--registry", default=None, help="registry path or URL (default: gate.registry of --config, "
-                                                     "else $PREFTUNE_REGISTRY)")
+    ls.add_argument("--registry", default=None,
+                    help="registry path or URL (default: gate.registry of --config, "
+                    "else $PREFTUNE_REGISTRY)")
     ls.add_argument("--config", default=None, help="a config whose gate.registry to list")
     ls.add_argument("--json", action="store_true", help="print the records as JSON lines")
     ls.set_defaults(handler=run_registry_list)
@@ -48,7 +56,8 @@ def _load(cfg, path: str, device):
 
     if not Path(path).is_dir():
         raise UserError("no such model folder", where=path)
-    no_lora = dataclasses.replace(cfg.model.lora, enabled=False)  # a saved checkpoint has LoRA merged
+    # a saved checkpoint has LoRA merged
+    no_lora = dataclasses.replace(cfg.model.lora, enabled=False)
     model_cfg = dataclasses.replace(cfg.model, name_or_path=path, lora=no_lora)
     tok = load_tokenizer(path, cfg.model.trust_remote_code)
     return load_model(model_cfg, path, trainable=False).to(device), tok
@@ -61,7 +70,8 @@ def _device():
 
 
 def evaluate_model(cfg, path: str, prompt_set, funcs, weights) -> tuple[dict, "object"]:
-    """Summary figures and the greedy per-prompt result of one model folder (same prompts, same seeds)."""
+    """Summary figures and the greedy per-prompt result of one model folder (same prompts, same
+    seeds)."""
     import torch
 
     from preftune.evaluation.evaluate import generate_scored, summarize, with_environment_reward
@@ -70,12 +80,16 @@ def evaluate_model(cfg, path: str, prompt_set, funcs, weights) -> tuple[dict, "o
 
     device = _device()
     model, tok = _load(cfg, path, device)
-    common = dict(weights=weights, max_new_tokens=cfg.eval.max_new_tokens or cfg.grpo.max_completion_length,
-                  batch_size=cfg.eval.batch_size, truncation=PromptTruncation(cfg.data.max_prompt_length, "left"))
+    common = dict(weights=weights,
+                  max_new_tokens=cfg.eval.max_new_tokens or cfg.grpo.max_completion_length,
+                  batch_size=cfg.eval.batch_size,
+                  truncation=PromptTruncation(cfg.data.max_prompt_length, "left"))
     # vLLM: an engine on this folder's weights (no push needed); seeds from the run's seed
     common |= {"engine": make_engine(cfg, None, model_path=path), "seed": cfg.seed}
     # held-out tasks run through training's tools and environment, scored by its get_reward too
-    common["agent"] = build_agent(cfg.grpo, tok, cfg.config_dir) if cfg.algorithm == "grpo" else None
+    common["agent"] = (
+        build_agent(cfg.grpo, tok, cfg.config_dir) if cfg.algorithm == "grpo" else None
+    )
     funcs, common["weights"] = with_environment_reward(funcs, weights, common["agent"])
     greedy = generate_scored(model, tok, prompt_set, funcs, **common)
     figures = summarize(greedy, prefix="")
@@ -84,8 +98,13 @@ def evaluate_model(cfg, path: str, prompt_set, funcs, weights) -> tuple[dict, "o
         g = cfg.grpo
         generator = torch.Generator(device).manual_seed(cfg.seed)
         sampled = generate_scored(model, tok, prompt_set, funcs, num_samples=k, generator=generator,
-                                  sampling={"temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k}, **common)
-        figures |= {k_: v for k_, v in summarize(sampled, prefix="sampled/").items() if k_ != "sampled/num_prompts"}
+                                  sampling={"temperature": g.temperature, "top_p": g.top_p,
+                                            "top_k": g.top_k}, **common)
+        figures |= {
+            k_: v
+            for k_, v in summarize(sampled, prefix="sampled/").items()
+            if k_ != "sampled/num_prompts"
+        }
     return figures, greedy
 
 
@@ -96,7 +115,8 @@ def run_eval(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     stop = process_handler()
-    if stop is not None:  # from here a signal stops the evaluation (exit 75) with a line that says so
+    # from here a signal stops the evaluation (exit 75) with a line that says so
+    if stop is not None:
         stop.setup(cfg.preemption_grace_seconds, "evaluation", f"{EVAL_FILE} was not written")
     pairs = is_pairs_file(cfg.data.eval)
     check_gate(cfg.gate, args.baseline is not None, pairs)
@@ -124,7 +144,8 @@ def prompts_eval(cfg, args) -> tuple[dict, dict | None, dict | None, dict]:
 
     prompt_set = eval_prompt_set(cfg)
     if prompt_set is None:
-        raise UserError("no held-out prompts: set data.eval, or eval.split to hold out part of data.train",
+        raise UserError("no held-out prompts: set data.eval, or "
+                        "eval.split to hold out part of data.train",
                         where="data.eval")
     funcs, weights = eval_reward_funcs(cfg, _device())
     ckpt, ckpt_greedy = evaluate_model(cfg, args.checkpoint, prompt_set, funcs, weights)
@@ -156,10 +177,13 @@ def registry_record(cfg, checkpoint: str, report: dict) -> dict:
 
     metrics = dict(report["metrics"]["checkpoint"])
     if report["comparison"]:
-        metrics |= {k: report["comparison"][k] for k in ("improvement", "improvement_lower", "length_growth")}
-    return {"model_path": os.path.abspath(checkpoint), "metrics": json_safe(metrics), "verdict": report["verdict"],
+        metrics |= {k: report["comparison"][k] for k in ("improvement",
+                                                         "improvement_lower", "length_growth")}
+    return {"model_path": os.path.abspath(checkpoint), "metrics": json_safe(metrics),
+            "verdict": report["verdict"],
             "reason": report["reason"], "config_hash": _config_hash(cfg, Path(checkpoint)),
-            "data_fingerprint": data_fingerprint(cfg.data.train), "base_model": cfg.model.name_or_path,
+            "data_fingerprint": data_fingerprint(cfg.data.train),
+            "base_model": cfg.model.name_or_path,
             "baseline": report["baseline"], "preftune_version": preftune.__version__,
             "time": datetime.now(timezone.utc).isoformat(timespec="microseconds")}
 
@@ -194,7 +218,9 @@ def _write_json(path: Path, data: dict) -> Path:
 def format_eval(report: dict) -> str:
     ckpt, base = report["metrics"]["checkpoint"], report["metrics"]["baseline"]
     keys = [k for k in ckpt if k not in ("num_prompts", "num_pairs")]
-    lines = [f"{'':<34}{'checkpoint':>12}{'baseline':>12}" if base else f"{'':<34}{'checkpoint':>12}"]
+    lines = [
+        f"{'':<34}{'checkpoint':>12}{'baseline':>12}" if base else f"{'':<34}{'checkpoint':>12}"
+    ]
     for k in keys:
         row = f"{k:<34}{_fmt(ckpt[k]):>12}"
         lines.append(row + (f"{_fmt(base.get(k)):>12}" if base else ""))
@@ -203,8 +229,9 @@ def format_eval(report: dict) -> str:
         pairs = c["series"] == "pair accuracy"
         growth = "" if c["length_growth"] is None else f"  length growth {c['length_growth']:.3f}x"
         lines.append(f"{'pair accuracy ' if pairs else ''}improvement {c['improvement']:+.4f}  "
-                     f"({c['confidence']:.0%} bounds {c['improvement_lower']:+.4f} .. {c['improvement_upper']:+.4f}, "
-                     f"{c['paired_prompts']} {'pairs' if pairs else 'prompts'}){growth}")
+                     f"({c['confidence']:.0%} bounds {c['improvement_lower']:+.4f} .. "
+                     f"{c['improvement_upper']:+.4f}, {c['paired_prompts']} "
+                     f"{'pairs' if pairs else 'prompts'}){growth}")
     lines.append(f"verdict: {report['verdict'].upper()} ({report['reason']})")
     return "\n".join(lines)
 
@@ -221,8 +248,12 @@ def run_registry_list(args) -> int:
         url = load_config(args.config).gate.registry
     url = url or os.environ.get("PREFTUNE_REGISTRY")
     if not url:
-        raise UserError("which registry? pass --registry URL or --config CONFIG (with gate.registry), "
-                        "or set PREFTUNE_REGISTRY", where="registry list")
+        raise UserError("which registry? pass --registry URL or --config CONFIG (with "
+                        "gate.registry), or set PREFTUNE_REGISTRY", where="registry list")
     records = read(url)
-    print("\n".join(json.dumps(r, sort_keys=True) for r in records) if args.json else format_table(records))
+    print(
+        "\n".join(json.dumps(r, sort_keys=True) for r in records)
+        if args.json
+        else format_table(records)
+    )
     return EXIT_OK

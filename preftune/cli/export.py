@@ -17,11 +17,14 @@ from preftune.run import checkpoint_folders as ckpt
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("export", help="write a Hugging Face model from a step checkpoint (sharded or not)")
+    p = sub.add_parser("export",
+                       help="write a Hugging Face model from a step checkpoint (sharded or not)")
     p.add_argument("checkpoint", help="a checkpoints/step-N folder")
-    p.add_argument("-o", "--output", required=True, help="the model folder to write (must not exist or be empty)")
+    p.add_argument("-o", "--output", required=True,
+                   help="the model folder to write (must not exist or be empty)")
     p.add_argument("--trust-remote-code", action="store_true",
-                   help="run the base model's own modeling code (auto_map); never taken from the checkpoint")
+                   help="run the base model's own modeling code "
+                   "(auto_map); never taken from the checkpoint")
     p.set_defaults(handler=run)
 
 
@@ -49,7 +52,8 @@ def export(folder: Path, out: Path, *, trust_remote_code: bool = False) -> Path:
     model = load_model(cfg.model, cfg.model.name_or_path)
     try:
         if (folder / SHARDS).is_dir():
-            dist.load_sharded(model, None, folder / SHARDS, trainable_only=is_lora(model), weights_only=True)
+            dist.load_sharded(model, None, folder / SHARDS,
+                              trainable_only=is_lora(model), weights_only=True)
         else:
             load_weights(model, folder)
     except TensorFileError as e:
@@ -57,8 +61,10 @@ def export(folder: Path, out: Path, *, trust_remote_code: bool = False) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_pretrained(model, load_tokenizer(str(folder), trust_remote_code), tmp, dtype=cfg.model.dtype)
-    ckpt.write_manifest(tmp, ckpt.read_manifest((folder / ckpt.MANIFEST).read_text()).get("step", 0))
+    save_pretrained(model, load_tokenizer(str(folder), trust_remote_code),
+                    tmp, dtype=cfg.model.dtype)
+    ckpt.write_manifest(tmp,
+                        ckpt.read_manifest((folder / ckpt.MANIFEST).read_text()).get("step", 0))
     ckpt.fsync_tree(tmp)
     if out.exists():
         out.rmdir()  # empty (checked above)

@@ -1,4 +1,5 @@
-"""`preftune launch CONFIG [KEY=VALUE ...]`: the container entrypoint for one node of a multi-node job.
+"""`preftune launch CONFIG [KEY=VALUE ...]`: the container entrypoint for one node of a multi-node
+job.
 
 It reads the rendezvous from the environment (Volcano's pytorch plugin, Kubeflow's PET_* variables)
 or from flags, checks the config (exit 78 before anything starts), runs
@@ -6,8 +7,9 @@ or from flags, checks the config (exit 78 before anything starts), runs
 restarts, not torchrun), forwards SIGTERM to its workers, and exits with the workers' real code:
 torchrun reports 1 for any failed worker, so each worker writes its code to a status folder.
 
-  0 every worker finished · 75 stopped, nothing lost (preempted and saved, ...) · 69 checkpoint storage
-  or a tracker unreachable · 78 config/data error · 1 anything else (preftune/errors.py)
+  0 every worker finished · 75 stopped, nothing lost (preempted and saved, ...)
+  69 checkpoint storage or a tracker unreachable · 78 config/data error · 1 anything else
+  (preftune/errors.py)
 """
 from __future__ import annotations
 
@@ -21,7 +23,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from preftune.errors import EXIT_CRASH, EXIT_OK, EXIT_PREEMPTED, EXIT_UNAVAILABLE, EXIT_USER, UserError
+from preftune.errors import (
+    EXIT_CRASH,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_UNAVAILABLE,
+    EXIT_USER,
+    UserError,
+)
 from preftune.run.preemption import SIGNALS
 
 log = logging.getLogger("preftune")
@@ -44,7 +53,8 @@ def _int(env, key: str) -> int | None:
     try:
         return int(env[key])
     except ValueError:
-        raise UserError(f"expected an integer, got {env[key]!r}", where=f"environment variable {key}") from None
+        raise UserError(f"expected an integer, got {env[key]!r}",
+                        where=f"environment variable {key}") from None
 
 
 def rendezvous(args, env=os.environ) -> Rendezvous:
@@ -81,7 +91,8 @@ def default_nproc() -> int:
 def torchrun_command(rdzv: Rendezvous, config: str, overrides: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={rdzv.nnodes}",
             f"--node-rank={rdzv.node_rank}", f"--nproc-per-node={rdzv.nproc_per_node}",
-            f"--master-addr={rdzv.master_addr}", f"--master-port={rdzv.master_port}", "--max-restarts=0",
+            f"--master-addr={rdzv.master_addr}",
+            f"--master-port={rdzv.master_port}", "--max-restarts=0",
             "-m", "preftune.cli", "train", config, *overrides]
 
 
@@ -131,16 +142,21 @@ def combine(codes: list[int | None]) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("launch", help="container entrypoint: run torchrun for this node of a (multi-node) job")
+    p = sub.add_parser(
+        "launch", help="container entrypoint: run torchrun for this node of a (multi-node) job"
+    )
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", default=[], help="dotted KEY=VALUE overrides")
-    p.add_argument("--nnodes", type=int, default=None, help="nodes in the job (default: PET_NNODES, WORLD_SIZE, 1)")
-    p.add_argument("--node-rank", type=int, default=None, help="this node's index (default: PET_NODE_RANK, RANK, 0)")
-    p.add_argument("--master-addr", default=None, help="rank 0's host (default: PET_MASTER_ADDR, MASTER_ADDR)")
-    p.add_argument("--master-port", type=int, default=None, help="rank 0's port (default: PET_MASTER_PORT, "
-                                                                    f"MASTER_PORT, {DEFAULT_PORT})")
-    p.add_argument("--nproc-per-node", type=int, default=None, help="workers on this node (default: "
-                                                                     "PET_NPROC_PER_NODE, the GPUs seen, else 1)")
+    p.add_argument("--nnodes", type=int, default=None,
+                   help="nodes in the job (default: PET_NNODES, WORLD_SIZE, 1)")
+    p.add_argument("--node-rank", type=int, default=None,
+                   help="this node's index (default: PET_NODE_RANK, RANK, 0)")
+    p.add_argument("--master-addr", default=None,
+                   help="rank 0's host (default: PET_MASTER_ADDR, MASTER_ADDR)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help=f"rank 0's port (default: PET_MASTER_PORT, MASTER_PORT, {DEFAULT_PORT})")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="workers on this node (default: PET_NPROC_PER_NODE, the GPUs seen, else 1)")
     p.set_defaults(handler=run)
 
 
@@ -161,12 +177,13 @@ def run(args) -> int:
              rdzv.nproc_per_node, rdzv.master_addr, rdzv.master_port)
     status = Path(tempfile.mkdtemp(prefix="preftune-status-"))
     try:
-        proc = subprocess.Popen(torchrun_command(rdzv, args.config, args.overrides), env=_worker_env(status),
-                                start_new_session=True)
+        proc = subprocess.Popen(torchrun_command(rdzv, args.config, args.overrides),
+                                env=_worker_env(status), start_new_session=True)
         with forward_signals(proc, status):
             rc = proc.wait()
         codes = read_status(status, "exit")
-        ranks = range(rdzv.node_rank * rdzv.nproc_per_node, (rdzv.node_rank + 1) * rdzv.nproc_per_node)
+        ranks = range(rdzv.node_rank * rdzv.nproc_per_node,
+                      (rdzv.node_rank + 1) * rdzv.nproc_per_node)
         mine = [codes.get(r) for r in ranks]
         code = combine(mine) if rc != 0 or any(c != EXIT_OK for c in mine) else EXIT_OK
         log.info("launch: torchrun exited %d; workers %s -> exit %d", rc, mine, code)
@@ -176,9 +193,9 @@ def run(args) -> int:
 
 
 class forward_signals:
-    """SIGTERM, SIGINT, SIGHUP, SIGUSR1 (run/preemption.py's SIGNALS) to the launcher go to the workers
-    themselves (their handlers coordinate the stop and the save); torchrun gets a SIGTERM only if no
-    worker has registered yet."""
+    """SIGTERM, SIGINT, SIGHUP, SIGUSR1 (run/preemption.py's SIGNALS) to the launcher go to the
+    workers themselves (their handlers coordinate the stop and the save); torchrun gets a SIGTERM
+    only if no worker has registered yet."""
 
     def __init__(self, proc: subprocess.Popen, status: Path):
         self.proc, self.status, self.old = proc, status, {}

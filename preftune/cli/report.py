@@ -15,9 +15,11 @@ from preftune.report.page import render, status_line
 
 
 def add_parser(sub) -> None:
-    rp = sub.add_parser("report", help="charts and an HTML page of a run (running, preempted or finished)")
+    rp = sub.add_parser("report",
+                        help="charts and an HTML page of a run (running, preempted or finished)")
     rp.add_argument("run_dir", help="the run's output_dir")
-    rp.add_argument("-o", "--output", default=None, help="folder for the PNGs and report.html (default RUN_DIR/report)")
+    rp.add_argument("-o", "--output", default=None,
+                    help="folder for the PNGs and report.html (default RUN_DIR/report)")
     rp.set_defaults(handler=run_report)
 
 
@@ -27,7 +29,8 @@ def make_report(run_dir: Path, out: Path) -> Path:
 
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
-        raise UserError("no metrics.jsonl: not a preftune run folder (or nothing logged yet)", where=str(run_dir))
+        raise UserError("no metrics.jsonl: not a preftune run folder (or nothing logged yet)",
+                        where=str(run_dir))
     records = read_metrics(metrics)
     charts = draw(series(records), out)
     max_steps = None
@@ -37,7 +40,8 @@ def make_report(run_dir: Path, out: Path) -> Path:
     evals = [r for r in records if any(k.startswith("eval/") for k in r)]
     eval_file = run_dir / "final" / "eval.json"
     eval_report = json.loads(eval_file.read_text()) if eval_file.is_file() else None
-    page = render(run_dir, charts, status_line(records, max_steps, finished), evals[-1] if evals else None, eval_report)
+    page = render(run_dir, charts, status_line(records, max_steps, finished),
+                  evals[-1] if evals else None, eval_report)
     path = out / "report.html"
     atomic_write(path, page)
     return path
@@ -49,7 +53,8 @@ def run_report(args) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise UserError("preftune report needs matplotlib: pip install 'preftune[report]'", where="report") from None
+        raise UserError("preftune report needs matplotlib: pip install 'preftune[report]'",
+                        where="report") from None
     path = make_report(run_dir, out)
     print(f"report: {path}\ncharts: {out}/*.png")
     return EXIT_OK

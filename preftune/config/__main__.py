@@ -1,4 +1,5 @@
-"""`python -m preftune.config [PATH]`: write the configuration reference (default docs/config.md)."""
+"""`python -m preftune.config [PATH]`: write the configuration reference (default
+docs/config.md)."""
 import sys
 from pathlib import Path
 

@@ -21,13 +21,17 @@ _NO_DEFAULT = dataclasses.MISSING
 
 # What a change of a key means when a run resumes (or a finished run is started again), against the
 # config its checkpoint was saved under (run/resume.py):
-FREE = "free"  # shapes no step: logging, cadence, evaluation, trackers, a larger max_steps; accepted, logged
-TRAJECTORY = "trajectory"  # shapes the steps (loss, lr, sampling, rewards): refused unless resume_with_changes
-FIXED = "fixed"  # the checkpoint means nothing under another value (model, data order, batch shape): refused
+# shapes no step: logging, cadence, evaluation, trackers, a larger max_steps; accepted, logged
+FREE = "free"
+# shapes the steps (loss, lr, sampling, rewards): refused unless resume_with_changes
+TRAJECTORY = "trajectory"
+# the checkpoint means nothing under another value (model, data order, batch shape): refused
+FIXED = "fixed"
 ON_RESUME = (FREE, TRAJECTORY, FIXED)
 
 
-def knob(default: Any = _NO_DEFAULT, help: str = "", *, choices: tuple = (), range: str | None = None,
+def knob(default: Any = _NO_DEFAULT, help: str = "", *, choices: tuple = (),
+         range: str | None = None,
          peer: str | None = None, factory=None, resume: str | None = None) -> Any:
     """A config key. `choices`: the allowed values (of each item, for a list); `range`: an interval
     such as "[0, 1)" ("inf" unbounded) for numbers, each item of a list; `peer`: the key's name in
@@ -44,8 +48,8 @@ def knob(default: Any = _NO_DEFAULT, help: str = "", *, choices: tuple = (), ran
 
 
 def section(cls, *, resume: str = TRAJECTORY) -> Any:
-    """A nested section: a dataclass of keys, its docstring the section's description. `resume`: what
-    a change of its keys means on a resume, for each key that does not declare its own."""
+    """A nested section: a dataclass of keys, its docstring the section's description. `resume`:
+    what a change of its keys means on a resume, for each key that does not declare its own."""
     if resume not in ON_RESUME:
         raise ValueError(f"resume={resume!r}; expected one of {ON_RESUME}")
     return field(default_factory=cls, metadata={"section": True, "resume": resume})
@@ -106,14 +110,20 @@ def on_resume(cls, prefix: str = "", inherited: str = TRAJECTORY) -> dict[str, s
 
 
 def check_value(key: str, f: dataclasses.Field, value: Any) -> None:
-    """`value` against the field's choices and range; UserError naming the key (or the list item)."""
+    """`value` against the field's choices and range; UserError naming the key (or the list
+    item)."""
     choices, text = f.metadata.get("choices"), f.metadata.get("range")
     items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
     for i, v in items:
         where = key if i is None else f"{key}[{i}]"
         if choices and v not in choices:
             raise UserError(f"'{v}' is not one of {', '.join(choices)}", where=where)
-        if text is not None and v is not None and isinstance(v, (int, float)) and v not in Interval.parse(text):
+        if (
+            text is not None
+            and v is not None
+            and isinstance(v, (int, float))
+            and v not in Interval.parse(text)
+        ):
             raise UserError(f"must be in {text}, got {v}", where=where)
 
 
@@ -156,7 +166,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         key_tp, value_tp = typing.get_args(tp)
         if not isinstance(value, dict):
             raise UserError(f"expected a mapping, got {value!r}", where=key)
-        return {_coerce(k, key_tp, key): _coerce(v, value_tp, f"{key}.{k}") for k, v in value.items()}
+        return {
+            _coerce(k, key_tp, key): _coerce(v, value_tp, f"{key}.{k}") for k, v in value.items()
+        }
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
@@ -173,7 +185,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        if isinstance(value, str) and _SCI_FLOAT.fullmatch(value.strip()):  # YAML 1.1 reads 1e-5 as a string
+        # YAML 1.1 reads 1e-5 as a string
+        if isinstance(value, str) and _SCI_FLOAT.fullmatch(value.strip()):
             return float(value)
         raise UserError(f"expected a number, got {value!r}", where=key)
     if tp is str:
@@ -197,7 +210,9 @@ def from_dict(cls, data: dict, prefix: str = ""):
     if not isinstance(data, dict):
         raise UserError(f"expected a mapping, got {data!r}", where=prefix.rstrip(".") or "config")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: hints[f.name] for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    fields = {
+        f.name: hints[f.name] for f in dataclasses.fields(cls) if not f.metadata.get("internal")
+    }
     kwargs = {}
     for key, value in data.items():
         if key not in fields:
@@ -223,25 +238,31 @@ def to_dict(cfg) -> dict:
 
 
 def _type_name(tp: Any) -> str:
-    return re.sub(r"\b(typing|builtins)\.", "", getattr(tp, "__name__", None) if isinstance(tp, type) else str(tp))
+    return re.sub(r"\b(typing|builtins)\.", "",
+                  getattr(tp, "__name__", None) if isinstance(tp, type) else str(tp))
 
 
 def reference(cls) -> str:
     """The configuration reference as Markdown: one table per section, from the declarations."""
     lines = ["# Configuration reference", "",
-             "Every key of a preftune config, generated from the config dataclasses (`python -m preftune.config`"
-             " rewrites this file; a test checks that it is current). Set a key in the YAML file or on the"
-             " command line as `section.key=value`.", "",
-             "*On resume*: what changing the key means when a run resumes or a finished run is started again"
-             " ([checkpoints.md](checkpoints.md#resume)): `free` is accepted and logged; `trajectory` shapes the"
-             " training steps and is refused (exit 78) unless `resume_with_changes: true`; `fixed` is refused"
-             " always (the checkpoint means nothing under another value).", ""]
+             "Every key of a preftune config, generated from the config dataclasses (`python -m "
+             "preftune.config` rewrites this file; a test checks that it is current). Set a key in "
+             "the YAML file or on the command line as `section.key=value`.", "",
+             "*On resume*: what changing the key means when a run resumes or a "
+             "finished run is started again ([checkpoints.md](checkpoints.md#resume)): "
+             "`free` is accepted and logged; `trajectory` shapes the training steps "
+             "and is refused (exit 78) unless `resume_with_changes: true`; `fixed` is "
+             "refused always (the checkpoint means nothing under another value).", ""]
     default, kinds = cls(), on_resume(cls)
     hints = typing.get_type_hints(cls)
-    sections = [("", cls, default)] + [(f.name + ".", hints[f.name], getattr(default, f.name))
-                                       for f in dataclasses.fields(cls) if f.metadata.get("section")]
+    sections = [("", cls, default)] + [
+        (f.name + ".", hints[f.name], getattr(default, f.name))
+        for f in dataclasses.fields(cls)
+        if f.metadata.get("section")
+    ]
     for prefix, sec, value in sections:
-        lines += [f"## {prefix.rstrip('.') or 'Top level'}", "", " ".join((sec.__doc__ or "").split()), "",
+        lines += [f"## {prefix.rstrip('.') or 'Top level'}", "",
+                  " ".join((sec.__doc__ or "").split()), "",
                   "| key | type | default | allowed | meaning | on resume | TRL / NeMo-RL / verl |",
                   "|---|---|---|---|---|---|---|"]
         for key, f, tp in keys(sec, prefix):
@@ -251,10 +272,11 @@ def reference(cls) -> str:
             for part in key[len(prefix):].split("."):
                 v = getattr(v, part)
             m = f.metadata
-            allowed = ", ".join(f"`{c}`" for c in m.get("choices") or ()) or (f"`{m['range']}`" if m.get("range")
-                                                                               else "")
-            cells = [f"`{key}`", f"`{_type_name(tp)}`", f"`{json.dumps(v)}`", allowed, m.get("help", ""),
-                     f"`{kinds[key]}`", m.get("peer") or ""]
+            allowed = ", ".join(f"`{c}`" for c in m.get("choices") or ()) or (
+                f"`{m['range']}`" if m.get("range") else ""
+            )
+            cells = [f"`{key}`", f"`{_type_name(tp)}`", f"`{json.dumps(v)}`",
+                     allowed, m.get("help", ""), f"`{kinds[key]}`", m.get("peer") or ""]
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
         lines.append("")
     return "\n".join(lines)

@@ -38,36 +38,43 @@ def check_report_to(names: list[str]) -> None:
             raise UserError(f"'{name}' is not one of {', '.join(TRACKERS)}", where="log.report_to")
         module, extra = TRACKERS[name]
         if importlib.util.find_spec(module) is None:
-            raise UserError(f"{name} is not installed: pip install 'preftune[{extra}]'", where="log.report_to")
+            raise UserError(f"{name} is not installed: pip install 'preftune[{extra}]'",
+                            where="log.report_to")
         uri = os.environ.get("MLFLOW_TRACKING_URI", "")
         if name == "mlflow" and (not uri or uri.startswith("sqlite:")) and not all(
                 importlib.util.find_spec(m) for m in ("sqlalchemy", "alembic")):
-            raise UserError("mlflow's default store (a sqlite file) needs sqlalchemy and alembic: "
-                            "pip install 'preftune[mlflow]', or set MLFLOW_TRACKING_URI to a tracking server",
+            raise UserError("mlflow's default store (a sqlite file) needs sqlalchemy "
+                            "and alembic: pip install 'preftune[mlflow]', or set "
+                            "MLFLOW_TRACKING_URI to a tracking server",
                             where="log.report_to")
 
 
 def check_vllm(rollout: str) -> None:
     if rollout != "online":
-        raise UserError("vLLM samples online rollouts; offline groups come from the traces: set grpo.use_vllm=false",
+        raise UserError("vLLM samples online rollouts; offline groups "
+                        "come from the traces: set grpo.use_vllm=false",
                         where="grpo.use_vllm")
 
 
 def check_tools(cfg: Config) -> None:
     """Tools run in online rollouts, one engine per rank (`rollout/agent.py`)."""
     if cfg.grpo.rollout != "online":
-        raise UserError("tools and environments act in online rollouts; offline groups come from the traces",
+        raise UserError("tools and environments act in online "
+                        "rollouts; offline groups come from the traces",
                         where="grpo.tools")
     if cfg.grpo.rollout_func:
-        raise UserError("a rollout_func samples the completions itself: run its tools there, or drop it",
+        raise UserError("a rollout_func samples the completions "
+                        "itself: run its tools there, or drop it",
                         where="grpo.rollout_func")
     if cfg.grpo.use_vllm and cfg.grpo.vllm_tensor_parallel_size > 1:
-        raise UserError("a tool loop runs each rank's rows on its own engine: set grpo.vllm_tensor_parallel_size=1",
+        raise UserError("a tool loop runs each rank's rows on its own engine: set "
+                        "grpo.vllm_tensor_parallel_size=1",
                         where="grpo.vllm_tensor_parallel_size")
 
 
 def apply_override(data: dict, assignment: str) -> None:
-    """Apply one `a.b.c=VALUE` to a nested dict; VALUE is parsed as YAML (so 0.04, true, [a, b] work)."""
+    """Apply one `a.b.c=VALUE` to a nested dict; VALUE is parsed as YAML (so 0.04, true, [a, b]
+    work)."""
     if "=" not in assignment:
         raise UserError(f"override '{assignment}' is not KEY=VALUE")
     key, raw = assignment.split("=", 1)
@@ -93,10 +100,12 @@ def validate(cfg: Config) -> None:
         raise UserError("cispo needs epsilon_high, the cap on the importance ratio (e.g. 5.0)",
                         where="grpo.epsilon_high")
     if len(cfg.data.reward_range) != 2 or cfg.data.reward_range[0] > cfg.data.reward_range[1]:
-        raise UserError(f"expected [low, high], got {cfg.data.reward_range}", where="data.reward_range")
+        raise UserError(f"expected [low, high], got {cfg.data.reward_range}",
+                        where="data.reward_range")
     online = cfg.algorithm == "grpo" and cfg.grpo.rollout == "online"
     if not cfg.grpo.reward_funcs and not cfg.grpo.environment_factory and (
-            online or cfg.data.eval and not cfg.eval.reward_funcs):  # an environment may score by get_reward
+            # an environment may score by get_reward
+            online or cfg.data.eval and not cfg.eval.reward_funcs):
         raise UserError("no reward function: list at least one", where="grpo.reward_funcs")
     if cfg.algorithm == "grpo" and (cfg.grpo.tools or cfg.grpo.environment_factory):
         check_tools(cfg)
@@ -105,28 +114,37 @@ def validate(cfg: Config) -> None:
         raise UserError("a rollout_func samples online rollouts, each rank on its own engine",
                         where="grpo.rollout_func")
     if online and cfg.grpo.num_generations < 2:
-        raise UserError("GRPO needs at least 2 generations per prompt", where="grpo.num_generations")
-    if cfg.grpo.reward_weights is not None and len(cfg.grpo.reward_weights) != len(cfg.grpo.reward_funcs):
-        raise UserError(f"{len(cfg.grpo.reward_weights)} weights for {len(cfg.grpo.reward_funcs)} reward functions",
+        raise UserError("GRPO needs at least 2 generations per prompt",
+                        where="grpo.num_generations")
+    if cfg.grpo.reward_weights is not None and len(cfg.grpo.reward_weights) != len(
+        cfg.grpo.reward_funcs
+    ):
+        raise UserError(f"{len(cfg.grpo.reward_weights)} weights for "
+                        f"{len(cfg.grpo.reward_funcs)} reward functions",
                         where="grpo.reward_weights")
-    if cfg.data.chosen_min < cfg.data.rejected_max:  # one response could be both chosen and rejected
-        raise UserError(f"must be >= data.rejected_max ({cfg.data.rejected_max}), got {cfg.data.chosen_min}",
+    # one response could be both chosen and rejected
+    if cfg.data.chosen_min < cfg.data.rejected_max:
+        raise UserError(f"must be >= data.rejected_max ({cfg.data.rejected_max}), got "
+                        f"{cfg.data.chosen_min}",
                         where="data.chosen_min")
     if cfg.grpo.overlong_buffer_len > cfg.grpo.max_completion_length:
-        raise UserError(f"must be <= grpo.max_completion_length ({cfg.grpo.max_completion_length}), "
+        raise UserError("must be <= grpo.max_completion_length "
+                        f"({cfg.grpo.max_completion_length}), "
                         f"got {cfg.grpo.overlong_buffer_len}", where="grpo.overlong_buffer_len")
     if not cfg.data.train:
         raise UserError("no training data: set data.train", where="data.train")
     dpo_types = [cfg.dpo.loss_type] if isinstance(cfg.dpo.loss_type, str) else cfg.dpo.loss_type
-    if cfg.algorithm == "dpo" and cfg.dpo.use_weighting and {"aot", "aot_unpaired"} & set(dpo_types):
+    if cfg.algorithm == "dpo" and cfg.dpo.use_weighting and {"aot",
+                                                             "aot_unpaired"} & set(dpo_types):
         raise UserError("WPO weighting is per pair; aot and aot_unpaired sort terms across pairs",
                         where="dpo.use_weighting")
     if cfg.algorithm == "grpo" and cfg.grpo.use_vllm:
         check_vllm(cfg.grpo.rollout)
         if (cfg.grpo.loss_type == "vespo" and cfg.grpo.vllm_importance_sampling_correction
-                and not cfg.grpo.vllm_importance_sampling_mode.startswith("token_")):
-            raise UserError("vespo folds the engine's per-token weights into its own: use token_truncate or "
-                            "token_mask", where="grpo.vllm_importance_sampling_mode")
+            and not cfg.grpo.vllm_importance_sampling_mode.startswith("token_")):
+            raise UserError("vespo folds the engine's per-token "
+                            "weights into its own: use token_truncate "
+                            "or token_mask", where="grpo.vllm_importance_sampling_mode")
 
     check_report_to(cfg.log.report_to)
     check_deploy(cfg.deploy, cfg.preemption_grace_seconds, cfg.checkpoint_uri)
@@ -141,7 +159,8 @@ def check_output_dir(output_dir: str) -> None:
     for parent in p.parents:
         if parent.exists():
             if not parent.is_dir():
-                raise UserError(f"{parent} is a file, so {p} cannot be a folder", where="output_dir")
+                raise UserError(f"{parent} is a file, so {p} cannot be a folder",
+                                where="output_dir")
             break
 
 
@@ -155,7 +174,9 @@ def read_source(source) -> tuple[dict, str]:
         return _copy_tree(to_dict(source)), source.config_dir
     if isinstance(source, dict):
         data = _copy_tree(source)
-        lora = (data.get("model") or {}).get("lora") if isinstance(data.get("model"), dict) else None
+        lora = (
+            (data.get("model") or {}).get("lora") if isinstance(data.get("model"), dict) else None
+        )
         if is_peft_lora(lora):  # a peft.LoraConfig as the model.lora section
             data["model"]["lora"] = lora_section(lora, "model.lora")
         return data, "."
@@ -163,16 +184,18 @@ def read_source(source) -> tuple[dict, str]:
         data, report = translate(source)
         print(report)
         return data, "."
-    algorithm = {GRPOConfig: "grpo", DPOConfig: "dpo", KTOConfig: "kto", SFTConfig: "sft"}.get(type(source))
+    algorithm = {GRPOConfig: "grpo", DPOConfig: "dpo", KTOConfig: "kto",
+                 SFTConfig: "sft"}.get(type(source))
     if algorithm is not None:
         return {"algorithm": algorithm, algorithm: _copy_tree(to_dict(source))}, "."
     if dataclasses.is_dataclass(source) and type(source).__module__ == "preftune.config.schema":
         name = type(source).__name__
-        raise UserError(f"a {name} is one section of a config; pass preftune.Config(...) holding it, a dict, "
-                        "or a YAML path", where="config")
+        raise UserError(f"a {name} is one section of a config; pass preftune.Config(...) holding "
+                        "it, a dict, or a YAML path", where="config")
     if not isinstance(source, (str, os.PathLike)):
-        raise UserError(f"expected a YAML path, a dict, a preftune.Config or a TRL GRPOConfig/DPOConfig/KTOConfig/"
-                        f"SFTConfig, got a {type(source).__name__}", where="config")
+        raise UserError("expected a YAML path, a dict, a preftune.Config or a TRL "
+                        "GRPOConfig/DPOConfig/KTOConfig/SFTConfig, "
+                        f"got a {type(source).__name__}", where="config")
     path = Path(source)
     try:
         data = yaml.load(path.read_text(), Loader=_StrictLoader) or {}
@@ -183,7 +206,8 @@ def read_source(source) -> tuple[dict, str]:
     except yaml.YAMLError as e:
         raise UserError(f"invalid YAML: {yaml_problem(e)}", where=str(path)) from None
     if not isinstance(data, dict):
-        raise UserError(f"expected a mapping of config keys, got a {type(data).__name__}", where=str(path))
+        raise UserError(f"expected a mapping of config keys, got a {type(data).__name__}",
+                        where=str(path))
     return data, str(path.parent)
 
 
@@ -195,7 +219,8 @@ class _StrictLoader(yaml.SafeLoader):
 def _mapping_without_duplicates(loader, node, deep=False):
     first: dict = {}
     for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: merged keys may be overridden here
+        # `<<: *base`: merged keys may be overridden here
+        if key_node.tag == "tag:yaml.org,2002:merge":
             continue
         key = loader.construct_object(key_node, deep=deep)
         try:
@@ -204,22 +229,26 @@ def _mapping_without_duplicates(loader, node, deep=False):
             break
         if seen:
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first on line {first[key] + 1})", key_node.start_mark)
+                None, None,
+                f"duplicate key {key!r} (first on line {first[key] + 1})", key_node.start_mark)
         first[key] = key_node.start_mark.line
     return loader.construct_mapping(node, deep=deep)
 
 
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+                              _mapping_without_duplicates)
 
 
 def _copy_tree(d: dict) -> dict:
-    """The nested dicts and lists copied, their leaves (which may be data tables or functions) shared."""
+    """The nested dicts and lists copied, their leaves (which may be data tables or functions)
+    shared."""
     copy = lambda v: _copy_tree(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v  # noqa: E731
     return {k: copy(v) for k, v in d.items()}
 
 
 def load_config(source: str | Path | dict | Config | None, overrides: list[str] = ()) -> Config:
-    """A validated Config from a YAML file, a nested dict or a Config, plus dotted KEY=VALUE overrides."""
+    """A validated Config from a YAML file, a nested dict or a Config, plus dotted KEY=VALUE
+    overrides."""
     data, config_dir = read_source(source)
     for assignment in overrides:
         apply_override(data, assignment)
@@ -248,13 +277,16 @@ def yaml_problem(e: yaml.YAMLError) -> str:
     """A YAML error as one line with its 1-based line and column."""
     mark = getattr(e, "problem_mark", None)
     problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-    return f"line {mark.line + 1} column {mark.column + 1}: {problem}" if mark is not None else problem
+    return (
+        f"line {mark.line + 1} column {mark.column + 1}: {problem}" if mark is not None else problem
+    )
 
 
 def resolve_reward_file(spec: str, config_dir: str) -> str:
-    """`file.py:function` with a relative path is read beside the config file; make it absolute so the
-    resolved config (OUTPUT_DIR/config.yaml) still finds the file when loaded from another folder. So
-    is a reward-model folder given as a path (`./rm`, `models/rm`) that exists there and not here."""
+    """`file.py:function` with a relative path is read beside the config file; make it absolute so
+    the resolved config (OUTPUT_DIR/config.yaml) still finds the file when loaded from another
+    folder. So is a reward-model folder given as a path (`./rm`, `models/rm`) that exists there and
+    not here."""
     target, _, attr = spec.rpartition(":")
     if not target and ("/" in spec or "\\" in spec or spec.startswith(".")):
         local = resolve_local(spec, config_dir)

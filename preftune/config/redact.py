@@ -11,9 +11,14 @@ from __future__ import annotations
 import re
 
 REDACTED = "<redacted>"
-SECRET_NAME = re.compile(r"(secret|token|passw(or)?d|pwd|api[-_]?key|access[-_]?key|private[-_]?key|credential|"
-                         r"auth|session[-_]?key)", re.I)
-URL_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<password>[^@/\s]+)@", re.I)
+SECRET_NAME = re.compile(
+    r"(secret|token|passw(or)?d|pwd|api[-_]?key|access[-_]?key|private[-_]?key|credential|"
+    r"auth|session[-_]?key)",
+    re.I,
+)
+URL_USERINFO = re.compile(
+    r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<password>[^@/\s]+)@", re.I
+)
 AWS_KEY_ID = re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b")
 
 

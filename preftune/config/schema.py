@@ -1,5 +1,5 @@
-"""Every config key, declared once: type, default, choices, range, help, the peer name and what a change
-means on a resume (`fields.knob`).
+"""Every config key, declared once: type, default, choices, range, help, the peer name and what a
+change means on a resume (`fields.knob`).
 
 One dataclass per component; `Config` holds them. The dataclass defaults are the only defaults.
 On resume (`fields.on_resume`): a key says `resume=FREE` or `resume=FIXED`, else its section does
@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 from preftune.config.fields import FIXED, FREE, internal, knob, section
 from preftune.losses.names import (ADVANTAGE_ESTIMATORS, DPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS,
-                                   KTO_LOSS_TYPES, LOSS_TYPES, SCALE_REWARDS, TOOL_CALL_FORMATS, VLLM_IS_MODES,
-                                   VLLM_MODES)
+                                   KTO_LOSS_TYPES, LOSS_TYPES, SCALE_REWARDS,
+                                   TOOL_CALL_FORMATS, VLLM_IS_MODES, VLLM_MODES)
 
 # log.report_to's names -> (module that must be importable, pip extra that installs it)
-TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
+TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+            "mlflow": ("mlflow", "mlflow")}
 
 
 @dataclass
@@ -24,10 +25,12 @@ class LoraConfig:
     """LoRA adapters (peft) on the policy."""
 
     enabled: bool = knob(
-        False, "train LoRA adapters (peft); saved models are merged", peer="TRL use_peft; \u2248 TRL peft_config")
+        False, "train LoRA adapters (peft); saved models are merged",
+        peer="TRL use_peft; \u2248 TRL peft_config")
     r: int = knob(16, "LoRA rank", range="[1, inf)", peer="peft r; TRL lora_r")
     alpha: int = knob(32, "LoRA alpha", range="[1, inf)", peer="peft lora_alpha; TRL lora_alpha")
-    dropout: float = knob(0.0, "LoRA dropout", range="[0, 1)", peer="peft lora_dropout; TRL lora_dropout")
+    dropout: float = knob(0.0, "LoRA dropout", range="[0, 1)",
+                          peer="peft lora_dropout; TRL lora_dropout")
     target_modules: str | list[str] = knob(
         "all-linear", "modules to adapt", peer="peft target_modules; TRL lora_target_modules")
 
@@ -37,19 +40,27 @@ class ModelConfig:
     """The model to train: a local Hugging Face folder."""
 
     name_or_path: str = knob(
-        "examples/model", "local Hugging Face causal-LM folder",
-        peer="TRL model_name_or_path; TRL model (the trainer's argument); NeMo-RL policy.model_name", resume=FIXED)
+        "examples/model",
+        "local Hugging Face causal-LM folder",
+        peer="TRL model_name_or_path; TRL model (the trainer's argument); "
+             "NeMo-RL policy.model_name",
+        resume=FIXED,
+    )
     dtype: str = knob(
         "float32", "float32, or bfloat16 (full fine-tuning: float32 masters under bf16 autocast)",
-        choices=("float32", "bfloat16"), peer="TRL model_init_kwargs.dtype; NeMo-RL policy.precision", resume=FIXED)
+        choices=("float32", "bfloat16"),
+        peer="TRL model_init_kwargs.dtype; NeMo-RL policy.precision", resume=FIXED)
     gradient_checkpointing: bool = knob(
         False, "recompute activations in backward", peer="TRL gradient_checkpointing", resume=FREE)
     trust_remote_code: bool = knob(
         False, "allow model code from the model folder", peer="TRL trust_remote_code", resume=FREE)
     lean_forward: bool = knob(
-        True, "preftune's own module for the families it runs (docs/models.md; false: the Hugging Face module)",
+        True,
+        "preftune's own module for the families it runs "
+        "(docs/models.md; false: the Hugging Face module)",
         peer="TRL use_liger_kernel (a different kernel set)")
-    compile: bool = knob(False, "torch.compile each block of preftune's own module (the training passes)")
+    compile: bool = knob(False,
+                         "torch.compile each block of preftune's own module (the training passes)")
     lora: LoraConfig = section(LoraConfig, resume=FIXED)
 
 
@@ -58,33 +69,44 @@ class DataConfig:
     """Training and evaluation data; trace columns and validation; DPO pairing and KTO labels."""
 
     train: str = knob(
-        "", "prompts (online GRPO), labeled traces (DPO, KTO, SFT, offline GRPO) or a pairs file (DPO)",
+        "",
+        "prompts (online GRPO), labeled traces (DPO, KTO, SFT, offline GRPO) or a pairs file (DPO)",
         peer="\u2248 TRL train_dataset (a path here); NeMo-RL data.train_data_path")
     eval: str | None = knob(
-        None, "held-out prompt set for eval/reward (greedy)", peer="\u2248 TRL eval_dataset (a path here)", resume=FREE)
+        None, "held-out prompt set for eval/reward (greedy)",
+        peer="\u2248 TRL eval_dataset (a path here)", resume=FREE)
     prompt_column: str = knob(
-        "input", "prompt column (prompt is accepted when input is missing)", peer="NeMo-RL data.prompt_key")
+        "input", "prompt column (prompt is accepted when input is missing)",
+        peer="NeMo-RL data.prompt_key")
     response_column: str = knob("output", "response column of traces")
     reward_column: str = knob("final_reward", "reward column of traces")
     reward_range: list[float] = knob(
         help="valid reward range of traces", range="[-inf, inf]", factory=lambda: [0.0, 1.0])
-    invalid: str = knob("error", "invalid trace rows: error (exit 78) or drop (counted)", choices=("error", "drop"))
+    invalid: str = knob("error", "invalid trace rows: error (exit 78) or drop (counted)",
+                        choices=("error", "drop"))
     duplicates: str = knob(
-        "drop", "exact duplicate trace rows: drop (counted), keep or error", choices=("error", "drop", "keep"))
+        "drop", "exact duplicate trace rows: drop (counted), keep or error",
+        choices=("error", "drop", "keep"))
     min_reward_threshold: float | None = knob(
         None, "leave out trace rows with a lower reward (counted)", range="(-inf, inf)",
         peer="NeMo-RL preference data min_reward_threshold")
-    max_prompt_length: int = knob(512, "prompt tokens", range="[1, inf)", peer="TRL max_prompt_length")
+    max_prompt_length: int = knob(512, "prompt tokens", range="[1, inf)",
+                                  peer="TRL max_prompt_length")
     prompt_truncation: str = knob(
-        "left", "longer prompts: left (keep the end), drop, error; counted", choices=("left", "drop", "error"))
+        "left", "longer prompts: left (keep the end), drop, error; counted",
+        choices=("left", "drop", "error"))
     shuffle: bool = knob(True, "shuffle each epoch (seeded)")
     chosen_min: float = knob(0.7, "DPO chosen, KTO desirable: reward >= this", range="(-inf, inf)")
-    rejected_max: float = knob(0.5, "DPO rejected, KTO undesirable: reward < this", range="(-inf, inf)")
-    pair_strategy: str = knob("best_vs_worst", "best_vs_worst or all_pairs", choices=("best_vs_worst", "all_pairs"))
+    rejected_max: float = knob(0.5,
+                               "DPO rejected, KTO undesirable: reward < this", range="(-inf, inf)")
+    pair_strategy: str = knob("best_vs_worst", "best_vs_worst or all_pairs",
+                              choices=("best_vs_worst", "all_pairs"))
     max_pairs_per_prompt: int | None = knob(None, "cap for all_pairs", range="[1, inf)")
     min_margin: float = knob(0.0, "skip pairs with a smaller reward margin", range="[0, inf)")
     tools: str | None = knob(
-        None, "JSON/YAML file of tool schemas rendered into every prompt (a row's tools column wins); docs/agents.md",
+        None,
+        "JSON/YAML file of tool schemas rendered into every "
+        "prompt (a row's tools column wins); docs/agents.md",
         peer="TRL tools (as JSON schemas)", resume=FIXED)
 
 
@@ -93,43 +115,60 @@ class GRPOConfig:
     """GRPO and its family: sampling, rewards, advantages and the loss."""
 
     rollout: str = knob(
-        "online", "online (sample from the policy) or offline (the traces' responses form the groups)",
+        "online",
+        "online (sample from the policy) or offline (the traces' responses form the groups)",
         choices=("online", "offline"), resume=FIXED)
     prompts_per_step: int = knob(
-        16, "prompts per generation batch (one optimiser step)", range="[1, inf)",
-        peer="TRL generation_batch_size / num_generations; NeMo-RL grpo.num_prompts_per_step", resume=FIXED)
+        16,
+        "prompts per generation batch (one optimiser step)",
+        range="[1, inf)",
+        peer="TRL generation_batch_size / num_generations; NeMo-RL grpo.num_prompts_per_step",
+        resume=FIXED,
+    )
     num_generations: int = knob(
         8, "G: completions per prompt", range="[1, inf)",
         peer="TRL num_generations; NeMo-RL grpo.num_generations_per_prompt", resume=FIXED)
     micro_batch_size: int = knob(
         64, "completions per forward/backward; gradients accumulate exactly", range="[1, inf)",
-        peer="\u2248 TRL per_device_train_batch_size (per process); NeMo-RL policy.train_micro_batch_size")
+        peer="\u2248 TRL per_device_train_batch_size (per process); NeMo-RL "
+             "policy.train_micro_batch_size")
     max_completion_length: int = knob(
         256, "new tokens per completion", range="[1, inf)",
         peer="TRL max_completion_length; NeMo-RL policy.generation.max_new_tokens")
     temperature: float = knob(
-        1.0, "sampling temperature (log-probs use the same)", range="(0, inf)", peer="TRL temperature")
+        1.0, "sampling temperature (log-probs use the same)", range="(0, inf)",
+        peer="TRL temperature")
     top_p: float = knob(1.0, "nucleus sampling", range="(0, 1]", peer="TRL top_p")
     top_k: int = knob(0, "top-k sampling (0 = off)", range="[0, inf)", peer="TRL top_k")
     reward_funcs: list[str] = knob(
-        help="built-in names, module:fn, file.py:fn or a sequence-classification model folder (a reward model)",
+        help="built-in names, module:fn, file.py:fn or a "
+             "sequence-classification model folder (a reward model)",
         peer="TRL reward_funcs", factory=lambda: ["accuracy"])
     reward_model_batch_size: int = knob(
-        64, "completions per forward of a reward model (a sequence-classification folder in reward_funcs)",
+        64,
+        "completions per forward of a reward model (a "
+        "sequence-classification folder in reward_funcs)",
         range="[1, inf)")
     reward_weights: list[float] | None = knob(
-        None, "one weight per function (null = all 1)", range="(-inf, inf)", peer="TRL reward_weights")
+        None, "one weight per function (null = all 1)", range="(-inf, inf)",
+        peer="TRL reward_weights")
     overlong_buffer_len: int = knob(
-        0, "L_cache of soft_overlong", range="[0, inf)", peer="TRL soft_punish_cache; verl overlong_buffer.len")
+        0, "L_cache of soft_overlong", range="[0, inf)",
+        peer="TRL soft_punish_cache; verl overlong_buffer.len")
     advantage_estimator: str = knob(
         "grpo", "the advantage's baseline: grpo (group mean), rloo (leave-one-out mean), "
-        "reinforce_plus_plus_baseline (group mean, then batch whitening)", choices=ADVANTAGE_ESTIMATORS,
+        "reinforce_plus_plus_baseline (group mean, then batch whitening)",
+        choices=ADVANTAGE_ESTIMATORS,
         peer="verl algorithm.adv_estimator; TRL RLOOTrainer; NeMo-RL use_leave_one_out_baseline")
     scale_rewards: str = knob(
-        "group", "std the grpo estimator's advantage is divided by: group, batch, none", choices=SCALE_REWARDS,
-        peer="TRL scale_rewards; NeMo-RL normalize_rewards; verl norm_adv_by_std_in_grpo")
+        "group",
+        "std the grpo estimator's advantage is divided by: group, batch, none",
+        choices=SCALE_REWARDS,
+        peer="TRL scale_rewards; NeMo-RL normalize_rewards; verl norm_adv_by_std_in_grpo",
+    )
     loss_type: str = knob(
-        "dapo", "the loss: surrogate and aggregation (docs/algorithms.md)", choices=LOSS_TYPES, peer="TRL loss_type")
+        "dapo", "the loss: surrogate and aggregation (docs/algorithms.md)",
+        choices=LOSS_TYPES, peer="TRL loss_type")
     beta: float = knob(
         0.0, "KL coefficient (k3); > 0 loads a reference model", range="[0, inf)",
         peer="TRL beta; kl_coeff; NeMo-RL loss_fn.reference_policy_kl_penalty")
@@ -139,35 +178,50 @@ class GRPOConfig:
     epsilon_high: float | None = knob(
         None, "upper clip (DAPO clip-higher, e.g. 0.28)", range="[0, inf)",
         peer="TRL epsilon_high; NeMo-RL loss_fn.ratio_clip_max")
-    delta: float | None = knob(None, "two-sided clip: cap on the unclipped ratio", range="(1, inf)", peer="TRL delta")
-    vespo_k_pos: float = knob(2.0, "vespo: power k of the weight for A >= 0", range="[0, inf)", peer="TRL vespo_k_pos")
+    delta: float | None = knob(None, "two-sided clip: cap on the unclipped ratio",
+                               range="(1, inf)", peer="TRL delta")
+    vespo_k_pos: float = knob(2.0, "vespo: power k of the weight for A >= 0", range="[0, inf)",
+                              peer="TRL vespo_k_pos")
     vespo_lambda_pos: float = knob(
-        3.0, "vespo: decay lambda of the weight for A >= 0", range="[0, inf)", peer="TRL vespo_lambda_pos")
-    vespo_k_neg: float = knob(3.0, "vespo: power k of the weight for A < 0", range="[0, inf)", peer="TRL vespo_k_neg")
+        3.0, "vespo: decay lambda of the weight for A >= 0", range="[0, inf)",
+        peer="TRL vespo_lambda_pos")
+    vespo_k_neg: float = knob(3.0, "vespo: power k of the weight for A < 0", range="[0, inf)",
+                              peer="TRL vespo_k_neg")
     vespo_lambda_neg: float = knob(
-        2.0, "vespo: decay lambda of the weight for A < 0", range="[0, inf)", peer="TRL vespo_lambda_neg")
+        2.0, "vespo: decay lambda of the weight for A < 0", range="[0, inf)",
+        peer="TRL vespo_lambda_neg")
     use_bias_correction_kl: bool = knob(
         False, "multiply k3 by the importance ratio (false: plain k3; TRL 1.16 defaults to true)",
         peer="TRL use_bias_correction_kl")
     importance_sampling_level: str = knob(
-        "token", "token or sequence (GSPO)", choices=IMPORTANCE_SAMPLING_LEVELS, peer="TRL importance_sampling_level")
+        "token", "token or sequence (GSPO)", choices=IMPORTANCE_SAMPLING_LEVELS,
+        peer="TRL importance_sampling_level")
     num_iterations: int = knob(
         1, "optimiser steps per generation batch (\u03bc)", range="[1, inf)",
         peer="TRL num_iterations; verl ppo_epochs", resume=FIXED)
     mask_truncated_completions: bool = knob(
-        False, "exclude completions without EOS from the loss", peer="TRL mask_truncated_completions")
+        False, "exclude completions without EOS from the loss",
+        peer="TRL mask_truncated_completions")
     dynamic_sampling: bool = knob(
-        False, "DAPO: drop zero-spread groups and resample", peer="verl algorithm.filter_groups.enable")
+        False, "DAPO: drop zero-spread groups and resample",
+        peer="verl algorithm.filter_groups.enable")
     max_resample_rounds: int = knob(
         4, "extra sampling rounds per step for dynamic sampling", range="[0, inf)",
         peer="verl filter_groups.max_num_gen_batches")
     use_vllm: bool = knob(
-        False, "sample with vLLM (docs/vllm.md); weights are pushed to it after every update", peer="TRL use_vllm")
+        False,
+        "sample with vLLM (docs/vllm.md); weights are pushed to it after every update",
+        peer="TRL use_vllm",
+    )
     vllm_mode: str = knob(
-        "colocate", "colocate: one engine inside each training process", choices=VLLM_MODES, peer="TRL vllm_mode")
+        "colocate", "colocate: one engine inside each training process",
+        choices=VLLM_MODES, peer="TRL vllm_mode")
     vllm_gpu_memory_utilization: float = knob(
-        0.3, "share of GPU memory the engine takes (weights + KV cache); training has the rest", range="(0, 1]",
-        peer="TRL vllm_gpu_memory_utilization")
+        0.3,
+        "share of GPU memory the engine takes (weights + KV cache); training has the rest",
+        range="(0, 1]",
+        peer="TRL vllm_gpu_memory_utilization",
+    )
     vllm_tensor_parallel_size: int = knob(
         1, "ranks per engine: consecutive ranks run one engine together (1 = an engine per rank)",
         range="[1, inf)", peer="TRL vllm_tensor_parallel_size")
@@ -180,7 +234,8 @@ class GRPOConfig:
         True, "reweight the loss by trainer / engine probabilities of the sampled tokens",
         peer="TRL vllm_importance_sampling_correction")
     vllm_importance_sampling_mode: str = knob(
-        "sequence_mask", "token_ or sequence_ ratio; _truncate clips it, _mask zeroes it outside the bounds",
+        "sequence_mask",
+        "token_ or sequence_ ratio; _truncate clips it, _mask zeroes it outside the bounds",
         choices=VLLM_IS_MODES, peer="TRL vllm_importance_sampling_mode")
     vllm_importance_sampling_clip_max: float | None = knob(
         3.0, "upper bound C_max of the ratio (null = none)", range="(0, inf)",
@@ -189,26 +244,39 @@ class GRPOConfig:
         None, "lower bound C_min of the ratio (null = none)", range="[0, inf)",
         peer="TRL vllm_importance_sampling_clip_min")
     tools: list[str] = knob(
-        help="functions the policy may call (module:fn, file.py:fn); each needs type hints and a Google-style "
-        "docstring (docs/agents.md)", peer="TRL tools", factory=list)
+        help="functions the policy may call (module:fn, file.py:fn); each needs type hints and a "
+        "Google-style docstring (docs/agents.md)", peer="TRL tools", factory=list)
     environment_factory: str | None = knob(
-        None, "a class (module:Class, file.py:Class): one instance per rollout, reset(**row); its public methods "
-        "are tools, its get_reward() a reward", peer="TRL environment_factory")
+        None,
+        "a class (module:Class, file.py:Class): one instance per rollout, reset(**row); its public "
+        "methods are tools, its get_reward() a reward", peer="TRL environment_factory")
     rollout_func: str | None = knob(
-        None, "a function (module:fn, file.py:fn) that samples the completions itself: rollout_func(prompts, "
-        "trainer) -> prompt_ids, completion_ids, logprobs, env_mask (docs/agents.md)", peer="TRL rollout_func")
+        None,
+        "a function (module:fn, file.py:fn) that samples the "
+        "completions itself: rollout_func(prompts, trainer) -> "
+        "prompt_ids, completion_ids, logprobs, env_mask (docs/agents.md)", peer="TRL rollout_func")
     max_tool_calling_iterations: int | None = knob(
-        None, "tool rounds per completion (null = until the completion budget is spent)", range="[0, inf)",
-        peer="TRL max_tool_calling_iterations")
+        None,
+        "tool rounds per completion (null = until the completion budget is spent)",
+        range="[0, inf)",
+        peer="TRL max_tool_calling_iterations",
+    )
     max_tool_response_length: int | None = knob(
-        None, "tokens of one tool result shown to the policy (the rest is cut; null = all)", range="[1, inf)")
+        None,
+        "tokens of one tool result shown to the policy (the rest is cut; null = all)",
+        range="[1, inf)",
+    )
     tool_timeout_seconds: float = knob(
-        30.0, "one tool call's limit; past it the policy reads an error as the result", range="(0, inf)")
+        30.0,
+        "one tool call's limit; past it the policy reads an error as the result", range="(0, inf)")
     tool_call_format: str = knob(
-        "auto", "how calls are written: auto (from the chat template), hermes (<tool_call> JSON), llama3 (JSON), "
-        "glm4 (<arg_key>/<arg_value>)", choices=TOOL_CALL_FORMATS)
+        "auto",
+        "how calls are written: auto (from the chat template), hermes (<tool_call> JSON), llama3 "
+        "(JSON), glm4 (<arg_key>/<arg_value>)", choices=TOOL_CALL_FORMATS)
     log_trajectories: int = knob(
-        0, "tool runs: trajectories per generation batch written to OUTPUT_DIR/trajectories.jsonl (0 = none)",
+        0,
+        "tool runs: trajectories per generation batch "
+        "written to OUTPUT_DIR/trajectories.jsonl (0 = none)",
         range="[0, inf)", resume=FREE)
 
 
@@ -217,44 +285,58 @@ class DPOConfig:
     """DPO on pairs."""
 
     loss_type: str | list[str] = knob(
-        "sigmoid", "a type or a list of types", choices=DPO_LOSS_TYPES, peer="TRL loss_type", resume=FIXED)
+        "sigmoid", "a type or a list of types", choices=DPO_LOSS_TYPES,
+        peer="TRL loss_type", resume=FIXED)
     loss_weights: list[float] | None = knob(
         None, "weights of a list of types", range="[0, inf)",
         peer="TRL loss_weights; NeMo-RL preference_loss_weight/sft_loss_weight")
     beta: float = knob(
-        0.1, "DPO temperature \u03b2", range="(0, inf)", peer="TRL beta; NeMo-RL dpo.reference_policy_kl_penalty")
+        0.1, "DPO temperature \u03b2", range="(0, inf)",
+        peer="TRL beta; NeMo-RL dpo.reference_policy_kl_penalty")
     label_smoothing: float = knob(
         0.0, "\u03b5 of robust / exo_pair / aot", range="[0, 0.5]", peer="TRL label_smoothing")
     reference_free: bool = knob(False, "no reference (log-probs 0)", peer="TRL reference_free")
     use_weighting: bool = knob(
-        False, "WPO: weigh each pair by its responses' probability under the policy (arXiv:2406.11827)",
+        False,
+        "WPO: weigh each pair by its responses' probability under the policy (arXiv:2406.11827)",
         peer="TRL use_weighting")
     precompute_ref_logps: bool = knob(
-        True, "compute reference log-probs once and cache them (false: run a frozen reference on each batch)",
+        True,
+        "compute reference log-probs once and cache them "
+        "(false: run a frozen reference on each batch)",
         peer="TRL precompute_ref_log_probs")
     max_length: int = knob(512, "prompt + response tokens", range="[2, inf)", peer="TRL max_length")
     batch_size: int = knob(
         16, "pairs per optimiser step", range="[1, inf)",
         peer="TRL per_device_train_batch_size \u00d7 gradient_accumulation_steps", resume=FIXED)
     micro_batch_size: int = knob(
-        16, "pairs per forward/backward", range="[1, inf)", peer="\u2248 TRL per_device_train_batch_size (per process)")
+        16, "pairs per forward/backward", range="[1, inf)",
+        peer="\u2248 TRL per_device_train_batch_size (per process)")
 
 
 @dataclass
 class KTOConfig:
-    """KTO on labeled traces: desirable (reward >= data.chosen_min) or undesirable (< data.rejected_max)."""
+    """KTO on labeled traces: desirable (reward >= data.chosen_min) or undesirable (<
+    data.rejected_max)."""
 
-    loss_type: str = knob("kto", "kto, or apo_zero_unpaired (no KL reference point)", choices=KTO_LOSS_TYPES,
-                          peer="TRL loss_type", resume=FIXED)
+    loss_type: str = knob("kto", "kto, or apo_zero_unpaired (no KL reference point)",
+                          choices=KTO_LOSS_TYPES, peer="TRL loss_type", resume=FIXED)
     beta: float = knob(0.1, "KTO temperature \u03b2", range="(0, inf)", peer="TRL beta")
     desirable_weight: float = knob(
-        1.0, "\u03bb_D: weight of the desirable examples' losses", range="(0, inf)", peer="TRL desirable_weight")
+        1.0, "\u03bb_D: weight of the desirable examples' losses", range="(0, inf)",
+        peer="TRL desirable_weight")
     undesirable_weight: float = knob(
-        1.0, "\u03bb_U: weight of the undesirable examples' losses", range="(0, inf)", peer="TRL undesirable_weight")
-    max_length: int = knob(512, "prompt + response tokens", range="[2, inf)", peer="TRL max_length", resume=FIXED)
+        1.0, "\u03bb_U: weight of the undesirable examples' losses", range="(0, inf)",
+        peer="TRL undesirable_weight")
+    max_length: int = knob(512, "prompt + response tokens", range="[2, inf)",
+                           peer="TRL max_length", resume=FIXED)
     batch_size: int = knob(
-        16, "examples per optimiser step; the KL reference point z is taken over them", range="[1, inf)",
-        peer="TRL per_device_train_batch_size \u00d7 gradient_accumulation_steps", resume=FIXED)
+        16,
+        "examples per optimiser step; the KL reference point z is taken over them",
+        range="[1, inf)",
+        peer="TRL per_device_train_batch_size \u00d7 gradient_accumulation_steps",
+        resume=FIXED,
+    )
     micro_batch_size: int = knob(
         16, "examples per forward/backward", range="[1, inf)",
         peer="\u2248 TRL per_device_train_batch_size (per process)")
@@ -265,8 +347,10 @@ class SFTConfig:
     """Supervised fine-tuning."""
 
     min_reward: float = knob(
-        0.7, "labeled traces: train on responses with reward >= this", range="(-inf, inf)", resume=FIXED)
-    max_length: int = knob(512, "prompt + completion tokens", range="[2, inf)", peer="TRL max_length", resume=FIXED)
+        0.7, "labeled traces: train on responses with reward >= this",
+        range="(-inf, inf)", resume=FIXED)
+    max_length: int = knob(512, "prompt + completion tokens", range="[2, inf)",
+                           peer="TRL max_length", resume=FIXED)
     batch_size: int = knob(
         16, "examples per optimiser step", range="[1, inf)",
         peer="TRL per_device_train_batch_size \u00d7 gradient_accumulation_steps", resume=FIXED)
@@ -274,11 +358,13 @@ class SFTConfig:
         16, "examples per forward/backward", range="[1, inf)",
         peer="\u2248 TRL per_device_train_batch_size (per process)")
     packing: bool = knob(
-        True, "pack several examples per row (attention within each) when it pays", peer="TRL packing + padding_free")
+        True, "pack several examples per row (attention within each) when it pays",
+        peer="TRL packing + padding_free")
     assistant_only_loss: bool = knob(
-        True, "multi-turn rows: train every assistant turn (its stop token included), mask system/user/tool turns; "
-        "false: every token after the prompt trains", peer="TRL assistant_only_loss (default false there)",
-        resume=FIXED)
+        True,
+        "multi-turn rows: train every assistant turn (its stop token included), mask "
+        "system/user/tool turns; false: every token after the prompt trains",
+        peer="TRL assistant_only_loss (default false there)", resume=FIXED)
 
 
 @dataclass
@@ -293,11 +379,12 @@ class OptimConfig:
     adam_beta2: float = knob(0.999, "AdamW beta2", range="[0, 1)", peer="TRL adam_beta2")
     adam_epsilon: float = knob(1e-8, "AdamW epsilon", range="(0, inf)", peer="TRL adam_epsilon")
     lr_scheduler: str = knob(
-        "linear", "constant, linear or cosine (to 0), after warmup", choices=("constant", "linear", "cosine"),
-        peer="TRL lr_scheduler_type")
+        "linear", "constant, linear or cosine (to 0), after warmup",
+        choices=("constant", "linear", "cosine"), peer="TRL lr_scheduler_type")
     warmup_steps: int = knob(0, "linear warmup from 0", range="[0, inf)", peer="TRL warmup_steps")
     warmup_ratio: float = knob(
-        0.0, "warmup as a share of max_steps (if warmup_steps is 0)", range="[0, 1]", peer="TRL warmup_ratio")
+        0.0, "warmup as a share of max_steps (if warmup_steps is 0)", range="[0, 1]",
+        peer="TRL warmup_ratio")
     max_grad_norm: float = knob(
         1.0, "global gradient clipping (0 = off)", range="[0, inf)",
         peer="TRL max_grad_norm; NeMo-RL policy.max_grad_norm")
@@ -310,14 +397,20 @@ class EvalConfig:
     eval_steps: int = knob(
         0, "evaluate every N steps (always before the first and after the last)", range="[0, inf)",
         peer="TRL eval_steps; NeMo-RL grpo.val_period")
-    max_new_tokens: int | None = knob(None, "greedy tokens (null = grpo.max_completion_length)", range="[1, inf)")
+    max_new_tokens: int | None = knob(None, "greedy tokens (null = grpo.max_completion_length)",
+                                      range="[1, inf)")
     batch_size: int = knob(128, "prompts per eval batch", range="[1, inf)",
                            peer="\u2248 TRL per_device_eval_batch_size (per process)")
     reward_funcs: list[str] | None = knob(None, "null = grpo.reward_funcs with grpo.reward_weights")
     num_samples: int = knob(
-        1, "k > 1: also k sampled completions per prompt at grpo.temperature (pass@k, mean@k)", range="[1, inf)")
+        1,
+        "k > 1: also k sampled completions per prompt at grpo.temperature (pass@k, mean@k)",
+        range="[1, inf)",
+    )
     split: float = knob(
-        0.0, "without data.eval: hold out this fraction of the training prompts (chosen by prompt hash) for evaluation",
+        0.0,
+        "without data.eval: hold out this fraction of the "
+        "training prompts (chosen by prompt hash) for evaluation",
         range="[0, 1)", resume=FIXED)
 
 
@@ -325,35 +418,50 @@ class EvalConfig:
 class GateConfig:
     """The evaluation gate of `preftune eval`."""
 
-    min_reward: float | None = knob(None, "the checkpoint's greedy reward must be >= this", range="(-inf, inf)")
+    min_reward: float | None = knob(None, "the checkpoint's greedy reward must be >= this",
+                                    range="(-inf, inf)")
     min_accuracy: float | None = knob(
         None, "held-out pairs: the checkpoint's rewards/accuracies must be >= this", range="[0, 1]")
     min_improvement: float | None = knob(
-        None, "the improvement's lower confidence bound must be > this (needs --baseline)", range="(-inf, inf)")
+        None,
+        "the improvement's lower confidence bound must be > this (needs --baseline)",
+        range="(-inf, inf)",
+    )
     max_length_growth: float | None = knob(
-        None, "mean completion length, checkpoint / baseline, must be <= this (reward hacking by length)",
+        None,
+        "mean completion length, checkpoint / baseline, must be <= this (reward hacking by length)",
         range="(0, inf)")
     confidence: float = knob(
-        0.95, "confidence level of the improvement's one-sided bootstrap lower bound", range="(0, 1)")
-    bootstrap_samples: int = knob(2000, "bootstrap resamples of the prompts (seeded by seed)", range="[1, inf)")
-    registry: str | None = knob(None, "JSONL model registry (local path or fsspec URL); a pass appends a record")
+        0.95,
+        "confidence level of the improvement's one-sided bootstrap lower bound", range="(0, 1)")
+    bootstrap_samples: int = knob(2000, "bootstrap resamples of the prompts (seeded by seed)",
+                                  range="[1, inf)")
+    registry: str | None = knob(None,
+                                "JSONL model registry (local path or "
+                                "fsspec URL); a pass appends a record")
 
 
 @dataclass
 class LogConfig:
     """Metrics, the progress bar and trackers."""
 
-    logging_steps: int = knob(1, "write metrics every N steps", range="[1, inf)", peer="TRL logging_steps")
+    logging_steps: int = knob(1, "write metrics every N steps", range="[1, inf)",
+                              peer="TRL logging_steps")
     report_to: list[str] = knob(
-        help="trackers: any of tensorboard, wandb, mlflow (TRACKERS)", peer="TRL report_to", factory=list)
+        help="trackers: any of tensorboard, wandb, mlflow (TRACKERS)",
+        peer="TRL report_to", factory=list)
     progress_bar: bool = knob(True, "show the progress bar", peer="TRL disable_tqdm, inverted")
     project: str | None = knob(
-        None, "W&B project / MLflow experiment (null = WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else preftune)",
+        None,
+        "W&B project / MLflow experiment (null = WANDB_PROJECT "
+        "/ MLFLOW_EXPERIMENT_NAME, else preftune)",
         peer="W&B project")
     run_name: str | None = knob(
         None, "W&B / MLflow run name (null = the output_dir folder's name)", peer="TRL run_name")
     on_tracker_outage: str = knob(
-        "fail", "a tracker unreachable at the start: fail (exit 69, retryable) or local (go on with metrics.jsonl)",
+        "fail",
+        "a tracker unreachable at the start: fail (exit "
+        "69, retryable) or local (go on with metrics.jsonl)",
         choices=("fail", "local"))
 
 
@@ -363,38 +471,46 @@ class DistributedConfig:
 
     strategy: str = knob(
         "fsdp", "fsdp (FSDP2, sharded), ddp (whole model per rank) or none (one process)",
-        choices=("fsdp", "ddp", "none"), peer="accelerate distributed_type; NeMo-RL dtensor; verl strategy")
+        choices=("fsdp", "ddp", "none"),
+        peer="accelerate distributed_type; NeMo-RL dtensor; verl strategy")
     backend: str = knob(
         "auto", "auto = nccl on CUDA, else gloo", choices=("auto", "nccl", "gloo"),
         peer="accelerate / torchrun backend")
     timeout_seconds: float = knob(
-        600.0, "a collective waiting longer (a dead rank) fails the run with exit 1", range="(0, inf)",
+        600.0,
+        "a collective waiting longer (a dead rank) fails the run with exit 1", range="(0, inf)",
         peer="ddp_timeout (TRL/HF)")
     reshard_after_forward: bool = knob(
-        True, "FSDP2: free gathered parameters after each block's forward (false: faster, more memory)",
+        True,
+        "FSDP2: free gathered parameters after each block's forward (false: faster, more memory)",
         peer="FSDP reshard_after_forward")
 
 
 @dataclass
 class DeployConfig:
-    """Where `preftune render` and `preftune cost` place the job (Kubernetes). Defaults: the seed's job,
-    3 x p5en.48xlarge (8 H200 each) on spot capacity, gang-scheduled by Volcano."""
+    """Where `preftune render` and `preftune cost` place the job (Kubernetes). Defaults: the seed's
+    job, 3 x p5en.48xlarge (8 H200 each) on spot capacity, gang-scheduled by Volcano."""
 
-    name: str = knob("preftune", "the Job's name (at most 40 characters); its ConfigMap is NAME-config")
+    name: str = knob("preftune",
+                     "the Job's name (at most 40 characters); its ConfigMap is NAME-config")
     namespace: str = knob("training-pipeline", "namespace of the Job, ConfigMap, Service and PVC")
     scheduler: str = knob(
-        "volcano", "volcano (gang-scheduled Volcano Job) or kubernetes (Indexed Job + headless Service)",
+        "volcano",
+        "volcano (gang-scheduled Volcano Job) or kubernetes (Indexed Job + headless Service)",
         choices=("volcano", "kubernetes"))
     queue: str = knob("training-queue", "the Volcano queue (rendered too)")
     nodes: int = knob(3, "pods, one per node", range="[1, inf)", peer="NeMo-RL cluster.num_nodes")
-    gpus_per_node: int = knob(8, "GPUs each pod requests", range="[1, inf)", peer="NeMo-RL cluster.gpus_per_node")
+    gpus_per_node: int = knob(8, "GPUs each pod requests", range="[1, inf)",
+                              peer="NeMo-RL cluster.gpus_per_node")
     instance_types: list[str] = knob(
         help="EC2 types the nodes may be (8 x H200 each)", factory=lambda: ["p5en.48xlarge"])
     capacity_type: str = knob("spot", "spot or on-demand", choices=("spot", "on-demand"))
     zones: list[str] = knob(help="availability zones ([] = any zone of the subnets)", factory=list)
-    image: str = knob("preftune:latest", "the container image (build it from the Dockerfile, push it, name it here)")
+    image: str = knob("preftune:latest",
+                      "the container image (build it from the Dockerfile, push it, name it here)")
     image_pull_policy: str = knob(
-        "IfNotPresent", "Always, IfNotPresent or Never", choices=("Always", "IfNotPresent", "Never"))
+        "IfNotPresent", "Always, IfNotPresent or Never",
+        choices=("Always", "IfNotPresent", "Never"))
     cpu: str | int = knob("160", "CPU requested per pod")
     memory: str = knob("1600Gi", "memory requested and limited per pod")
     shm_size: str = knob("256Gi", "size of the memory-backed /dev/shm")
@@ -402,34 +518,48 @@ class DeployConfig:
     efa_interfaces: int = knob(16, "EFA devices per node (p5en.48xlarge: 16)", range="[1, inf)")
     checkpoint_claim: str | None = knob(
         "preftune-checkpoints", "ReadWriteMany PVC for output_dir (null = checkpoint_uri only)")
-    checkpoint_mount: str = knob("/checkpoints", "where the claim is mounted; a relative output_dir is placed under it")
+    checkpoint_mount: str = knob("/checkpoints",
+                                 "where the claim is mounted; a "
+                                 "relative output_dir is placed under it")
     storage_class: str | None = knob(
         None, "an RWX-capable StorageClass (FSx for Lustre, EFS); null = the cluster default")
     storage_size: str = knob("1200Gi", "PVC size (FSx for Lustre's smallest)")
     env: dict[str, str | int | float | dict[str, str]] = knob(
-        help="extra environment, e.g. {NCCL_DEBUG: INFO}; a credential by reference to a Kubernetes Secret: "
-        "{WANDB_API_KEY: {secret: wandb, key: api-key}} (a secretKeyRef; the value never enters the config)",
+        help="extra environment, e.g. {NCCL_DEBUG: INFO}; a credential by reference to a "
+             "Kubernetes Secret: {WANDB_API_KEY: {secret: wandb, key: api-key}} (a secretKeyRef; "
+             "the value never enters the config)",
         factory=dict)
-    service_account: str | None = knob(None, "service account of the pods (S3 access through IRSA or Pod Identity)")
+    service_account: str | None = knob(None,
+                                       "service account of the pods (S3 "
+                                       "access through IRSA or Pod Identity)")
     labels: dict[str, str] = knob(help="labels added to every object and pod", factory=dict)
     max_retry: int = knob(
-        100, "whole-job restarts before Volcano gives up (each spot loss is one); backoffLimit of the Indexed Job",
+        100,
+        "whole-job restarts before Volcano gives up (each "
+        "spot loss is one); backoffLimit of the Indexed Job",
         range="[0, inf)")
     termination_grace_seconds: int | None = knob(
-        None, "pods' terminationGracePeriodSeconds, above preemption_grace_seconds (null: that + 30)", range="[1, inf)")
+        None,
+        "pods' terminationGracePeriodSeconds, above preemption_grace_seconds (null: that + 30)",
+        range="[1, inf)",
+    )
     node_pool: str = knob("training-spot-pool", "Karpenter NodePool name")
     node_class: str = knob("training-gpu-class", "Karpenter EC2NodeClass name")
     cluster: str = knob(
         "training-cluster",
-        "EKS cluster: subnets and security groups are found by the tag karpenter.sh/discovery: CLUSTER")
+        "EKS cluster: subnets and security groups are "
+        "found by the tag karpenter.sh/discovery: CLUSTER")
     node_role: str | None = knob(None, "IAM role of the nodes; null = KarpenterNodeRole-CLUSTER")
     ami_alias: str = knob(
-        "al2023@v20260807", "pinned EKS AMI, family@version (Karpenter picks the NVIDIA variant for GPU types)")
+        "al2023@v20260807",
+        "pinned EKS AMI, family@version (Karpenter picks the NVIDIA variant for GPU types)")
     root_volume_size: str = knob("200Gi", "root EBS volume (gp3, encrypted)")
     expire_after: str = knob("720h", "nodes are replaced after this (the run saves and restarts)")
     consolidate_after: str = knob("5m", "an empty node is removed after this")
     max_gpus: int | None = knob(
-        None, "NodePool GPU limit; null = (nodes + 1) x gpus_per_node, one spare node for a spot replacement",
+        None,
+        "NodePool GPU limit; null = (nodes + 1) x "
+        "gpus_per_node, one spare node for a spot replacement",
         range="[1, inf)")
 
 
@@ -437,43 +567,55 @@ class DeployConfig:
 class Config:
     """A preftune run."""
 
-    algorithm: str = knob("grpo", "grpo, dpo, kto or sft", choices=("grpo", "dpo", "kto", "sft"), resume=FIXED)
+    algorithm: str = knob("grpo", "grpo, dpo, kto or sft",
+                          choices=("grpo", "dpo", "kto", "sft"), resume=FIXED)
     output_dir: str = knob(
-        "runs/preftune", "run folder (config.yaml, metrics.jsonl, checkpoints/, final/)", peer="TRL output_dir",
+        "runs/preftune",
+        "run folder (config.yaml, metrics.jsonl, checkpoints/, final/)", peer="TRL output_dir",
         resume=FREE)
     max_steps: int = knob(
-        100, "optimiser steps", range="[1, inf)", peer="TRL max_steps; NeMo-RL grpo.max_num_steps", resume=FREE)
+        100, "optimiser steps", range="[1, inf)",
+        peer="TRL max_steps; NeMo-RL grpo.max_num_steps", resume=FREE)
     save_steps: int = knob(
         50, "checkpoint every N steps (0 = only on preemption)", range="[0, inf)",
         peer="TRL save_steps; NeMo-RL checkpointing.save_period", resume=FREE)
-    seed: int = knob(0, "seeds data order, sampling and init", range="[0, 4294967295]", peer="TRL seed", resume=FIXED)
+    seed: int = knob(0, "seeds data order, sampling and init", range="[0, 4294967295]",
+                     peer="TRL seed", resume=FIXED)
     full_determinism: bool = knob(
-        False, "deterministic kernels everywhere (CUDA: deterministic algorithms, cuBLAS workspace, no TF32, no "
-        "memory-efficient SDPA); CPU runs are bitwise reproducible without it; docs/reliability.md",
+        False,
+        "deterministic kernels everywhere (CUDA: deterministic algorithms, "
+        "cuBLAS workspace, no TF32, no memory-efficient SDPA); CPU runs "
+        "are bitwise reproducible without it; docs/reliability.md",
         peer="HF TrainingArguments.full_determinism")
     save_total_limit: int | None = knob(
         None, "keep the newest K checkpoints (null = all)", range="[1, inf)",
         peer="TRL save_total_limit; NeMo-RL checkpointing.keep_top_k", resume=FREE)
     resume: str = knob(
-        "auto", "auto (newest complete checkpoint, local then checkpoint_uri), never, or a checkpoint path",
+        "auto",
+        "auto (newest complete checkpoint, local then checkpoint_uri), never, or a checkpoint path",
         peer="TRL resume_from_checkpoint", resume=FREE)
     overwrite_output_dir: bool = knob(
-        False, "with resume: never, allow starting over in a non-empty output_dir", peer="TRL overwrite_output_dir",
-        resume=FREE)
+        False, "with resume: never, allow starting over in a non-empty output_dir",
+        peer="TRL overwrite_output_dir", resume=FREE)
     resume_with_changes: bool = knob(
-        False, "resume although keys that shape the training steps (on resume: trajectory) changed; each change "
-        "is logged and appended to OUTPUT_DIR/config_history.jsonl (fixed keys are refused even so)", resume=FREE)
+        False,
+        "resume although keys that shape the training steps (on resume: "
+        "trajectory) changed; each change is logged and appended to "
+        "OUTPUT_DIR/config_history.jsonl (fixed keys are refused even so)", resume=FREE)
     preemption_grace_seconds: float = knob(
-        60.0, "time from SIGTERM to the kill: finish the step if it fits, else abandon it, save, exit 75",
+        60.0,
+        "time from SIGTERM to the kill: finish the step if it fits, else abandon it, save, exit 75",
         range="[0, inf)", resume=FREE)
     checkpoint_uri: str | None = knob(
         None, "fsspec URL (s3://bucket/prefix) mirroring every completed checkpoint", resume=FREE)
     checkpoint_uri_timeout_seconds: float = knob(
-        300.0, "the longest wait on checkpoint_uri: a listing or read at start, the uploads after the last step; "
-        "longer (or no connection) is exit 69, retryable", range="(0, inf)", resume=FREE)
+        300.0,
+        "the longest wait on checkpoint_uri: a listing or read at start, the uploads after the "
+        "last step; longer (or no connection) is exit 69, retryable", range="(0, inf)", resume=FREE)
     lock_stale_seconds: float = knob(
-        60.0, "output_dir's lock (one writer per run) from another node with no heartbeat for this long is "
-        "taken over; its holder touches it every sixth of this", range="(0, inf)", resume=FREE)
+        60.0,
+        "output_dir's lock (one writer per run) from another node with no heartbeat for this long "
+        "is taken over; its holder touches it every sixth of this", range="(0, inf)", resume=FREE)
     model: ModelConfig = section(ModelConfig)
     data: DataConfig = section(DataConfig, resume=FIXED)
     grpo: GRPOConfig = section(GRPOConfig)

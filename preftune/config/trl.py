@@ -5,12 +5,13 @@ A TRL user writes flat keys (`learning_rate`, `beta`, `logging_steps`) where pre
 whose peer reads `TRL <name>` (schema.py) means exactly what TRL's `<name>` means, so `<name>` is
 accepted as an alias of it, anywhere in the config (top level or any section). `beta`,
 `loss_type` and `max_length` exist in several sections: the alias is the run's algorithm's.
-A name in parentheses after it (`TRL vllm_importance_sampling_clip_max (vllm_importance_sampling_cap)`)
-is an old TRL name: answered with the key, not accepted. `CONVERTED` are TRL names that mean a
-key after a change of value (`bf16: true` is `model.dtype: bfloat16`); `DIFFERENT` are TRL names
-whose nearest preftune key means something else: they are answered with that key and how it
-differs, never guessed. `TRL_VALUES` are TRL's values that preftune's keys accept under their own
-names (`scale_rewards: true`, `report_to: none`, `resume: true`).
+A name in parentheses after it (`TRL vllm_importance_sampling_clip_max
+(vllm_importance_sampling_cap)`) is an old TRL name: answered with the key, not accepted.
+`CONVERTED` are TRL names that mean a key after a change of value (`bf16: true` is `model.dtype:
+bfloat16`); `DIFFERENT` are TRL names whose nearest preftune key means something else: they are
+answered with that key and how it differs, never guessed. `TRL_VALUES` are TRL's values that
+preftune's keys accept under their own names (`scale_rewards: true`, `report_to: none`, `resume:
+true`).
 """
 from __future__ import annotations
 
@@ -34,8 +35,13 @@ def _report_to(value: Any) -> Any:
 
 
 def _resume(value: Any) -> Any:
-    """TRL's resume_from_checkpoint: True (the newest checkpoint), None/False (start over), or a path."""
-    return {True: "auto", False: "never", None: "never"}.get(value, value) if not isinstance(value, str) else value
+    """TRL's resume_from_checkpoint: True (the newest checkpoint), None/False (start over), or a
+    path."""
+    return (
+        {True: "auto", False: "never", None: "never"}.get(value, value)
+        if not isinstance(value, str)
+        else value
+    )
 
 
 def _scale_rewards(value: Any) -> Any:
@@ -49,7 +55,8 @@ TRL_VALUES: dict[str, Callable[[Any], Any]] = {
 
 # TRL name -> (preftune key, the change of value, what it means here)
 CONVERTED: dict[str, tuple[str, Callable[[Any], Any], str]] = {
-    "bf16": ("model.dtype", lambda v: "bfloat16" if v else "float32", "true: bfloat16, false: float32"),
+    "bf16": ("model.dtype", lambda v: "bfloat16" if v else "float32",
+             "true: bfloat16, false: float32"),
     "disable_tqdm": ("log.progress_bar", lambda v: not v if isinstance(v, bool) else v, "inverted"),
 }
 
@@ -61,20 +68,26 @@ DIFFERENT: dict[str, tuple[str, str]] = {
         "dpo/kto/sft.batch_size) and gradient accumulation follows from it"),
     "gradient_accumulation_steps": (
         "{algorithm}.batch_size",
-        "preftune sizes the step globally (all processes together) and accumulates micro-batches itself"),
+        "preftune sizes the step globally (all processes "
+        "together) and accumulates micro-batches itself"),
     "generation_batch_size": (
-        "grpo.prompts_per_step", "preftune counts prompts: generation_batch_size / num_generations"),
+        "grpo.prompts_per_step",
+        "preftune counts prompts: generation_batch_size / num_generations"),
     "steps_per_generation": (
         "grpo.prompts_per_step", "preftune takes one optimiser step per generation batch "
         "(grpo.num_iterations repeats it)"),
     "num_train_epochs": ("max_steps", "preftune counts optimiser steps, not epochs"),
-    "per_device_eval_batch_size": ("eval.batch_size", "prompts per evaluation batch on each process"),
-    "model_init_kwargs": ("model.dtype", "preftune reads dtype and trust_remote_code as model.dtype and "
+    "per_device_eval_batch_size": ("eval.batch_size",
+                                   "prompts per evaluation batch on each process"),
+    "model_init_kwargs": ("model.dtype",
+                          "preftune reads dtype and trust_remote_code as model.dtype and "
                           "model.trust_remote_code"),
-    "peft_config": ("model.lora.enabled", "a LoRA is configured under model.lora (r, alpha, dropout, "
-                    "target_modules)"),
-    "eval_strategy": ("eval.eval_steps", "preftune evaluates every eval.eval_steps steps (0: before and after)"),
-    "save_strategy": ("save_steps", "preftune saves every save_steps steps (0: only on preemption)"),
+    "peft_config": ("model.lora.enabled",
+                    "a LoRA is configured under model.lora (r, alpha, dropout, target_modules)"),
+    "eval_strategy": ("eval.eval_steps",
+                      "preftune evaluates every eval.eval_steps steps (0: before and after)"),
+    "save_strategy": ("save_steps",
+                      "preftune saves every save_steps steps (0: only on preemption)"),
 }
 
 
@@ -103,13 +116,15 @@ def _pick(candidates: list[str], algorithm: str) -> str | None:
 
 
 def _format(key: str, algorithm: str) -> str:
-    """A DIFFERENT key for the run's algorithm (GRPO sizes its step in prompts, not a batch_size)."""
+    """A DIFFERENT key for the run's algorithm (GRPO sizes its step in prompts, not a
+    batch_size)."""
     key = key.format(algorithm=algorithm)
     return "grpo.prompts_per_step" if key == "grpo.batch_size" else key
 
 
 def trl_key(name: str, algorithm: str = "grpo") -> str | None:
-    """The preftune key a TRL name is, or points to (for a hint); None if the table has no such name."""
+    """The preftune key a TRL name is, or points to (for a hint); None if the table has no such
+    name."""
     if name in OLD_NAMES:
         return OLD_NAMES[name]
     if name in ALIASES:
@@ -145,7 +160,8 @@ def _set(data: dict, key: str, value: Any, given_as: str) -> None:
         if not isinstance(node, dict):
             raise UserError(f"'{part}' is not a section", where=given_as)
     if last in node and node[last] != value:
-        raise UserError(f"is TRL's name for '{key}', which is also set (to {node[last]!r}): keep one",
+        raise UserError(f"is TRL's name for '{key}', which is "
+                        f"also set (to {node[last]!r}): keep one",
                         where=given_as)
     node[last] = value
 
@@ -168,12 +184,13 @@ def translate(data: dict) -> dict:
             key, change, _ = CONVERTED[name]
             _set(data, key, change(holder.pop(name)), dotted)
         elif name in OLD_NAMES:
-            raise UserError(f"unknown config key '{dotted}' (TRL's old name); preftune calls it '{OLD_NAMES[name]}'")
+            raise UserError(f"unknown config key '{dotted}' (TRL's old "
+                            f"name); preftune calls it '{OLD_NAMES[name]}'")
         elif name in DIFFERENT:
             key, how = DIFFERENT[name]
             key = _format(key, run_as)
-            raise UserError(f"unknown config key '{dotted}': TRL's {name} is not preftune's; the nearest is "
-                            f"'{key}' ({how})")
+            raise UserError(f"unknown config key '{dotted}': TRL's {name} is not preftune's; the "
+                            f"nearest is '{key}' ({how})")
     for key, change in TRL_VALUES.items():
         node = data
         *sections, last = key.split(".")

@@ -1,4 +1,5 @@
-"""data_report.json: what the data loaders kept and dropped, in the run folder and the log (never silent)."""
+"""data_report.json: what the data loaders kept and dropped, in the run folder and the log (never
+silent)."""
 from __future__ import annotations
 
 import json

@@ -3,7 +3,8 @@
 GRPO (Shao et al. 2024, "DeepSeekMath") scores each response against its group:
 A_i = (r_i - mean(r)) / (std(r) + eps), computed for groups of any size by
 `losses.advantages.group_advantages`. A group of one response, or one whose rewards are all
-equal, has A_i = 0 for every response and so gives no gradient; such groups are left out and counted.
+equal, has A_i = 0 for every response and so gives no gradient; such groups are left out and
+counted.
 """
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ from typing import Any
 from preftune.errors import UserError, one_line
 
 PREFIX = "in-memory:"
-TABLES: dict[str, tuple[list[dict], list[str] | None]] = {}  # spec -> (rows, columns), while train() runs
+# spec -> (rows, columns), while train() runs
+TABLES: dict[str, tuple[list[dict], list[str] | None]] = {}
 
 
 def is_memory(path: Any) -> bool:
@@ -30,14 +31,16 @@ def display_name(spec: str) -> str:
 
 
 def to_rows(obj: Any, name: str) -> tuple[list[dict], list[str] | None]:
-    """(rows, column names) of a Dataset, DataFrame or list of dicts; None names when there are no rows."""
+    """(rows, column names) of a Dataset, DataFrame or list of dicts; None names when there are no
+    rows."""
     kind = type(obj).__module__.split(".", 1)[0]
     if kind == "pandas" and hasattr(obj, "columns"):
         return _from_pandas(obj, name)
     if kind == "datasets":
-        if not hasattr(obj, "column_names") or not hasattr(obj, "to_list"):  # DatasetDict, IterableDataset
-            raise UserError(f"a {type(obj).__name__} is not a table; pass one split as a Dataset "
-                            "(e.g. ds['train'])", where=name)
+        # DatasetDict, IterableDataset
+        if not hasattr(obj, "column_names") or not hasattr(obj, "to_list"):
+            raise UserError(f"a {type(obj).__name__} is not a table; pass "
+                            "one split as a Dataset (e.g. ds['train'])", where=name)
         return obj.to_list(), list(obj.column_names)
     if isinstance(obj, (list, tuple)):
         for i, row in enumerate(obj):
@@ -45,13 +48,15 @@ def to_rows(obj: Any, name: str) -> tuple[list[dict], list[str] | None]:
                 raise UserError(f"row {i}: expected a dict, got {type(row).__name__}", where=name)
         rows = list(obj)
         return rows, list(dict.fromkeys(k for r in rows for k in r)) if rows else None
-    raise UserError(f"expected a datasets.Dataset, a pandas DataFrame or a list of dicts, got {type(obj).__name__}",
+    raise UserError("expected a datasets.Dataset, a pandas DataFrame "
+                    f"or a list of dicts, got {type(obj).__name__}",
                     where=name)
 
 
 def _from_pandas(df, name: str) -> tuple[list[dict], list[str]]:
     """Through Arrow, as df.to_parquet then reading it would give; a column Arrow cannot hold (mixed
-    types) falls back to plain python values, so the bad cell is reported at its row like in jsonl."""
+    types) falls back to plain python values, so the bad cell is reported at its row like in
+    jsonl."""
     import pyarrow as pa
 
     columns = [str(c) for c in df.columns]
@@ -70,7 +75,8 @@ def _from_pandas(df, name: str) -> tuple[list[dict], list[str]]:
 
 
 def fingerprint(rows: list[dict], columns: list[str] | None) -> str:
-    """sha256 of the columns and every row's canonical JSON: the same content gives the same name."""
+    """sha256 of the columns and every row's canonical JSON: the same content gives the same
+    name."""
     h = hashlib.sha256(json.dumps(columns).encode())
     for row in rows:
         h.update(json.dumps(row, sort_keys=True, ensure_ascii=False, default=repr).encode())

@@ -1,4 +1,5 @@
-"""Bodies of `preftune data inspect` and `preftune data pairs` (argparse lives in preftune/cli/command.py)."""
+"""Bodies of `preftune data inspect` and `preftune data pairs` (argparse lives in
+preftune/cli/command.py)."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,13 @@ from typing import Any
 import numpy as np
 
 from preftune.data.groups import build_groups
-from preftune.data.pairs import PAIR_DEFAULTS, build_pairs, check_writable_file, group_by_prompt, write_pairs
+from preftune.data.pairs import (
+    PAIR_DEFAULTS,
+    build_pairs,
+    check_writable_file,
+    group_by_prompt,
+    write_pairs,
+)
 from preftune.data.pipeline import label_builder
 from preftune.data.traces import DropReport, TraceOptions, load_traces, dropped_note
 from preftune.errors import UserError
@@ -41,7 +48,8 @@ def reward_stats(rewards: list[float], reward_range: tuple[float, float]) -> dic
     }
 
 
-def inspect_report(path: str, opts: TraceOptions, *, min_group_size: int = 2, **pair_options) -> dict[str, Any]:
+def inspect_report(path: str, opts: TraceOptions, *, min_group_size: int = 2,
+                   **pair_options) -> dict[str, Any]:
     """A JSON-ready summary of a trace dataset and what DPO, KTO and offline GRPO would get from it.
     `pair_options`: build_pairs' keywords (defaults: the config's, `PAIR_DEFAULTS`)."""
     pair_options = PAIR_DEFAULTS | pair_options
@@ -60,8 +68,10 @@ def inspect_report(path: str, opts: TraceOptions, *, min_group_size: int = 2, **
         "reward": reward_stats([t.reward for t in traces], opts.reward_range),
         "drops": drops.as_dict(),
         "dpo": {**pair_options, **pair_report.as_dict()},
-        "kto": {"chosen_min": pair_options["chosen_min"], "rejected_max": pair_options["rejected_max"],
-                **label_builder(pair_options["chosen_min"], pair_options["rejected_max"])(list(traces)).report},
+        "kto": {"chosen_min": pair_options["chosen_min"],
+                "rejected_max": pair_options["rejected_max"],
+                **label_builder(pair_options["chosen_min"],
+                                pair_options["rejected_max"])(list(traces)).report},
         "grpo": {"min_group_size": min_group_size, **group_report.as_dict()},
     }
 
@@ -88,22 +98,23 @@ def format_inspect(report: dict[str, Any]) -> str:
         lines.append("reward: no rows")
     else:
         q = "  ".join(f"{k} {v:.4g}" for k, v in r["quantiles"].items())
-        lines += [f"reward: min {r['min']:.4g}  mean {r['mean']:.4g}  std {r['std']:.4g}  max {r['max']:.4g}",
+        lines += [f"reward: min {r['min']:.4g}  mean {r['mean']:.4g} "
+                  f" std {r['std']:.4g}  max {r['max']:.4g}",
                   f"  {q}", *_histogram_lines(r["histogram"])]
     d = report["drops"]
     lines.append(f"rows read: {d['total_rows']}   kept: {d['kept']}")
     lines += [f"  dropped {reason}: {n}" for reason, n in d["dropped"].items()]
     p = report["dpo"]
-    lines += [f"DPO pairs ({p['strategy']}, chosen >= {p['chosen_min']}, rejected < {p['rejected_max']}, "
-              f"min_margin {p['min_margin']}): {p['pairs_made']}",
-              f"  prompts without a chosen: {p['prompts_without_chosen']}   "
-              f"without a rejected: {p['prompts_without_rejected']}",
-              f"  skipped by margin: {p['skipped_by_margin']}   identical: {p['skipped_identical']}   "
-              f"by cap: {p['skipped_by_cap']}"]
+    lines += [f"DPO pairs ({p['strategy']}, chosen >= {p['chosen_min']}, rejected < "
+              f"{p['rejected_max']}, min_margin {p['min_margin']}): {p['pairs_made']}",
+              f"  prompts without a chosen: {p['prompts_without_chosen']}   without a rejected: "
+              f"{p['prompts_without_rejected']}",
+              f"  skipped by margin: {p['skipped_by_margin']}   identical: "
+              f"{p['skipped_identical']}   by cap: {p['skipped_by_cap']}"]
     k = report["kto"]
-    lines.append(f"KTO examples (desirable >= {k['chosen_min']}, undesirable < {k['rejected_max']}): {k['examples']} "
-                 f"({k['desirable']} desirable, {k['undesirable']} undesirable; {k['between_thresholds']} in between, "
-                 "left out)")
+    lines.append(f"KTO examples (desirable >= {k['chosen_min']}, undesirable < "
+                 f"{k['rejected_max']}): {k['examples']} ({k['desirable']} desirable, "
+                 f"{k['undesirable']} undesirable; {k['between_thresholds']} in between, left out)")
     g = report["grpo"]
     lines += [f"GRPO groups (min size {g['min_group_size']}): {g['groups_made']} "
               f"({g['responses_in_groups']} responses)",
@@ -126,10 +137,11 @@ def pairs_command(path: str, out: str, opts: TraceOptions, **pair_options) -> st
             raise UserError("no DPO pairs: no rows left" + dropped_note(drops), where=str(path))
         lo, hi = pair_options["chosen_min"], pair_options["rejected_max"]
         raise UserError(
-            f"no DPO pairs: {report.prompts_seen} prompts, {report.prompts_without_chosen} without a chosen "
-            f"(reward >= --chosen-min {lo}), {report.prompts_without_rejected} without a "
-            f"rejected (reward < --rejected-max {hi}), {report.skipped_by_margin} below --min-margin, "
-            f"{report.skipped_identical} with chosen == rejected" + dropped_note(drops), where=str(path))
+            f"no DPO pairs: {report.prompts_seen} prompts, {report.prompts_without_chosen} without "
+            f"a chosen (reward >= --chosen-min {lo}), {report.prompts_without_rejected} without a "
+            f"rejected (reward < --rejected-max {hi}), {report.skipped_by_margin} below "
+            f"--min-margin, {report.skipped_identical} "
+            "with chosen == rejected" + dropped_note(drops), where=str(path))
     write_pairs(pairs, out)
     return "\n".join([f"wrote {len(pairs)} pairs to {out}", report.format(), _drops_text(drops)])
 

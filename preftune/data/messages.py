@@ -12,6 +12,13 @@ def is_messages(value: Any) -> bool:
     `content` may be a string or a list of typed blocks (multimodal); data validation additionally
     requires strings (`data.traces.text_problem`).
     """
-    return (isinstance(value, (list, tuple)) and len(value) > 0
-            and all(isinstance(m, Mapping) and isinstance(m.get("role"), str) and ("content" in m or "tool_calls" in m)
-                    for m in value))
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) > 0
+        and all(
+            isinstance(m, Mapping)
+            and isinstance(m.get("role"), str)
+            and ("content" in m or "tool_calls" in m)
+            for m in value
+        )
+    )

@@ -1,4 +1,5 @@
-"""DPO preference pairs from labeled traces, and the pairs file (TRL's prompt/chosen/rejected format).
+"""DPO preference pairs from labeled traces, and the pairs file (TRL's prompt/chosen/rejected
+format).
 
 A response is *chosen* when reward >= chosen_min and *rejected* when reward < rejected_max; a pair
 joins a chosen and a rejected response to the same prompt (Rafailov et al. 2023, "Direct
@@ -19,8 +20,8 @@ from preftune.atomic import atomic_path
 from preftune.config import CHOICES, DataConfig
 from preftune.data.tools import TOOLS_COLUMN, parse_tools
 from preftune.data.traces import (
-    Trace, display_path, is_local, normalize_messages, prompt_key, read_rows, require_columns, resolve_files,
-    reward_problem, text_problem)
+    Trace, display_path, is_local, normalize_messages, prompt_key, read_rows,
+    require_columns, resolve_files, reward_problem, text_problem)
 from preftune.errors import UserError
 
 if TYPE_CHECKING:  # annotations only; arrow is imported where a file is read or written
@@ -29,7 +30,8 @@ if TYPE_CHECKING:  # annotations only; arrow is imported where a file is read or
 STRATEGIES = CHOICES["data.pair_strategy"]
 _DATA = DataConfig()  # the pairing defaults; the config dataclass is their one home
 # build_pairs' keyword arguments -> the DataConfig fields that set them
-_PAIR_FIELDS = {"chosen_min": "chosen_min", "rejected_max": "rejected_max", "strategy": "pair_strategy",
+_PAIR_FIELDS = {"chosen_min": "chosen_min", "rejected_max": "rejected_max",
+                "strategy": "pair_strategy",
                 "max_pairs_per_prompt": "max_pairs_per_prompt", "min_margin": "min_margin"}
 
 
@@ -93,7 +95,8 @@ def group_by_prompt(traces: Sequence[Trace]) -> dict[str, list[Trace]]:
     return groups
 
 
-def _check_pair_options(chosen_min, rejected_max, strategy, max_pairs_per_prompt, min_margin) -> None:
+def _check_pair_options(chosen_min, rejected_max, strategy,
+                        max_pairs_per_prompt, min_margin) -> None:
     if strategy not in STRATEGIES:
         raise UserError(f"pair strategy must be one of {STRATEGIES}, got {strategy!r}")
     if chosen_min < rejected_max:
@@ -142,7 +145,11 @@ def build_pairs(traces: Sequence[Trace], *, chosen_min: float = _DATA.chosen_min
         report.prompts_without_rejected += not rejected
         if not chosen or not rejected:
             continue
-        combos = _best_vs_worst(chosen, rejected) if strategy == "best_vs_worst" else _candidates(chosen, rejected)
+        combos = (
+            _best_vs_worst(chosen, rejected)
+            if strategy == "best_vs_worst"
+            else _candidates(chosen, rejected)
+        )
         made = 0
         for c, r in combos:
             if c.reward - r.reward < min_margin:
@@ -152,7 +159,8 @@ def build_pairs(traces: Sequence[Trace], *, chosen_min: float = _DATA.chosen_min
             elif max_pairs_per_prompt is not None and made >= max_pairs_per_prompt:
                 report.skipped_by_cap += 1
             else:
-                pairs.append(Pair(c.prompt, c.response, r.response, c.reward, r.reward, c.extra.get(TOOLS_COLUMN)))
+                pairs.append(Pair(c.prompt, c.response, r.response, c.reward, r.reward,
+                                  c.extra.get(TOOLS_COLUMN)))
                 made += 1
         report.pairs_made += made
         report.prompts_with_pairs += made > 0
@@ -169,8 +177,8 @@ def _column(values: list, name: str) -> pa.Array:
 
     kinds = {type(v).__name__ for v in values if v is not None}
     if len(kinds) > 1:
-        raise UserError(f"pairs column {name!r} mixes {' and '.join(sorted(kinds))} values; "
-                        "use plain strings or chat messages throughout the dataset")
+        raise UserError(f"pairs column {name!r} mixes {' and '.join(sorted(kinds))} values; use "
+                        "plain strings or chat messages throughout the dataset")
     try:
         return pa.array(values)
     except (pa.ArrowException, TypeError) as e:
@@ -185,8 +193,11 @@ def pairs_table(pairs: Sequence[Pair]) -> pa.Table:
         cols[name] = pa.array([getattr(p, name) for p in pairs], type=pa.float64())
     if not pairs:  # pa.array([]) is of null type; give readers string columns instead
         cols.update({name: pa.array([], type=pa.string()) for name in PAIR_COLUMNS[:3]})
-    if any(p.tools is not None for p in pairs):  # JSON text: schemas differ per tool, a struct column would not
-        cols[TOOLS_COLUMN] = pa.array([None if p.tools is None else json.dumps(p.tools) for p in pairs], pa.string())
+    # JSON text: schemas differ per tool, a struct column would not
+    if any(p.tools is not None for p in pairs):
+        cols[TOOLS_COLUMN] = pa.array(
+            [None if p.tools is None else json.dumps(p.tools) for p in pairs], pa.string()
+        )
     return pa.table(cols)
 
 
@@ -256,14 +267,16 @@ def split_implicit_prompt(chosen, rejected):
 def _implicit(row: dict, where: str) -> dict:
     chosen, rejected = row.get("chosen"), row.get("rejected")
     if type(chosen) is not type(rejected) or not isinstance(chosen, (str, list)):
-        raise UserError("without a prompt column, chosen and rejected must both be conversations (lists of "
-                        "messages) or both text, the prompt being what they share", where=where)
+        raise UserError("without a prompt column, chosen and rejected must both be conversations "
+                        "(lists "
+                        "of messages) or both text, the prompt being what they share", where=where)
     prompt, chosen, rejected = split_implicit_prompt(chosen, rejected)
     if not prompt:
-        raise UserError("chosen and rejected share no prompt (no prompt column: the prompt is their common "
-                        "beginning)", where=where)
+        raise UserError("chosen and rejected share no prompt (no prompt column: the prompt is "
+                        "their common beginning)", where=where)
     if not chosen or not rejected:
-        raise UserError("chosen and rejected are equal up to the end of one: it has no response", where=where)
+        raise UserError("chosen and rejected are equal up to the end of one: it has no response",
+                        where=where)
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 
@@ -283,4 +296,5 @@ def _row_to_pair(row: dict, where: str) -> Pair:
                 raise UserError(problem[1], where=f"{where} column {name}")
             v = float(v)
         values[name] = v
-    return Pair(**values, tools=parse_tools(row.get(TOOLS_COLUMN), where=f"{where} column {TOOLS_COLUMN}"))
+    return Pair(**values,
+                tools=parse_tools(row.get(TOOLS_COLUMN), where=f"{where} column {TOOLS_COLUMN}"))

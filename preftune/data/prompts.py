@@ -1,4 +1,5 @@
-"""Prompt sets for online GRPO and evaluation: a prompt column plus any other columns (e.g. `answer`).
+"""Prompt sets for online GRPO and evaluation: a prompt column plus any other columns (e.g.
+`answer`).
 
 The other columns are carried as python lists so reward functions can receive them per prompt.
 """
@@ -7,7 +8,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from preftune.data.traces import display_path, normalize_messages, read_rows, resolve_files, text_problem
+from preftune.data.traces import (
+    display_path,
+    normalize_messages,
+    read_rows,
+    resolve_files,
+    text_problem,
+)
 from preftune.errors import UserError
 
 FALLBACK_PROMPT_COLUMN = "prompt"  # TRL / HF datasets name; used when the default column is absent
@@ -16,7 +23,8 @@ FALLBACK_PROMPT_COLUMN = "prompt"  # TRL / HF datasets name; used when the defau
 @dataclass
 class PromptSet:
     prompts: list  # str or chat messages
-    columns: dict[str, list] = field(default_factory=dict)  # every other column, one value per prompt
+    # every other column, one value per prompt
+    columns: dict[str, list] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -35,7 +43,8 @@ def _prompt_column(columns: list[str], wanted: str, default: str, where: str) ->
     if wanted == default and FALLBACK_PROMPT_COLUMN in columns:
         return FALLBACK_PROMPT_COLUMN
     also = f" (or {FALLBACK_PROMPT_COLUMN!r})" if wanted == default else ""
-    raise UserError(f"missing prompt column {wanted!r}{also}; columns present: {', '.join(columns) or '(none)'}",
+    raise UserError(f"missing prompt column {wanted!r}{also}; columns present: "
+                    f"{', '.join(columns) or '(none)'}",
                     where=where)
 
 
@@ -50,7 +59,8 @@ def load_prompts(path: str, *, prompt_column: str = "input") -> PromptSet:
     columns: dict[str, list] = {}
     for fpath in files:
         where = display_path(fs, fpath)
-        # CSV values stay text: an answer such as "007" or "1.50" must reach reward functions as written.
+        # CSV values stay text: an answer such as "007" or "1.50" must reach reward functions as
+        # written.
         rows, names = read_rows(fs, fpath, text_columns=None)
         if names is None:  # empty JSON file
             continue

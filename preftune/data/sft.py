@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from preftune.data.tools import TOOLS_COLUMN, parse_tools
-from preftune.data.traces import (DropReport, TraceOptions, display_path, is_messages, normalize_messages,
-                                  prompt_key, read_rows, require_columns, resolve_files, text_problem)
+from preftune.data.traces import (DropReport, TraceOptions, display_path,
+                                  is_messages, normalize_messages,
+                                  prompt_key, read_rows, require_columns,
+                                  resolve_files, text_problem)
 from preftune.errors import UserError
 
 MESSAGES, PROMPT_COMPLETION, TRACES = "messages", "prompt_completion", "traces"
@@ -34,7 +36,8 @@ class Example:
 
 
 def detect_format(path: str) -> str:
-    """`messages` or `prompt_completion` when the first non-empty file has those columns, else traces."""
+    """`messages` or `prompt_completion` when the first non-empty file has those columns, else
+    traces."""
     fs, files = resolve_files(path)
     columns = next((c for c in (read_rows(fs, f)[1] for f in files) if c), None) or []
     if MESSAGES in columns:
@@ -49,11 +52,13 @@ def _split_messages(value: Any) -> tuple[tuple[str, str] | None, Example | None]
     """A conversation -> Example(turns before the first assistant turn, the rest) or a (reason,
     message) problem."""
     if not is_messages(value):
-        return text_problem(value, "messages") or ("bad_messages_type", "messages is not a chat message list"), None
+        return text_problem(value, "messages") or ("bad_messages_type",
+                                                   "messages is not a chat message list"), None
     msgs = normalize_messages(value)
     first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), 0)
     if first < 1 or msgs[-1]["role"] != "assistant":
-        return ("bad_messages", "messages need at least one prompt turn and must end with an assistant turn"), None
+        return ("bad_messages",
+                "messages need at least one prompt turn and must end with an assistant turn"), None
     if not msgs[-1].get("content", "").strip() and not msgs[-1].get("tool_calls"):
         return ("empty_completion", "the last assistant turn is empty"), None
     return None, Example(msgs[:first], msgs[first:])
@@ -100,7 +105,8 @@ def read_trl(path: str, fmt: str, opts: TraceOptions) -> tuple[list[Example], Dr
             key = (prompt_key(ex.prompt), prompt_key(ex.completion))
             if opts.duplicates != "keep" and key in seen:
                 if opts.duplicates == "error":
-                    raise UserError(f"exact duplicate of {seen[key]} (set data.duplicates: drop or keep)",
+                    raise UserError(f"exact duplicate of {seen[key]} "
+                                    "(set data.duplicates: drop or keep)",
                                     where=f"{where} row {i}")
                 report.dropped["duplicate"] += 1
                 continue

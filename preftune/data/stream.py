@@ -14,7 +14,8 @@ class IndexStream:
         self._cached: tuple[int, list[int]] | None = None
 
     def _order(self) -> list[int]:
-        if self._cached is None or self._cached[0] != self.epoch:  # one permutation per epoch, not per take
+        # one permutation per epoch, not per take
+        if self._cached is None or self._cached[0] != self.epoch:
             if self.shuffle:
                 g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
                 order = torch.randperm(self.n, generator=g).tolist()

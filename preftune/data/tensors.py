@@ -1,4 +1,5 @@
-"""Token lists to padded tensors, and positions from a mask: shared by data, rollouts and the model passes."""
+"""Token lists to padded tensors, and positions from a mask: shared by data, rollouts and the model
+passes."""
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,8 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 
 
 def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows aligned on the left (completions): (B, T) ids and mask, padding after each row (width >= 1)."""
+    """Rows aligned on the left (completions): (B, T) ids and mask, padding after each row (width >=
+    1)."""
     width = max(1, max(len(s) for s in seqs))
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # (B, T)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)  # (B, T)
@@ -38,5 +40,7 @@ def read_once(rows: list[dict]) -> list[dict[str, float]]:
     if not rows:
         return []
     names = list(rows[0])
-    values = torch.stack([torch.stack([r[k].to(torch.float64) for k in names]) for r in rows]).tolist()
+    values = torch.stack(
+        [torch.stack([r[k].to(torch.float64) for k in names]) for r in rows]
+    ).tolist()
     return [dict(zip(names, v)) for v in values]

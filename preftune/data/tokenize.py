@@ -1,4 +1,5 @@
-"""Prompt and response tokenisation shared by every algorithm (one rule for train, eval and rollout)."""
+"""Prompt and response tokenisation shared by every algorithm (one rule for train, eval and
+rollout)."""
 from __future__ import annotations
 
 import logging
@@ -15,9 +16,11 @@ def prompt_text(tokenizer, prompt, tools: list[dict] | None = None) -> str:
     policy may call, when given); a string is used as is."""
     if is_messages(prompt):
         if not getattr(tokenizer, "chat_template", None):
-            raise UserError("prompts are chat messages but the tokenizer has no chat_template", where="model")
+            raise UserError("prompts are chat messages but the tokenizer has no chat_template",
+                            where="model")
         extra = {"tools": tools} if tools else {}
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **extra)
+        return tokenizer.apply_chat_template(prompt, tokenize=False,
+                                             add_generation_prompt=True, **extra)
     return str(prompt)
 
 
@@ -39,7 +42,8 @@ class PromptTruncation:
     seen: set = field(default_factory=set)
 
     def drop_empty(self, where: str) -> None:
-        """A prompt that renders to no token at all (nothing to sample from): dropped, counted once."""
+        """A prompt that renders to no token at all (nothing to sample from): dropped, counted
+        once."""
         if where not in self.seen:
             self.seen.add(where)
             self.dropped += 1
@@ -49,7 +53,8 @@ class PromptTruncation:
         if len(ids) <= self.max_length:
             return ids
         if self.policy == "error":
-            raise UserError(f"prompt has {len(ids)} tokens > data.max_prompt_length={self.max_length}", where=where)
+            raise UserError(f"prompt has {len(ids)} tokens > "
+                            f"data.max_prompt_length={self.max_length}", where=where)
         first = where not in self.seen  # count each prompt once even when it is drawn again
         self.seen.add(where)
         if self.policy == "drop":
@@ -59,7 +64,8 @@ class PromptTruncation:
         return ids[-self.max_length:]
 
 
-def fit_prompt(truncation: PromptTruncation, ids: list[int], max_length: int, where: str) -> list[int] | None:
+def fit_prompt(truncation: PromptTruncation, ids: list[int], max_length: int,
+               where: str) -> list[int] | None:
     """A prompt under the data.max_prompt_length policy, then cut from the left so that at least one
     response token fits in `max_length` (prompt + response); None when the policy drops it."""
     ids = truncation.apply(ids, where)

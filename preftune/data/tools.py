@@ -32,7 +32,11 @@ def schema_problem(tools: Any) -> str | None:
     if not isinstance(tools, list):
         return f"tools must be a JSON list of function schemas, got {type(tools).__name__}"
     for k, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type") != "function"
+            or not isinstance(tool.get("function"), dict)
+        ):
             return f'tool {k} is not {{"type": "function", "function": {{...}}}}'
         fn = tool["function"]
         if not isinstance(fn.get("name"), str) or not fn["name"].strip():
@@ -43,14 +47,17 @@ def schema_problem(tools: Any) -> str | None:
 
 
 def parse_tools(value: Any, where: str) -> list[dict] | None:
-    """A row's tools (JSON string, list, or null/empty string for none) -> schemas, or a UserError."""
+    """A row's tools (JSON string, list, or null/empty string for none) -> schemas, or a
+    UserError."""
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise UserError(f"tools is not valid JSON: {e.msg} at char {e.pos}", where=where) from None
+            raise UserError(
+                f"tools is not valid JSON: {e.msg} at char {e.pos}", where=where
+            ) from None
     tools = drop_nulls(list(value) if isinstance(value, tuple) else value)
     problem = schema_problem(tools)
     if problem:
@@ -73,12 +80,14 @@ def load_tools_file(path: str | None) -> list[dict] | None:
         try:
             value = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise UserError(f"invalid YAML: {' '.join(str(e).split())}", where=f"data.tools {path}") from None
+            raise UserError(f"invalid YAML: {' '.join(str(e).split())}",
+                            where=f"data.tools {path}") from None
     else:
         try:
             value = json.loads(text)
         except json.JSONDecodeError as e:
-            raise UserError(f"invalid JSON: {e.msg} at line {e.lineno}", where=f"data.tools {path}") from None
+            raise UserError(f"invalid JSON: {e.msg} at line {e.lineno}",
+                            where=f"data.tools {path}") from None
     return parse_tools(value, where=f"data.tools {path}")
 
 
@@ -92,8 +101,9 @@ def check_tool_template(tokenizer, model: str) -> None:
     """Tools are given: the template must render them (its source mentions `tools`), else stop at
     start naming the model, rather than train on prompts that silently lack the tools."""
     if "tools" not in template_source(tokenizer):
-        raise UserError("the rows have tools (a tools column or data.tools) but the chat template has no tool "
-                        "support (its source never mentions tools); use a tool-capable template", where=model)
+        raise UserError("the rows have tools (a tools column or data.tools) "
+                        "but the chat template has no tool support (its source "
+                        "never mentions tools); use a tool-capable template", where=model)
 
 
 def default_tools(tokenizer, path: str | None, model: str, row_tools) -> list[dict] | None:

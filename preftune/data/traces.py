@@ -1,4 +1,5 @@
-"""Labeled trace datasets: (prompt, response, reward) rows from parquet / jsonl / csv, local or fsspec URLs.
+"""Labeled trace datasets: (prompt, response, reward) rows from parquet / jsonl / csv, local or
+fsspec URLs.
 
 A continuous-training pipeline hands us production prompts, the model's responses and a score per
 response. This module finds the files, reads them with pyarrow, validates every row and returns the
@@ -29,7 +30,8 @@ if TYPE_CHECKING:  # annotations only; arrow is imported where a file is read or
     import pyarrow as pa
 
 # Extension -> reader. ".json" holds either JSON lines or one JSON array of objects.
-FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
+FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "json",
+           ".json": "json", ".csv": "csv"}
 _GLOB_CHARS = "*?["
 
 INVALID_POLICIES = CHOICES["data.invalid"]
@@ -45,14 +47,18 @@ class TraceOptions:
     response_column: str = _DATA.response_column
     reward_column: str = _DATA.reward_column
     reward_range: tuple[float, float] = tuple(_DATA.reward_range)
-    invalid: str = _DATA.invalid  # invalid rows: "error" (first one raises) | "drop" (counted by reason)
-    duplicates: str = _DATA.duplicates  # exact duplicate (prompt, response, reward): "error" | "drop" | "keep"
-    min_reward_threshold: float | None = _DATA.min_reward_threshold  # rows with reward < this are left out
+    # invalid rows: "error" (first one raises) | "drop" (counted by reason)
+    invalid: str = _DATA.invalid
+    # exact duplicate (prompt, response, reward): "error" | "drop" | "keep"
+    duplicates: str = _DATA.duplicates
+    # rows with reward < this are left out
+    min_reward_threshold: float | None = _DATA.min_reward_threshold
 
     @classmethod
     def from_config(cls, d: DataConfig) -> "TraceOptions":
         return cls(prompt_column=d.prompt_column, response_column=d.response_column,
-                   reward_column=d.reward_column, reward_range=tuple(d.reward_range), invalid=d.invalid,
+                   reward_column=d.reward_column,
+                   reward_range=tuple(d.reward_range), invalid=d.invalid,
                    duplicates=d.duplicates, min_reward_threshold=d.min_reward_threshold)
 
 
@@ -144,15 +150,20 @@ def text_problem(value: Any, what: str) -> tuple[str, str] | None:
             return f"empty_{what}", f"{what} is an empty message list"
         if not is_messages(value) or not all(_text_or_calls(m) for m in value):
             return (f"bad_{what}_type",
-                    f"{what} is a list but not chat messages (each needs string 'role' and 'content')")
+                    f"{what} is a list but not chat messages "
+                    "(each needs string 'role' and 'content')")
         if not any((m.get("content") or "").strip() or m.get("tool_calls") for m in value):
             return f"empty_{what}", f"{what} messages are all empty"
         return None
-    return f"bad_{what}_type", f"{what} must be a string or a list of chat messages, got {type(value).__name__}"
+    return (
+        f"bad_{what}_type",
+        f"{what} must be a string or a list of chat messages, got {type(value).__name__}",
+    )
 
 
 def _text_or_calls(message: dict) -> bool:
-    """A string content, or no content beside tool calls (an assistant turn that only calls tools)."""
+    """A string content, or no content beside tool calls (an assistant turn that only calls
+    tools)."""
     content = message.get("content")
     return isinstance(content, str) or (content is None and bool(message.get("tool_calls")))
 
@@ -162,7 +173,10 @@ def reward_problem(value: Any, lo: float, hi: float) -> tuple[str, str] | None:
     if value is None:
         return "missing_reward", "reward is missing (null)"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return "bad_reward_type", f"reward must be a number, got {type(value).__name__} {value!r:.40}"
+        return (
+            "bad_reward_type",
+            f"reward must be a number, got {type(value).__name__} {value!r:.40}",
+        )
     if math.isnan(value):
         return "nan_reward", "reward is NaN"
     if math.isinf(value):
@@ -216,7 +230,8 @@ def resolve_files(path: str) -> tuple[Any, list[str]]:
         if any(c in fpath for c in _GLOB_CHARS):
             files = sorted(p for p in fs.glob(fpath) if fs.isfile(p) and _supported(p))
             if not files:
-                raise UserError("no .parquet/.jsonl/.json/.csv files match this pattern", where=path)
+                raise UserError("no .parquet/.jsonl/.json/.csv files match this pattern",
+                                where=path)
             return fs, files
         if fs.isdir(fpath):
             files = sorted(p for p in fs.find(fpath) if _supported(p))
@@ -298,7 +313,8 @@ def _read_table(data: bytes, kind: str, text_columns: Sequence[str] | None) -> p
     return pa_csv.read_csv(arrow_input(data), convert_options=opts)
 
 
-def read_rows(fs, fpath: str, text_columns: Sequence[str] | None = ()) -> tuple[list[dict], list[str] | None]:
+def read_rows(fs, fpath: str,
+              text_columns: Sequence[str] | None = ()) -> tuple[list[dict], list[str] | None]:
     """(rows as dicts, column names) of one file. Unreadable file -> UserError naming it.
 
     Column names are None for a JSON file without rows: it has no schema to check.
@@ -329,7 +345,8 @@ def require_columns(columns: Sequence[str] | None, needed: Sequence[str], where:
         return
     missing = [c for c in needed if c not in columns]
     if missing:
-        raise UserError(f"missing column {missing[0]!r}; columns present: {', '.join(columns) or '(none)'}",
+        raise UserError(f"missing column {missing[0]!r}; columns present: "
+                        f"{', '.join(columns) or '(none)'}",
                         where=where)
 
 
@@ -344,7 +361,8 @@ def _check_options(opts: TraceOptions) -> None:
         raise UserError(f"duplicates must be one of {DUPLICATE_POLICIES}, got {opts.duplicates!r}")
     lo, hi = opts.reward_range
     if not lo <= hi:
-        raise UserError(f"reward_range must be [low, high] with low <= high, got {list(opts.reward_range)}")
+        raise UserError("reward_range must be [low, high] with low <= high, got "
+                        f"{list(opts.reward_range)}")
 
 
 def _row_problem(row: dict, opts: TraceOptions) -> tuple[str, str, str] | None:
@@ -363,8 +381,10 @@ def _to_trace(row: dict, opts: TraceOptions, where: str, i: int) -> Trace:
     prompt, response = row[opts.prompt_column], row[opts.response_column]
     core = (opts.prompt_column, opts.response_column, opts.reward_column)
     extra = {k: v for k, v in row.items() if k not in core}
-    if TOOLS_COLUMN in extra:  # an agent trace's tool schemas, parsed once (a bad one always raises)
-        extra[TOOLS_COLUMN] = parse_tools(extra[TOOLS_COLUMN], where=f"{where} row {i} column {TOOLS_COLUMN}")
+    # an agent trace's tool schemas, parsed once (a bad one always raises)
+    if TOOLS_COLUMN in extra:
+        extra[TOOLS_COLUMN] = parse_tools(extra[TOOLS_COLUMN],
+                                          where=f"{where} row {i} column {TOOLS_COLUMN}")
     return Trace(
         prompt=normalize_messages(prompt) if isinstance(prompt, list) else prompt,
         response=normalize_messages(response) if isinstance(response, list) else response,
@@ -454,13 +474,14 @@ _INVALID_KEY = "data.invalid / --invalid"
 
 
 def dropped_note(drops: DropReport | dict) -> str:
-    """'; all N rows were dropped: ...' or '; K of N rows were dropped: ...', naming the settings that
-    dropped them, or '' when no row was dropped: for errors that say why nothing is left to train on.
-    `drops`: a DropReport or its `as_dict()`."""
+    """'; all N rows were dropped: ...' or '; K of N rows were dropped: ...', naming the settings
+    that dropped them, or '' when no row was dropped: for errors that say why nothing is left to
+    train on. `drops`: a DropReport or its `as_dict()`."""
     d = drops if isinstance(drops, dict) else drops.as_dict()
     if not d["dropped"]:
         return ""
-    parts = [f"{n} {reason} ({_DROP_KEYS.get(reason, _INVALID_KEY)})" for reason, n in sorted(d["dropped"].items())]
+    parts = [f"{n} {reason} ({_DROP_KEYS.get(reason, _INVALID_KEY)})" for reason,
+             n in sorted(d["dropped"].items())]
     dropped = d["total_rows"] - d["kept"]
     head = f"all {d['total_rows']}" if not d["kept"] else f"{dropped} of {d['total_rows']}"
     return f"; {head} rows were dropped: " + ", ".join(parts)

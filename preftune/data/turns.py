@@ -28,7 +28,8 @@ from preftune.errors import UserError, one_line
 
 @dataclass
 class Encoded:
-    """A row's prompt ids, completion ids and the completion's loss mask (None: every token counts)."""
+    """A row's prompt ids, completion ids and the completion's loss mask (None: every token
+    counts)."""
 
     prompt: list[int]
     completion: list[int]
@@ -36,7 +37,8 @@ class Encoded:
 
     def cut(self, room: int) -> "Encoded":
         """The completion (and its mask) cut to `room` tokens."""
-        return Encoded(self.prompt, self.completion[:room], None if self.mask is None else self.mask[:room])
+        return Encoded(self.prompt, self.completion[:room],
+                       None if self.mask is None else self.mask[:room])
 
 
 def is_multi_turn(response) -> bool:
@@ -46,27 +48,31 @@ def is_multi_turn(response) -> bool:
                                       or bool(response[0].get("tool_calls")))
 
 
-def encode_row(tokenizer, prompt, response, *, tools: list[dict] | None = None, assistant_only: bool = True,
-               where: str = "") -> Encoded:
+def encode_row(tokenizer, prompt, response, *, tools: list[dict] | None = None,
+               assistant_only: bool = True, where: str = "") -> Encoded:
     """(prompt ids, completion ids, mask) of one row: the plain path when the row has no tools and
     a plain response, else the conversation through the template (`assistant_only` False: every
     completion token counts, tool and user turns included)."""
     if not tools and not is_multi_turn(response):
         return Encoded(encode_prompt(tokenizer, prompt), encode_response(tokenizer, response))
-    prompt_msgs = list(prompt) if is_messages(prompt) else [{"role": "user", "content": str(prompt)}]
-    response_msgs = list(response) if is_messages(response) else [{"role": "assistant", "content": str(response)}]
+    prompt_msgs = list(prompt) if is_messages(prompt) else [{"role": "user",
+                                                             "content": str(prompt)}]
+    response_msgs = list(response) if is_messages(response) else [{"role": "assistant",
+                                                                   "content": str(response)}]
     enc = conversation_ids(tokenizer, prompt_msgs, response_msgs, tools, where=where)
     return Encoded(enc.prompt, enc.completion, None if not assistant_only else enc.mask)
 
 
-def encode_fitted(tokenizer, truncation: PromptTruncation, prompt, responses: list, *, max_length: int,
+def encode_fitted(tokenizer, truncation: PromptTruncation, prompt,
+                  responses: list, *, max_length: int,
                   tools: list[dict] | None = None, assistant_only: bool = True,
                   where: str = "") -> tuple[list[int], list[Encoded], int] | None:
     """A prompt and its responses (one for SFT and KTO, chosen and rejected for DPO) encoded
     (`encode_row`): the prompt under data.max_prompt_length's policy (None when it drops it), each
     response and its mask cut so that prompt + response fit `max_length` -> (prompt ids, encoded
     responses, how many were cut)."""
-    rows = [encode_row(tokenizer, prompt, r, tools=tools, assistant_only=assistant_only, where=where)
+    rows = [encode_row(tokenizer, prompt, r, tools=tools,
+                       assistant_only=assistant_only, where=where)
             for r in responses]
     ids = fit_prompt(truncation, rows[0].prompt, max_length, where=where)
     if ids is None:
@@ -77,10 +83,12 @@ def encode_fitted(tokenizer, truncation: PromptTruncation, prompt, responses: li
 
 def _render(tokenizer, messages: list[dict], tools, generation: bool, where: str) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation,
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=generation,
                                              **({"tools": tools} if tools else {}))
     except Exception as e:  # noqa: BLE001 - a template's own error (jinja raise_exception) names no row
-        raise UserError(f"the chat template of {_name(tokenizer)} cannot render this conversation: {one_line(e)}",
+        raise UserError(f"the chat template of {_name(tokenizer)} "
+                        f"cannot render this conversation: {one_line(e)}",
                         where=where) from None
 
 
@@ -88,7 +96,8 @@ def _name(tokenizer) -> str:
     return getattr(tokenizer, "name_or_path", "") or "the model"
 
 
-def _pieces(tokenizer, prompt: list[dict], response: list[dict], tools, where: str) -> tuple[str, list]:
+def _pieces(tokenizer, prompt: list[dict], response: list[dict], tools,
+            where: str) -> tuple[str, list]:
     """The prompt's render and, after it, each render of a longer prefix with whether its new
     text is an assistant turn's."""
     msgs, n0 = prompt + response, len(prompt)
@@ -96,14 +105,15 @@ def _pieces(tokenizer, prompt: list[dict], response: list[dict], tools, where: s
     out = []
     for i in range(n0, len(msgs)):
         assistant = msgs[i]["role"] == "assistant"
-        if assistant and i > n0:  # the header of a later assistant turn: the template's, not the model's
+        # the header of a later assistant turn: the template's, not the model's
+        if assistant and i > n0:
             out.append((_render(tokenizer, msgs[:i], tools, True, where), False))
         out.append((_render(tokenizer, msgs[:i + 1], tools, False, where), assistant))
     return head, out
 
 
-def conversation_ids(tokenizer, prompt: list[dict], response: list[dict], tools: list[dict] | None = None, *,
-                     where: str = "") -> Encoded:
+def conversation_ids(tokenizer, prompt: list[dict], response: list[dict],
+                     tools: list[dict] | None = None, *, where: str = "") -> Encoded:
     """The conversation's ids, split after the prompt's render, with the completion's mask: 1 on
     each assistant turn up to and including its last EOS, 0 elsewhere."""
     head, pieces = _pieces(tokenizer, prompt, response, tools, where)
@@ -112,15 +122,17 @@ def conversation_ids(tokenizer, prompt: list[dict], response: list[dict], tools:
     ids, mask, prev = [], [], head
     for text, assistant in pieces:
         if not text.startswith(prev):
-            raise UserError(f"the chat template of {_name(tokenizer)} rewrites earlier turns when a turn is added "
-                            "(a render of the conversation's first turns is not a prefix of the next render), so "
-                            "the assistant turns cannot be located; use a template that keeps history as it is",
+            raise UserError(f"the chat template of {_name(tokenizer)} rewrites earlier turns when "
+                            "a turn is added (a render of the conversation's first turns is not a "
+                            "prefix of the next render), so the assistant turns cannot be "
+                            "located; use a template that keeps history as it is",
                             where=where)
         piece = tokenizer(text[len(prev):], add_special_tokens=False).input_ids
         keep = [0] * len(piece)
         if assistant:
             end = max((k + 1 for k, t in enumerate(piece) if t == eos), default=len(piece))
-            keep[:end] = [1] * end  # the turn's stop token counts; what follows it is the template's
+            # the turn's stop token counts; what follows it is the template's
+            keep[:end] = [1] * end
         ids += piece
         mask += keep
         prev = text

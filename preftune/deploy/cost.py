@@ -29,7 +29,9 @@ def parse_range(text: str | float | list, where: str) -> Range:
     """'10-15', '10', 10 or [10, 15] -> (10.0, 15.0); min <= max, both >= 0."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         lo = hi = float(text)
-    elif isinstance(text, list) and len(text) == 2 and all(isinstance(v, (int, float)) for v in text):
+    elif (
+        isinstance(text, list) and len(text) == 2 and all(isinstance(v, (int, float)) for v in text)
+    ):
         lo, hi = map(float, text)
     else:
         m = _RANGE.match(str(text))
@@ -63,15 +65,17 @@ def gpu_hour_price(prices: dict, instance_types: list[str], capacity_type: str) 
     for itype in instance_types:
         value = (table.get(itype) or {}).get(capacity_type)
         if value is None:
-            raise UserError(f"no {capacity_type} price for {itype}: add it to gpu_hour_usd or pass "
-                            "--price-per-gpu-hour", where=prices["source"])
-        ranges.append(parse_range(value, f"{prices['source']}: gpu_hour_usd.{itype}.{capacity_type}"))
+            raise UserError(f"no {capacity_type} price for {itype}: add it "
+                            "to gpu_hour_usd or pass --price-per-gpu-hour", where=prices["source"])
+        ranges.append(parse_range(value,
+                                  f"{prices['source']}: gpu_hour_usd.{itype}.{capacity_type}"))
     return min(r[0] for r in ranges), max(r[1] for r in ranges)
 
 
 def measured_throughput(metrics: str | Path, gpus_in_run: int = 1) -> Range:
-    """tokens/s/GPU from a run's metrics.jsonl: the 10th-90th percentile of its steps' tokens_per_second
-    (the first step, which includes warm-up, left out), divided by the GPUs that run used."""
+    """tokens/s/GPU from a run's metrics.jsonl: the 10th-90th percentile of its steps'
+    tokens_per_second (the first step, which includes warm-up, left out), divided by the GPUs that
+    run used."""
     try:
         lines = Path(metrics).read_text().splitlines()
     except OSError as e:
@@ -109,12 +113,15 @@ class Workload:
 
 
 def count_samples(cfg) -> int:
-    """Prompts (online GRPO), trace groups (offline GRPO), pairs (DPO) or examples (KTO) the config's data gives."""
-    from preftune.data import inspect as commands  # numpy, arrow: not for `preftune train`, whose parser names cost
+    """Prompts (online GRPO), trace groups (offline GRPO), pairs (DPO) or examples (KTO) the
+    config's data gives."""
+    # numpy, arrow: not for `preftune train`, whose parser names cost
+    from preftune.data import inspect as commands
 
     if cfg.algorithm == "grpo" and cfg.grpo.rollout == "online":
         return len(load_prompts(cfg.data.train, prompt_column=cfg.data.prompt_column))
-    report = commands.inspect_report(cfg.data.train, TraceOptions.from_config(cfg.data), **pair_options(cfg.data))
+    report = commands.inspect_report(cfg.data.train, TraceOptions.from_config(cfg.data),
+                                     **pair_options(cfg.data))
     if cfg.algorithm == "kto":
         return report["kto"]["examples"]
     return report["dpo"]["pairs_made"] if cfg.algorithm == "dpo" else report["grpo"]["groups_made"]
@@ -124,8 +131,13 @@ def workload(cfg, *, epochs: float | None = None, samples: int | None = None,
              tokens_per_sequence: int | None = None) -> Workload:
     if cfg.algorithm == "dpo":  # chosen and rejected: two sequences per pair
         items, per_item, length = cfg.dpo.batch_size, 2, cfg.dpo.max_length
-    elif cfg.algorithm == "kto":  # each example and its mismatched pair (a forward without gradients)
-        items, per_item, length = cfg.kto.batch_size, 2 if cfg.kto.loss_type == "kto" else 1, cfg.kto.max_length
+    # each example and its mismatched pair (a forward without gradients)
+    elif cfg.algorithm == "kto":
+        items, per_item, length = (
+            cfg.kto.batch_size,
+            2 if cfg.kto.loss_type == "kto" else 1,
+            cfg.kto.max_length,
+        )
     else:
         items, per_item = cfg.grpo.prompts_per_step, cfg.grpo.num_generations
         length = cfg.data.max_prompt_length + cfg.grpo.max_completion_length
@@ -158,7 +170,8 @@ class CostInputs:
         return self.nodes * self.gpus_per_node
 
 
-def storage_usd(fixed: Range | None, gb: float | None, gb_month_price: float, months: float) -> Range:
+def storage_usd(fixed: Range | None, gb: float | None, gb_month_price: float,
+                months: float) -> Range:
     if fixed is not None:
         return fixed
     return (gb or 0.0) * gb_month_price * months, (gb or 0.0) * gb_month_price * months
@@ -173,7 +186,8 @@ def hours_from_throughput(work: Workload, tokens_per_second_per_gpu: Range, gpus
 
 def estimate(inp: CostInputs) -> dict:
     """The JSON report: every amount a [min, max] pair in USD, and the inputs used."""
-    compute = [inp.gpus * inp.hours[0] * inp.price_per_gpu_hour[0], inp.gpus * inp.hours[1] * inp.price_per_gpu_hour[1]]
+    compute = [inp.gpus * inp.hours[0] * inp.price_per_gpu_hour[0],
+               inp.gpus * inp.hours[1] * inp.price_per_gpu_hour[1]]
     storage = [inp.fsx_usd[0] + inp.s3_usd[0], inp.fsx_usd[1] + inp.s3_usd[1]]
     total = [compute[0] + storage[0], compute[1] + storage[1]]
     inputs = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(inp).items()}
@@ -195,15 +209,17 @@ def number(r) -> str:
 def format_estimate(report: dict) -> str:
     i = report["inputs"]
     lines = [f"{i['gpus']} GPUs ({i['nodes']} x {i['gpus_per_node']}, {i['capacity_type']} "
-             f"{', '.join(i['instance_types'])}) x {number([round(h, 2) for h in i['hours']])} hours x "
-             f"${number(i['price_per_gpu_hour'])} per GPU-hour"]
+             f"{', '.join(i['instance_types'])}) x {number([round(h, 2) for h in i['hours']])} "
+             f"hours x ${number(i['price_per_gpu_hour'])} per GPU-hour"]
     if i["hours_from"]:
         h = i["hours_from"]
-        lines.append(f"  hours estimated: {h['tokens']:,} tokens ({h['steps']} steps x {h['sequences_per_step']} "
-                     f"sequences x {h['tokens_per_sequence']} tokens) at {number(h['tokens_per_second_per_gpu'])} "
-                     f"tokens/s/GPU")
+        lines.append(f"  hours estimated: {h['tokens']:,} tokens ({h['steps']} steps x "
+                     f"{h['sequences_per_step']} sequences x {h['tokens_per_sequence']} tokens) at "
+                     f"{number(h['tokens_per_second_per_gpu'])} tokens/s/GPU")
     lines += [f"compute:        {money(report['compute_usd'])}",
-              f"storage:        {money(report['storage_usd'])} (FSx {money(i['fsx_usd'])}, S3 {money(i['s3_usd'])})",
+              f"storage:        {money(report['storage_usd'])} (FSx {money(i['fsx_usd'])}, S3 "
+              f"{money(i['s3_usd'])})",
               f"per iteration:  {money(report['total_usd'])}",
-              f"per year:       {money(report['annual_usd'])} ({i['iterations_per_year']} iterations)"]
+              f"per year:       {money(report['annual_usd'])} "
+              f"({i['iterations_per_year']} iterations)"]
     return "\n".join(lines)

@@ -26,7 +26,8 @@ CAPACITY_TYPE = "karpenter.sh/capacity-type"
 INSTANCE_TYPE = "node.kubernetes.io/instance-type"
 ZONE = "topology.kubernetes.io/zone"
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
-EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}  # libfabric over EFA with GPUDirect RDMA
+# libfabric over EFA with GPUDirect RDMA
+EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}
 
 
 def launch_command() -> list[str]:
@@ -34,8 +35,10 @@ def launch_command() -> list[str]:
 
 
 def metadata(deploy: DeployConfig, name: str, *, namespaced: bool = True) -> dict:
-    labels = {"app.kubernetes.io/name": "preftune", "app.kubernetes.io/instance": deploy.name, **deploy.labels}
-    return {"name": name, **({"namespace": deploy.namespace} if namespaced else {}), "labels": labels}
+    labels = {"app.kubernetes.io/name": "preftune",
+              "app.kubernetes.io/instance": deploy.name, **deploy.labels}
+    return {"name": name,
+            **({"namespace": deploy.namespace} if namespaced else {}), "labels": labels}
 
 
 def pod_config(data: dict, deploy: DeployConfig) -> dict:
@@ -53,15 +56,19 @@ def config_map(deploy: DeployConfig, data: dict) -> dict:
     deploy.env from the Job, and render refuses credentials anywhere else in the config)."""
     data = redact(data)
     text = yaml.safe_dump(pod_config(data, deploy), sort_keys=False)
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata(deploy, f"{deploy.name}-config"),
-            "data": {CONFIG_FILE: text}}
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": metadata(deploy, f"{deploy.name}-config"), "data": {CONFIG_FILE: text}}
 
 
 def _env(deploy: DeployConfig) -> list[dict]:
     """deploy.env; a {secret, key} entry becomes a secretKeyRef (the pod reads the Secret)."""
     env = {**(EFA_ENV if deploy.efa else {}), **deploy.env}
-    return [{"name": k, "valueFrom": {"secretKeyRef": {"name": v["secret"], "key": v["key"]}}} if is_reference(v)
-            else {"name": k, "value": str(v)} for k, v in env.items()]
+    return [
+        {"name": k, "valueFrom": {"secretKeyRef": {"name": v["secret"], "key": v["key"]}}}
+        if is_reference(v)
+        else {"name": k, "value": str(v)}
+        for k, v in env.items()
+    ]
 
 
 def _node_affinity(deploy: DeployConfig) -> dict:
@@ -77,7 +84,8 @@ def tolerations(deploy: DeployConfig) -> list[dict]:
     """Tolerate the taints the NodePool puts on its nodes (so only training pods land there)."""
     out = [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
     if deploy.capacity_type == "spot":
-        out.append({"key": CAPACITY_TYPE, "operator": "Equal", "value": "spot", "effect": "NoSchedule"})
+        out.append({"key": CAPACITY_TYPE, "operator": "Equal", "value": "spot",
+                    "effect": "NoSchedule"})
     return out
 
 
@@ -108,12 +116,16 @@ def pod_template(deploy: DeployConfig, grace_seconds: float, extra_env: list[dic
     volumes = [{"name": "config", "configMap": {"name": f"{deploy.name}-config"}},
                {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": deploy.shm_size}}]
     if deploy.checkpoint_claim:
-        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": deploy.checkpoint_claim}})
-    spec = {"restartPolicy": "Never",  # the job's policy restarts everything; a lone rank cannot rejoin
+        volumes.append({"name": "checkpoints",
+                        "persistentVolumeClaim": {"claimName": deploy.checkpoint_claim}})
+    # the job's policy restarts everything; a lone rank cannot rejoin
+    spec = {"restartPolicy": "Never",
             "terminationGracePeriodSeconds": termination_grace(deploy, grace_seconds),
             "affinity": _node_affinity(deploy), "tolerations": tolerations(deploy),
-            "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000},
-            "containers": [_container(deploy, list(extra_env))], "volumes": volumes, **(extra_spec or {})}
+            "securityContext": {"runAsNonRoot": True, "runAsUser": 1000,
+                                "runAsGroup": 1000, "fsGroup": 1000},
+            "containers": [_container(deploy, list(extra_env))],
+            "volumes": volumes, **(extra_spec or {})}
     if deploy.service_account:
         spec["serviceAccountName"] = deploy.service_account
     return {"metadata": {"labels": metadata(deploy, "")["labels"]}, "spec": spec}
@@ -132,12 +144,16 @@ def volcano_job(deploy: DeployConfig, grace_seconds: float) -> dict:
     """A gang-scheduled vcjob: no pod starts until every node has a place (minAvailable = all)."""
     tasks = [{"name": "master", "replicas": 1, "template": pod_template(deploy, grace_seconds)}]
     if deploy.nodes > 1:
-        tasks.append({"name": "worker", "replicas": deploy.nodes - 1, "template": pod_template(deploy, grace_seconds)})
-    return {"apiVersion": "batch.volcano.sh/v1alpha1", "kind": "Job", "metadata": metadata(deploy, deploy.name),
-            "spec": {"schedulerName": "volcano", "queue": deploy.queue, "minAvailable": deploy.nodes,
-                     "maxRetry": deploy.max_retry,
-                     # pytorch: MASTER_ADDR/PORT, WORLD_SIZE (pods) and RANK (pod index); svc: the pods' DNS
-                     "plugins": {"pytorch": ["--master=master", "--worker=worker", f"--port={MASTER_PORT}"],
+        tasks.append({"name": "worker", "replicas": deploy.nodes - 1,
+                      "template": pod_template(deploy, grace_seconds)})
+    return {"apiVersion": "batch.volcano.sh/v1alpha1", "kind": "Job",
+            "metadata": metadata(deploy, deploy.name),
+            "spec": {"schedulerName": "volcano", "queue": deploy.queue,
+                     "minAvailable": deploy.nodes, "maxRetry": deploy.max_retry,
+                     # pytorch: MASTER_ADDR/PORT, WORLD_SIZE (pods) and RANK (pod index); svc: the
+                     # pods' DNS
+                     "plugins": {"pytorch": ["--master=master", "--worker=worker",
+                                             f"--port={MASTER_PORT}"],
                                  "svc": []},
                      "policies": [dict(p) for p in VOLCANO_POLICIES], "tasks": tasks}}
 
@@ -145,18 +161,25 @@ def volcano_job(deploy: DeployConfig, grace_seconds: float) -> dict:
 def indexed_job(deploy: DeployConfig, grace_seconds: float) -> dict:
     """Without Volcano: an Indexed Job, its pods found through a headless Service of the same name.
     Not gang-scheduled: pods start as nodes arrive and wait in the rendezvous."""
-    env = [{"name": "MASTER_ADDR", "value": f"{deploy.name}-0.{deploy.name}"},
-           {"name": "MASTER_PORT", "value": str(MASTER_PORT)},
-           {"name": "WORLD_SIZE", "value": str(deploy.nodes)},
-           {"name": "RANK", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX}']"}}}]
+    env = [
+        {"name": "MASTER_ADDR", "value": f"{deploy.name}-0.{deploy.name}"},
+        {"name": "MASTER_PORT", "value": str(MASTER_PORT)},
+        {"name": "WORLD_SIZE", "value": str(deploy.nodes)},
+        {
+            "name": "RANK",
+            "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX}']"}},
+        },
+    ]
     template = pod_template(deploy, grace_seconds, env, {"subdomain": deploy.name})
     def on_exit(code: int) -> dict:
         return {"containerName": CONTAINER, "operator": "In", "values": [code]}
     rules = [{"action": "FailJob", "onExitCodes": on_exit(EXIT_USER)},
              {"action": "Ignore", "onExitCodes": on_exit(EXIT_PREEMPTED)},
-             {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+             {"action": "Ignore",
+              "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata(deploy, deploy.name),
-            "spec": {"completionMode": "Indexed", "completions": deploy.nodes, "parallelism": deploy.nodes,
+            "spec": {"completionMode": "Indexed", "completions": deploy.nodes,
+                     "parallelism": deploy.nodes,
                      "backoffLimit": deploy.max_retry, "podFailurePolicy": {"rules": rules},
                      "template": template}}
 
@@ -165,7 +188,8 @@ def headless_service(deploy: DeployConfig) -> dict:
     return {"apiVersion": "v1", "kind": "Service", "metadata": metadata(deploy, deploy.name),
             "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
                      "selector": {"app.kubernetes.io/instance": deploy.name},
-                     "ports": [{"name": "rendezvous", "port": MASTER_PORT, "targetPort": MASTER_PORT}]}}
+                     "ports": [{"name": "rendezvous", "port": MASTER_PORT,
+                                "targetPort": MASTER_PORT}]}}
 
 
 def volcano_queue(deploy: DeployConfig) -> dict:
@@ -176,7 +200,8 @@ def volcano_queue(deploy: DeployConfig) -> dict:
 
 
 def checkpoint_claim(deploy: DeployConfig) -> dict:
-    spec = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": deploy.storage_size}}}
+    spec = {"accessModes": ["ReadWriteMany"],
+            "resources": {"requests": {"storage": deploy.storage_size}}}
     if deploy.storage_class:
         spec["storageClassName"] = deploy.storage_class
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",

@@ -41,7 +41,8 @@ INSTANCE_TYPES = {
 def instance_type(name: str, where: str = "deploy.instance_types") -> InstanceType:
     """The hardware of an EC2 instance type; an unknown one is a UserError naming the known ones."""
     if name not in INSTANCE_TYPES:
-        raise UserError(f"unknown node type {name!r} (known: {', '.join(INSTANCE_TYPES)})", where=where)
+        raise UserError(f"unknown node type {name!r} (known: {', '.join(INSTANCE_TYPES)})",
+                        where=where)
     return INSTANCE_TYPES[name]
 
 
@@ -56,11 +57,15 @@ def node_pool(deploy: DeployConfig) -> dict:
                 "template": {"metadata": {"labels": {"app.kubernetes.io/name": "preftune"}},
                              "spec": {"requirements": requirements, "taints": taints(deploy),
                                       "expireAfter": deploy.expire_after,
-                                      "nodeClassRef": {"group": "karpenter.k8s.aws", "kind": "EC2NodeClass",
+                                      "nodeClassRef": {"group": "karpenter.k8s.aws",
+                                                       "kind": "EC2NodeClass",
                                                        "name": deploy.node_class}}},
-                "disruption": {"consolidationPolicy": "WhenEmpty", "consolidateAfter": deploy.consolidate_after,
-                               # no voluntary disruption of a busy node; empty nodes are removed freely
-                               "budgets": [{"nodes": "0", "reasons": ["Underutilized", "Drifted"]}]},
+                "disruption": {"consolidationPolicy": "WhenEmpty",
+                               "consolidateAfter": deploy.consolidate_after,
+                               # no voluntary disruption of a busy node; empty nodes are removed
+                               # freely
+                               "budgets": [{"nodes": "0",
+                                            "reasons": ["Underutilized", "Drifted"]}]},
                 "limits": {GPU: max_gpus(deploy)}}}
 
 
@@ -76,13 +81,26 @@ def network_interfaces(deploy: DeployConfig) -> list[dict]:
 
 def ec2_node_class(deploy: DeployConfig) -> dict:
     selector = [{"tags": {DISCOVERY_TAG: deploy.cluster}}]
-    spec = {"role": node_role(deploy),
-            "amiSelectorTerms": [{"alias": deploy.ami_alias}],  # pinned: a new AMI is a drift, not a surprise
-            "subnetSelectorTerms": selector, "securityGroupSelectorTerms": selector,
-            "instanceStorePolicy": "RAID0",  # local NVMe as one volume for images and emptyDirs
-            "blockDeviceMappings": [{"deviceName": "/dev/xvda", "rootVolume": True,
-                                     "ebs": {"volumeSize": deploy.root_volume_size, "volumeType": "gp3",
-                                             "encrypted": True, "deleteOnTermination": True}}]}
+    spec = {
+        "role": node_role(deploy),
+        # pinned: a new AMI is a drift, not a surprise
+        "amiSelectorTerms": [{"alias": deploy.ami_alias}],
+        "subnetSelectorTerms": selector,
+        "securityGroupSelectorTerms": selector,
+        "instanceStorePolicy": "RAID0",  # local NVMe as one volume for images and emptyDirs
+        "blockDeviceMappings": [
+            {
+                "deviceName": "/dev/xvda",
+                "rootVolume": True,
+                "ebs": {
+                    "volumeSize": deploy.root_volume_size,
+                    "volumeType": "gp3",
+                    "encrypted": True,
+                    "deleteOnTermination": True,
+                },
+            }
+        ],
+    }
     if deploy.efa:
         spec["networkInterfaces"] = network_interfaces(deploy)
     return {"apiVersion": "karpenter.k8s.aws/v1", "kind": "EC2NodeClass",

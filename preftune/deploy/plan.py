@@ -1,5 +1,5 @@
-"""`preftune plan`: the memory a run needs, term by term and phase by phase, its step time and its cost,
-from config.json (no weights), the run config and the node type. Pure arithmetic: no torch.
+"""`preftune plan`: the memory a run needs, term by term and phase by phase, its step time and its
+cost, from config.json (no weights), the run config and the node type. Pure arithmetic: no torch.
 
 Sizes are in GB (1e9 bytes). P is a parameter count; each term says its arithmetic. The terms follow
 what the code does (docs/plan.md): FSDP2 shards parameters, gradients and AdamW's two moments over
@@ -21,7 +21,8 @@ from preftune.errors import UserError
 
 GB = 1e9
 CHUNK_ELEMENTS = 1 << 25  # model/head.py (torch): restated here, a test holds them equal
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # model/llama.py
+# model/llama.py
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 OWN_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")  # model/llama.ARCHITECTURES
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CUDA_PROCESS_GB = 3.0  # a CUDA process's own host memory (libraries, context): stated, not measured
@@ -58,7 +59,8 @@ class Shape:
     def linear(self, name: str) -> tuple[int, int]:
         """(in, out) of a block's projection."""
         h, i = self.hidden, self.intermediate
-        return {"q_proj": (h, self.q), "k_proj": (h, self.kv), "v_proj": (h, self.kv), "o_proj": (self.q, h),
+        return {"q_proj": (h, self.q), "k_proj": (h, self.kv),
+                "v_proj": (h, self.kv), "o_proj": (self.q, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}[name]
 
     @property
@@ -68,7 +70,9 @@ class Shape:
     @property
     def block(self) -> int:
         bias = self.q + 2 * self.kv if self.qkv_bias else 0
-        return self.block_linear + bias + 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        return (
+            self.block_linear + bias + 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        )
 
     @property
     def embed(self) -> int:
@@ -98,9 +102,11 @@ def read_shape(folder: str, where: str = "model.name_or_path") -> Shape:
     path = Path(folder)
     path = path if path.suffix == ".json" else path / "config.json"
     if "://" in str(folder):
-        raise UserError(f"{folder} is not a local folder: pass --model-config with its config.json", where=where)
+        raise UserError(f"{folder} is not a local folder: pass --model-config with its config.json",
+                        where=where)
     if not path.is_file():
-        raise UserError(f"{path.parent} has no config.json: not a Hugging Face model folder", where=where)
+        raise UserError(f"{path.parent} has no config.json: not a Hugging Face model folder",
+                        where=where)
     try:
         c = json.loads(path.read_text())
         c = {**c, **c.get("text_config", {})}
@@ -109,14 +115,17 @@ def read_shape(folder: str, where: str = "model.name_or_path") -> Shape:
             layers=int(c["num_hidden_layers"]), hidden=int(c["hidden_size"]),
             intermediate=int(c["intermediate_size"]), heads=heads,
             kv_heads=int(c.get("num_key_value_heads") or heads),
-            head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads), vocab=int(c["vocab_size"]),
-            tied=bool(c.get("tie_word_embeddings", False)), max_positions=c.get("max_position_embeddings"),
+            head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads),
+            vocab=int(c["vocab_size"]),
+            tied=bool(c.get("tie_word_embeddings", False)),
+            max_positions=c.get("max_position_embeddings"),
             qkv_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")),
             qk_norm=c.get("model_type") == "qwen3",
             file_bytes=BYTES.get(str(c.get("dtype") or c.get("torch_dtype") or "bfloat16"), 2),
             model_type=str(c.get("model_type")))
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"cannot read a model shape: {type(e).__name__} {e}", where=str(path)) from None
+        raise UserError(f"cannot read a model shape: {type(e).__name__} {e}",
+                        where=str(path)) from None
 
 
 @dataclass
@@ -128,7 +137,8 @@ class Term:
     rank0: bool = False  # only rank 0 holds it
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "gb": round(self.gb, 6), "how": self.how, "host": self.host, "rank0": self.rank0}
+        return {"name": self.name, "gb": round(self.gb, 6), "how": self.how,
+                "host": self.host, "rank0": self.rank0}
 
 
 @dataclass
@@ -193,8 +203,12 @@ def job_of(cfg, shape: Shape, world: int) -> Job:
     tokens = micro * seq
     if a == "grpo" and own:  # the packer lays a group's prompt out once (model/logps._plan)
         g = cfg.grpo
-        tokens = micro * g.max_completion_length + math.ceil(micro / g.num_generations) * cfg.data.max_prompt_length
-    return Job(a, world, strategy, m.lora.enabled, mixed, master, 2 if m.dtype == "bfloat16" else 4, trainable,
+        tokens = (
+            micro * g.max_completion_length
+            + math.ceil(micro / g.num_generations) * cfg.data.max_prompt_length
+        )
+    return Job(a, world, strategy, m.lora.enabled, mixed, master,
+               2 if m.dtype == "bfloat16" else 4, trainable,
                rows, micro, seq, tokens, head, m.gradient_checkpointing, own, reference, sampler)
 
 
@@ -204,7 +218,8 @@ def check_lengths(cfg, shape: Shape) -> None:
         return
     a = cfg.algorithm
     key, n = ((f"{a}.max_length", getattr(cfg, a).max_length) if a != "grpo" else
-              ("grpo.max_completion_length", cfg.data.max_prompt_length + cfg.grpo.max_completion_length))
+              ("grpo.max_completion_length",
+               cfg.data.max_prompt_length + cfg.grpo.max_completion_length))
     if n > shape.max_positions:
         extra = " + data.max_prompt_length" if a == "grpo" else ""
         raise UserError(f"{n} tokens per sequence exceed the model's max_position_embeddings "
@@ -223,7 +238,8 @@ def _state(p: Phase, s: Shape, j: Job, *, grads: bool, adam: bool) -> None:
     share = 1 / j.world if j.strategy == "fsdp" else 1
     per = f" / {j.world}" if share < 1 else ""
     frozen = s.params if j.lora else 0
-    p.add("parameters" + (" (LoRA base, frozen)" if j.lora else ""), (j.trainable if not j.lora else frozen)
+    p.add("parameters" + (" (LoRA base, frozen)" if j.lora else ""),
+          (j.trainable if not j.lora else frozen)
           * j.master * share, f"{_fmt(j.trainable if not j.lora else frozen)} x {j.master} B{per}")
     if j.lora:
         p.add("LoRA adapter", j.trainable * 4 * share, f"{_fmt(j.trainable)} x 4 B{per}")
@@ -232,7 +248,8 @@ def _state(p: Phase, s: Shape, j: Job, *, grads: bool, adam: bool) -> None:
     if adam:
         p.add("AdamW moments", j.trainable * 8 * share, f"{_fmt(j.trainable)} x 8 B{per}")
     if j.reference == "model":
-        p.add("reference model", s.params * j.compute * share, f"{_fmt(s.params)} x {j.compute} B{per}")
+        p.add("reference model", s.params * j.compute * share,
+              f"{_fmt(s.params)} x {j.compute} B{per}")
 
 
 def _activation_bytes(s: Shape, j: Job) -> tuple[float, float]:
@@ -246,34 +263,41 @@ def _activation_bytes(s: Shape, j: Job) -> tuple[float, float]:
 
 
 def _passes(p: Phase, s: Shape, j: Job, *, grad: bool) -> None:
-    """A training (or no-grad) pass over one micro-batch: gathered blocks, activations, logits, mask."""
+    """A training (or no-grad) pass over one micro-batch: gathered blocks, activations, logits,
+    mask."""
     tokens = j.tokens
     if j.strategy == "fsdp":
-        p.add("gathered block + prefetch", 2 * s.block * j.compute, f"2 x {_fmt(s.block)} x {j.compute} B")
+        p.add("gathered block + prefetch", 2 * s.block * j.compute,
+              f"2 x {_fmt(s.block)} x {j.compute} B")
         p.add("gathered embeddings + head", s.root * j.compute, f"{_fmt(s.root)} x {j.compute} B")
         if grad and not j.lora:
             p.add("a block's gradient before reduce-scatter", s.block * 4, f"{_fmt(s.block)} x 4 B")
     kept, block = _activation_bytes(s, j)
     if not grad:
-        p.add("activations (no grad, one block)", tokens * block, f"{tokens:,} tokens x {block:,.0f} B")
+        p.add("activations (no grad, one block)", tokens * block,
+              f"{tokens:,} tokens x {block:,.0f} B")
     elif j.checkpointing:
         res = 4 if j.mixed else j.compute
         p.add("activations, checkpointed (block inputs)", tokens * s.hidden * res * s.layers,
               f"{tokens:,} tokens x {s.hidden} x {res} B x {s.layers} blocks")
-        p.add("one block recomputed + its gradients", 2 * tokens * block, f"2 x {tokens:,} tokens x {block:,.0f} B")
+        p.add("one block recomputed + its gradients", 2 * tokens * block,
+              f"2 x {tokens:,} tokens x {block:,.0f} B")
     else:
-        p.add("activations", tokens * kept * s.layers, f"{tokens:,} tokens x {kept:,.0f} B x {s.layers} blocks")
-        p.add("backward working set (one block)", tokens * block, f"{tokens:,} tokens x {block:,.0f} B")
+        p.add("activations", tokens * kept * s.layers,
+              f"{tokens:,} tokens x {kept:,.0f} B x {s.layers} blocks")
+        p.add("backward working set (one block)", tokens * block,
+              f"{tokens:,} tokens x {block:,.0f} B")
     k = j.micro * j.head_positions
     copies = 3 if grad else 1
     if j.own and k * s.vocab > CHUNK_ELEMENTS:
-        p.add("logits, chunked head", copies * CHUNK_ELEMENTS * 4, f"{copies} x {CHUNK_ELEMENTS:,} x 4 B")
+        p.add("logits, chunked head", copies * CHUNK_ELEMENTS * 4,
+              f"{copies} x {CHUNK_ELEMENTS:,} x 4 B")
     else:
         p.add("logits", copies * k * s.vocab * 4, f"{copies} x {k:,} positions x {s.vocab:,} x 4 B")
     if j.micro > 1 and j.own:  # packed rows: one additive float mask and its boolean
         width = min(tokens, 8 * j.seq)
-        p.add("attention mask (packed rows)", tokens * width * (j.compute + 1), f"{tokens:,} x {width:,} x "
-              f"{j.compute + 1} B")
+        p.add("attention mask (packed rows)", tokens * width * (j.compute + 1),
+              f"{tokens:,} x {width:,} x {j.compute + 1} B")
 
 
 def _engine(s: Shape, j: Job, cfg, gpu_gb: float | None) -> tuple[float, float, str]:
@@ -281,7 +305,11 @@ def _engine(s: Shape, j: Job, cfg, gpu_gb: float | None) -> tuple[float, float, 
     g = cfg.grpo
     weights = s.params * 2 / g.vllm_tensor_parallel_size / GB
     if gpu_gb is None:  # CPU: the KV cache is its own key, the weights the engine's copy
-        return weights + g.vllm_kv_cache_gib * 2 ** 30 / GB, g.vllm_kv_cache_gib * 2 ** 30 / GB, "CPU engine"
+        return (
+            weights + g.vllm_kv_cache_gib * 2**30 / GB,
+            g.vllm_kv_cache_gib * 2**30 / GB,
+            "CPU engine",
+        )
     total = g.vllm_gpu_memory_utilization * gpu_gb
     return total, total - weights, (f"{g.vllm_gpu_memory_utilization:g} x {gpu_gb:g} GB (weights "
                                     f"{weights:.1f} GB at TP {g.vllm_tensor_parallel_size})")
@@ -293,8 +321,8 @@ def phases(cfg, s: Shape, j: Job, gpu_gb: float | None) -> list[Phase]:
     fsdp_read = j.strategy == "fsdp" and not j.lora  # only rank 0 reads
     load = Phase("load")
     read_dtype = 2 if j.lora and cfg.model.dtype == "bfloat16" else j.master
-    load.add("weights as stored (read)", s.params * s.file_bytes, f"{_fmt(s.params)} x {s.file_bytes} B",
-             host=True, rank0=fsdp_read)
+    load.add("weights as stored (read)", s.params * s.file_bytes,
+             f"{_fmt(s.params)} x {s.file_bytes} B", host=True, rank0=fsdp_read)
     load.add("model being built", s.params * read_dtype, f"{_fmt(s.params)} x {read_dtype} B",
              host=True, rank0=fsdp_read)
     if gpu or j.strategy == "fsdp":
@@ -304,17 +332,18 @@ def phases(cfg, s: Shape, j: Job, gpu_gb: float | None) -> list[Phase]:
     if j.reference == "model":
         ref = Phase("load ref")
         _state(ref, s, j, grads=False, adam=False)
-        ref.add("reference as stored (read)", s.params * s.file_bytes, f"{_fmt(s.params)} x {s.file_bytes} B",
-                host=True, rank0=fsdp_read)
+        ref.add("reference as stored (read)", s.params * s.file_bytes,
+                f"{_fmt(s.params)} x {s.file_bytes} B", host=True, rank0=fsdp_read)
         if j.strategy == "fsdp" or gpu:
-            ref.add("reference being built", s.params * j.compute, f"{_fmt(s.params)} x {j.compute} B",
-                    host=True, rank0=fsdp_read)
+            ref.add("reference being built", s.params * j.compute,
+                    f"{_fmt(s.params)} x {j.compute} B", host=True, rank0=fsdp_read)
         out.append(ref)
     if j.reference in ("model", "precomputed"):
         rp = Phase("ref pass")
         _state(rp, s, j, grads=False, adam=j.algorithm == "grpo")
         if j.strategy == "fsdp":
-            rp.add("whole reference gathered", s.params * j.compute, f"{_fmt(s.params)} x {j.compute} B")
+            rp.add("whole reference gathered", s.params * j.compute,
+                   f"{_fmt(s.params)} x {j.compute} B")
         _passes(rp, s, j, grad=False)
         out.append(rp)
     if j.sampler != "none":
@@ -325,7 +354,8 @@ def phases(cfg, s: Shape, j: Job, gpu_gb: float | None) -> list[Phase]:
     _state(train, s, j, grads=True, adam=True)
     _passes(train, s, j, grad=True)
     if j.sampler == "vllm" and not (gpu and cfg.grpo.vllm_enable_sleep_mode):
-        train.add("vLLM engine (awake)", _engine(s, j, cfg, gpu_gb)[0] * GB, _engine(s, j, cfg, gpu_gb)[2])
+        train.add("vLLM engine (awake)", _engine(s, j, cfg, gpu_gb)[0] * GB,
+                  _engine(s, j, cfg, gpu_gb)[2])
     out.append(train)
     out.append(_final(cfg, s, j))
     return out
@@ -338,19 +368,27 @@ def _generate(cfg, s: Shape, j: Job, gpu_gb: float | None) -> Phase:
         total, kv, how = _engine(s, j, cfg, gpu_gb)
         tp = cfg.grpo.vllm_tensor_parallel_size
         gen.add("vLLM engine weights", (total - kv) * GB, f"{_fmt(s.params)} x 2 B / TP {tp}")
-        gen.terms.append(Term("vLLM KV cache", kv, f"{how} - weights"))  # below 0: the weights alone overflow
+        # below 0: the weights alone overflow
+        gen.terms.append(Term("vLLM KV cache", kv, f"{how} - weights"))
         gen.add("weight push: largest tensor gathered", s.embed * 4, f"{_fmt(s.embed)} x 4 B")
         return gen
     low = 2 if j.mixed else j.compute
     if j.strategy == "fsdp":
         gen.add("whole model gathered", s.params * low, f"{_fmt(s.params)} x {low} B")
     held = low if j.strategy == "fsdp" else j.master  # FSDP2 gathers in the compute dtype
-    fused = s.block_linear if low != held else sum(s.linear(n)[0] * s.linear(n)[1] for n in PROJECTIONS
-                                                         if n not in ("o_proj", "down_proj"))
-    gen.add("decoding weights (fused q/k/v, gate/up)", s.layers * fused * low, f"{s.layers} x {_fmt(fused)} x {low} B")
+    fused = (
+        s.block_linear
+        if low != held
+        else sum(
+            s.linear(n)[0] * s.linear(n)[1] for n in PROJECTIONS if n not in ("o_proj", "down_proj")
+        )
+    )
+    gen.add("decoding weights (fused q/k/v, gate/up)", s.layers * fused * low,
+            f"{s.layers} x {_fmt(fused)} x {low} B")
     kv_tok = 2 * s.layers * s.kv * low
     gen.add("KV cache", j.rows * j.seq * kv_tok, f"{j.rows} rows x {j.seq} tokens x {kv_tok:,} B")
-    gen.add("decode logits + sampling noise", 3 * j.rows * s.vocab * 4, f"3 x {j.rows} x {s.vocab:,} x 4 B")
+    gen.add("decode logits + sampling noise", 3 * j.rows * s.vocab * 4,
+            f"3 x {j.rows} x {s.vocab:,} x 4 B")
     return gen
 
 
@@ -374,14 +412,16 @@ def _final(cfg, s: Shape, j: Job) -> Phase:
     _state(fin, s, j, grads=False, adam=True)
     out_bytes = BYTES[cfg.model.dtype]
     if j.strategy == "fsdp":
-        fin.add("whole state gathered to host", s.params * j.master, f"{_fmt(s.params)} x {j.master} B",
-                host=True, rank0=True)
-        fin.add("model built from it", s.params * j.master, f"{_fmt(s.params)} x {j.master} B", host=True, rank0=True)
+        fin.add("whole state gathered to host", s.params * j.master,
+                f"{_fmt(s.params)} x {j.master} B", host=True, rank0=True)
+        fin.add("model built from it", s.params * j.master,
+                f"{_fmt(s.params)} x {j.master} B", host=True, rank0=True)
     if j.lora:
-        fin.add("merged copy", s.params * out_bytes, f"{_fmt(s.params)} x {out_bytes} B", host=True, rank0=True)
+        fin.add("merged copy", s.params * out_bytes,
+                f"{_fmt(s.params)} x {out_bytes} B", host=True, rank0=True)
     if out_bytes != j.master:
-        fin.add(f"copy in {cfg.model.dtype}", s.params * out_bytes, f"{_fmt(s.params)} x {out_bytes} B",
-                host=True, rank0=True)
+        fin.add(f"copy in {cfg.model.dtype}", s.params * out_bytes,
+                f"{_fmt(s.params)} x {out_bytes} B", host=True, rank0=True)
     return fin
 
 
@@ -390,7 +430,8 @@ def _final(cfg, s: Shape, j: Job) -> Phase:
 
 @dataclass
 class Target:
-    """Where the job runs: `node` (an instance type) x `nodes`, or this machine's CPU (`node` None)."""
+    """Where the job runs: `node` (an instance type) x `nodes`, or this machine's CPU (`node`
+    None)."""
     name: str
     nodes: int
     procs_per_node: int
@@ -405,39 +446,52 @@ class Target:
 
 def make_plan(cfg, shape: Shape, target: Target, *, mfu: float = 0.3, gen_tps: float = 1000.0,
               prices: dict | None = None) -> dict:
-    """The plan as a dict (what `--json` prints): per process (GPU) and per host, each phase's terms,
-    the peak, headroom and verdict, the step time and the cost per iteration."""
+    """The plan as a dict (what `--json` prints): per process (GPU) and per host, each phase's
+    terms, the peak, headroom and verdict, the step time and the cost per iteration."""
     check_lengths(cfg, shape)
     j = job_of(cfg, shape, target.world)
     gpu_gb = target.node.gpu_gb if target.node else None
     ph = phases(cfg, shape, j, gpu_gb)
-    plan = {"job": _summary(cfg, shape, j, target), "phases": [{"name": p.name, "terms": [t.as_dict() for t in p.terms]}
-                                                              for p in ph]}
+    plan = {"job": _summary(cfg, shape, j, target),
+            "phases": [{"name": p.name, "terms": [t.as_dict() for t in p.terms]}
+                       for p in ph]}
     if target.node:
         per_gpu = {p.name: p.total(host=False) + CUDA_RESERVE_GB for p in ph}
-        plan["gpu"] = _verdict(per_gpu, target.node.gpu_gb, f"runtime: CUDA context + NCCL {CUDA_RESERVE_GB:g} GB")
+        plan["gpu"] = _verdict(per_gpu, target.node.gpu_gb,
+                               f"runtime: CUDA context + NCCL {CUDA_RESERVE_GB:g} GB")
         plan["gpu"]["runtime_gb"] = {p.name: CUDA_RESERVE_GB for p in ph}
         others = {p.name: target.procs_per_node * CUDA_PROCESS_GB
                   + (target.procs_per_node - 1) * p.total(host=True, rank0=False) for p in ph}
         host0 = {p.name: p.total(host=True) + others[p.name] for p in ph}
-        plan["host"] = _verdict(host0, target.host_gb, f"rank 0's node; runtime: {target.procs_per_node} processes "
-                                f"x {CUDA_PROCESS_GB:g} GB + the other ranks' own host terms")
+        plan["host"] = _verdict(host0, target.host_gb,
+                                f"rank 0's node; runtime: {target.procs_per_node} processes x "
+                                f"{CUDA_PROCESS_GB:g} GB + the other ranks' own host terms")
         plan["host"]["runtime_gb"] = {k: round(v, 3) for k, v in others.items()}
-        plan["host"]["pod_memory"] = f"{math.ceil(plan['host']['peak_gb'] * POD_MARGIN * GB / 2 ** 30)}Gi"
+        plan["host"]["pod_memory"] = (
+            f"{math.ceil(plan['host']['peak_gb'] * POD_MARGIN * GB / 2**30)}Gi"
+        )
         plan["time"] = step_time(cfg, shape, j, target, mfu, gen_tps)
         plan["cost"] = _cost(cfg, target, plan["time"], prices)
     else:
         per = {p.name: p.total(host=False) + p.total(host=True) for p in ph}
         plan["process"] = _verdict(per, target.host_gb / target.procs_per_node,
                                    "per process, above the interpreter and its libraries")
-    if j.sampler == "vllm":  # what the engine takes and, with sleep mode on a GPU, gives back for training
+    # what the engine takes and, with sleep mode on a GPU, gives back for training
+    if j.sampler == "vllm":
         total, kv, _ = _engine(shape, j, cfg, gpu_gb)
-        plan["vllm"] = {"engine_gb": round(total, 3), "kv_cache_gb": round(kv, 3),
-                        "handed_back_gb": round(total, 3) if gpu_gb and cfg.grpo.vllm_enable_sleep_mode else 0.0}
+        plan["vllm"] = {
+            "engine_gb": round(total, 3),
+            "kv_cache_gb": round(kv, 3),
+            "handed_back_gb": round(total, 3)
+            if gpu_gb and cfg.grpo.vllm_enable_sleep_mode
+            else 0.0,
+        }
     fits = [plan[k]["verdict"] for k in ("gpu", "host", "process") if k in plan]
     if plan.get("vllm", {}).get("kv_cache_gb", 1) <= 0:
         fits.append("does not fit")
-    plan["verdict"] = "does not fit" if "does not fit" in fits else "tight" if "tight" in fits else "fits"
+    plan["verdict"] = (
+        "does not fit" if "does not fit" in fits else "tight" if "tight" in fits else "fits"
+    )
     return plan
 
 
@@ -445,20 +499,35 @@ def _verdict(per_phase: dict[str, float], capacity: float, note: str) -> dict:
     phase, peak = max(per_phase.items(), key=lambda kv: kv[1])
     ratio = peak / capacity if capacity else math.inf
     verdict = "fits" if ratio <= FITS else "tight" if ratio <= TIGHT else "does not fit"
-    return {"per_phase_gb": {k: round(v, 3) for k, v in per_phase.items()}, "peak_gb": round(peak, 3),
-            "peak_phase": phase, "capacity_gb": round(capacity, 3), "headroom_gb": round(capacity - peak, 3),
-            "verdict": verdict, "note": note}
+    return {"per_phase_gb": {k: round(v, 3) for k, v in per_phase.items()},
+            "peak_gb": round(peak, 3),
+            "peak_phase": phase, "capacity_gb": round(capacity, 3),
+            "headroom_gb": round(capacity - peak, 3), "verdict": verdict, "note": note}
 
 
 def _summary(cfg, s: Shape, j: Job, t: Target) -> dict:
-    return {"algorithm": j.algorithm, "model": f"{s.model_type}, {s.params / 1e9:.3g}B parameters, {s.layers} "
-            f"layers, hidden {s.hidden}, vocabulary {s.vocab:,}", "params": s.params,
-            "where": (f"{t.nodes} x {t.name} ({t.node.gpus} x {t.node.gpu} {t.node.gpu_gb:g} GB)" if t.node else
-                      f"{t.name}, {t.procs_per_node} process(es)"),
-            "ranks": j.world, "strategy": j.strategy, "dtype": cfg.model.dtype, "lora": j.lora,
-            "gradient_checkpointing": j.checkpointing, "sequences_per_rank": j.rows, "micro_batch": j.micro,
-            "tokens_per_sequence": j.seq, "reference": j.reference, "sampler": j.sampler,
-            "module": "own (chunked head)" if j.own else "Hugging Face"}
+    return {
+        "algorithm": j.algorithm,
+        "model": f"{s.model_type}, {s.params / 1e9:.3g}B parameters, {s.layers} layers, hidden "
+        f"{s.hidden}, vocabulary {s.vocab:,}",
+        "params": s.params,
+        "where": (
+            f"{t.nodes} x {t.name} ({t.node.gpus} x {t.node.gpu} {t.node.gpu_gb:g} GB)"
+            if t.node
+            else f"{t.name}, {t.procs_per_node} process(es)"
+        ),
+        "ranks": j.world,
+        "strategy": j.strategy,
+        "dtype": cfg.model.dtype,
+        "lora": j.lora,
+        "gradient_checkpointing": j.checkpointing,
+        "sequences_per_rank": j.rows,
+        "micro_batch": j.micro,
+        "tokens_per_sequence": j.seq,
+        "reference": j.reference,
+        "sampler": j.sampler,
+        "module": "own (chunked head)" if j.own else "Hugging Face",
+    }
 
 
 def _train_tokens(cfg) -> tuple[int, int]:
@@ -466,8 +535,11 @@ def _train_tokens(cfg) -> tuple[int, int]:
     a = cfg.algorithm
     if a == "grpo":
         g = cfg.grpo  # a group's prompt is laid out once (model/logps._plan)
-        return (g.prompts_per_step * (cfg.data.max_prompt_length + g.num_generations * g.max_completion_length),
-                g.prompts_per_step * g.num_generations * g.max_completion_length)
+        return (
+            g.prompts_per_step
+            * (cfg.data.max_prompt_length + g.num_generations * g.max_completion_length),
+            g.prompts_per_step * g.num_generations * g.max_completion_length,
+        )
     sec = getattr(cfg, a)
     return sec.batch_size * sec.max_length * (2 if a == "dpo" else 1), 0
 
@@ -476,7 +548,8 @@ def step_time(cfg, s: Shape, j: Job, t: Target, mfu: float, gen_tps: float) -> d
     """Seconds per optimiser step: the passes' FLOPs at `mfu` of the GPUs' dense bf16 peak, plus
     generation at `gen_tps` tokens/s per GPU (decoding is bound by memory, not FLOPs)."""
     tokens, generated = _train_tokens(cfg)
-    per_token = 2 * s.matmul + 2 * s.layers * s.q * j.seq  # forward: projections + attention (causal mean)
+    # forward: projections + attention (causal mean)
+    per_token = 2 * s.matmul + 2 * s.layers * s.q * j.seq
     train = (3 + (1 if j.checkpointing else 0)) * per_token * tokens
     iters = cfg.grpo.num_iterations if j.algorithm == "grpo" else 1
     extra = 0.0
@@ -493,8 +566,8 @@ def step_time(cfg, s: Shape, j: Job, t: Target, mfu: float, gen_tps: float) -> d
     step = compute_s + gen_s
     return {"flops_per_step": flops, "mfu": mfu, "peak_tflops_per_gpu": t.node.bf16_tflops,
             "generation_tokens_per_second_per_gpu": gen_tps if generated else None,
-            "compute_s": round(compute_s, 3), "generation_s": round(gen_s, 3), "step_s": round(step, 3),
-            "steps": cfg.max_steps, "hours": step * cfg.max_steps / 3600,
+            "compute_s": round(compute_s, 3), "generation_s": round(gen_s, 3),
+            "step_s": round(step, 3), "steps": cfg.max_steps, "hours": step * cfg.max_steps / 3600,
             "tokens_per_second_per_gpu": round(tokens / step / gpus, 1) if step else None}
 
 
@@ -506,7 +579,8 @@ def _cost(cfg, t: Target, time: dict, prices: dict | None) -> dict | None:
     except UserError as e:
         return {"note": str(e)}
     hours = (time["hours"], time["hours"])
-    return cost.estimate(cost.CostInputs(t.nodes, t.procs_per_node, t.capacity_type, [t.name], price, hours))
+    return cost.estimate(cost.CostInputs(t.nodes, t.procs_per_node, t.capacity_type,
+                                         [t.name], price, hours))
 
 
 # ---------------------------------------------------------------- text
@@ -535,12 +609,16 @@ def _table(plan: dict, host: bool | None, unit: float) -> list[str]:
 
 def format_plan(plan: dict) -> str:
     j = plan["job"]
-    lines = [f"plan: {j['algorithm']} on {j['where']}: {j['ranks']} rank(s), {j['strategy']}, {j['dtype']}"
-             f"{', LoRA' if j['lora'] else ''}{', gradient checkpointing' if j['gradient_checkpointing'] else ''}",
+    lines = [f"plan: {j['algorithm']} on {j['where']}: {j['ranks']} rank(s), {j['strategy']}, "
+             f"{j['dtype']}"
+             f"{', LoRA' if j['lora'] else ''}"
+        f"{', gradient checkpointing' if j['gradient_checkpointing'] else ''}",
              f"model: {j['model']}; {j['module']} module",
-             f"per rank: {j['sequences_per_rank']} sequences of <= {j['tokens_per_sequence']} tokens, micro-batch "
-             f"{j['micro_batch']}; reference: {j['reference']}; sampler: {j['sampler']}"]
-    for key, title, host in (("gpu", "per GPU", False), ("process", "per process", None), ("host", "per host", True)):
+             f"per rank: {j['sequences_per_rank']} sequences of <= "
+             f"{j['tokens_per_sequence']} tokens, micro-batch {j['micro_batch']}; "
+             f"reference: {j['reference']}; sampler: {j['sampler']}"]
+    for key, title, host in (("gpu", "per GPU", False), ("process", "per process", None),
+                             ("host", "per host", True)):
         if key not in plan:
             continue
         v = plan[key]
@@ -548,32 +626,39 @@ def format_plan(plan: dict) -> str:
         lines.append(f"{title}, {label} ({v['note']})")
         lines += _table(plan, host, unit)
         if key != "process":
-            lines.append(f"  + runtime per phase: {', '.join(f'{n} {x:.1f} GB' for n, x in v['runtime_gb'].items())}"
+            lines.append("  + runtime per phase: "
+                         f"{', '.join(f'{n} {x:.1f} GB' for n, x in v['runtime_gb'].items())}"
                          if len(set(v["runtime_gb"].values())) > 1 else
                          f"  + runtime {next(iter(v['runtime_gb'].values())):.1f} GB")
-        lines.append(_peak(v, unit, label) + (f"; Pod memory request {v['pod_memory']}" if key == "host" else ""))
+        lines.append(
+            _peak(v, unit, label)
+            + (f"; Pod memory request {v['pod_memory']}" if key == "host" else "")
+        )
     if "time" in plan:
         t = plan["time"]
-        gen = (f" + generation {t['generation_s']:.1f} s at {t['generation_tokens_per_second_per_gpu']:g} "
+        gen = (f" + generation {t['generation_s']:.1f} s at "
+               f"{t['generation_tokens_per_second_per_gpu']:g} "
                "tokens/s/GPU" if t["generation_tokens_per_second_per_gpu"] else "")
-        lines.append(f"step: {t['flops_per_step']:.3g} FLOPs at {t['mfu']:g} MFU of {t['peak_tflops_per_gpu']:g} "
-                     f"TFLOPs/GPU = {t['compute_s']:.1f} s{gen} = {t['step_s']:.1f} s; {t['steps']} steps = "
-                     f"{t['hours']:.2f} hours")
+        lines.append(f"step: {t['flops_per_step']:.3g} FLOPs at {t['mfu']:g} MFU of "
+                     f"{t['peak_tflops_per_gpu']:g} TFLOPs/GPU = {t['compute_s']:.1f} s{gen} = "
+                     f"{t['step_s']:.1f} s; {t['steps']} steps = {t['hours']:.2f} hours")
     if plan.get("cost"):
         c = plan["cost"]
         if "note" in c:
             lines.append(f"cost: {c['note']}")
         else:
-            lines.append(f"cost per iteration: {money(c['compute_usd'])} (compute, {c['inputs']['gpus']} GPUs at "
+            lines.append(f"cost per iteration: {money(c['compute_usd'])} (compute, "
+                         f"{c['inputs']['gpus']} GPUs at "
                          f"${number(c['inputs']['price_per_gpu_hour'])} per GPU-hour)")
     if "vllm" in plan:
         v = plan["vllm"]
-        lines.append(f"vLLM engine: {v['engine_gb']:.1f} GB per GPU, KV cache {v['kv_cache_gb']:.1f} GB; sleep mode "
-                     f"hands back {v['handed_back_gb']:.1f} GB for the training passes")
+        lines.append(f"vLLM engine: {v['engine_gb']:.1f} GB per GPU, KV cache "
+                     f"{v['kv_cache_gb']:.1f} GB; sleep mode hands back {v['handed_back_gb']:.1f} "
+                     "GB for the training passes")
     lines.append(f"verdict: {plan['verdict']}")
     return "\n".join(lines)
 
 
 def _peak(v: dict, unit: float, label: str) -> str:
-    return (f"  peak {v['peak_gb'] / unit:.1f} {label} ({v['peak_phase']}) of {v['capacity_gb']:.1f} GB: headroom "
-            f"{v['headroom_gb']:.1f} GB, {v['verdict']}")
+    return (f"  peak {v['peak_gb'] / unit:.1f} {label} ({v['peak_phase']}) of "
+            f"{v['capacity_gb']:.1f} GB: headroom {v['headroom_gb']:.1f} GB, {v['verdict']}")

@@ -20,9 +20,10 @@ from preftune.config.deploy import DNS_LABEL, EC2_ALIAS_FAMILIES
 from preftune.errors import UserError
 
 KUBE_VERSION = "1.33"
-VOLCANO_EVENTS = {"*", "PodFailed", "PodEvicted", "PodPending", "Unknown", "TaskCompleted", "TaskFailed", "JobUpdated"}
-VOLCANO_ACTIONS = {"AbortJob", "RestartJob", "RestartTask", "RestartPod", "RestartPartition", "TerminateJob",
-                   "CompleteJob", "ResumeJob"}
+VOLCANO_EVENTS = {"*", "PodFailed", "PodEvicted", "PodPending", "Unknown", "TaskCompleted",
+                  "TaskFailed", "JobUpdated"}
+VOLCANO_ACTIONS = {"AbortJob", "RestartJob", "RestartTask", "RestartPod",
+                   "RestartPartition", "TerminateJob", "CompleteJob", "ResumeJob"}
 VOLCANO_PLUGINS = {"ssh", "env", "svc", "tensorflow", "mpi", "pytorch", "hcclrank", "ray"}
 
 
@@ -73,18 +74,29 @@ def volcano_job_problems(job: dict, queues: set[str] | None = None) -> list[str]
         seen.add(task.get("name"))
         if task.get("minAvailable", 0) > task.get("replicas", 0):
             out.append(f"task {task.get('name')}: minAvailable above replicas")
-        out += [f"task {task.get('name')}: {p}" for p in volcano_policy_problems(task.get("policies", []))]
-        pod = f"{name}-{task.get('name')}-{max(task.get('replicas', 1) - 1, 0)}"  # the longest pod name
+        out += [
+            f"task {task.get('name')}: {p}"
+            for p in volcano_policy_problems(task.get("policies", []))
+        ]
+        # the longest pod name
+        pod = f"{name}-{task.get('name')}-{max(task.get('replicas', 1) - 1, 0)}"
         if len(pod) > 63:
             out.append(f"pod name {pod} is longer than 63 characters")
-        if task.get("template", {}).get("spec", {}).get("restartPolicy") not in (None, "Never", "OnFailure"):
+        if task.get("template", {}).get("spec", {}).get("restartPolicy") not in (
+            None,
+            "Never",
+            "OnFailure",
+        ):
             out.append(f"task {task.get('name')}: restartPolicy must be Never or OnFailure")
     if spec.get("minAvailable", 0) > sum(t.get("replicas", 0) for t in tasks):
         out.append(f"minAvailable {spec.get('minAvailable')} is above the total replicas")
     out += volcano_policy_problems(spec.get("policies", []))
     out += [f"unknown job plugin {p}" for p in spec.get("plugins", {}) if p not in VOLCANO_PLUGINS]
     if "pytorch" in spec.get("plugins", {}):
-        master = next((a.split("=", 1)[1] for a in spec["plugins"]["pytorch"] if a.startswith("--master=")), "master")
+        master = next(
+            (a.split("=", 1)[1] for a in spec["plugins"]["pytorch"] if a.startswith("--master=")),
+            "master",
+        )
         if master not in seen:
             out.append(f"the pytorch plugin's master task {master!r} is missing")
     if queues is not None and spec.get("queue", "default") not in queues:
@@ -117,7 +129,8 @@ def batch_job_problems(job: dict) -> list[str]:
         if codes != sorted(set(codes)):
             out.append("podFailurePolicy exit codes must be unique and ascending")
         if ("onExitCodes" in rule) == ("onPodConditions" in rule):
-            out.append("each podFailurePolicy rule needs exactly one of onExitCodes, onPodConditions")
+            out.append("each podFailurePolicy rule needs exactly "
+                       "one of onExitCodes, onPodConditions")
     if spec.get("completionMode") == "Indexed" and spec.get("completions") is None:
         out.append("an Indexed Job needs completions")
     return out
@@ -130,12 +143,16 @@ def ec2_node_class_problems(nc: dict) -> list[str]:
         out.append("exactly one of role, instanceProfile")
     for term in spec.get("amiSelectorTerms", []):
         alias = term.get("alias")
-        if alias is not None and ("@" not in alias or alias.split("@")[0] not in EC2_ALIAS_FAMILIES):
+        if alias is not None and (
+            "@" not in alias or alias.split("@")[0] not in EC2_ALIAS_FAMILIES
+        ):
             out.append(f"AMI alias {alias!r} is not family@version of a supported family")
     nics = spec.get("networkInterfaces", [])
     pairs = [(n["networkCardIndex"], n["deviceIndex"]) for n in nics]
-    if nics and (0, 0, "interface") not in {(c, d, n["interfaceType"]) for (c, d), n in zip(pairs, nics)}:
-        out.append("networkInterfaces must include the primary interface (card 0, device 0, interface)")
+    if nics and (0, 0, "interface") not in {(c, d, n["interfaceType"]) for (c, d),
+                                            n in zip(pairs, nics)}:
+        out.append("networkInterfaces must include the primary "
+                   "interface (card 0, device 0, interface)")
     if len(set(pairs)) != len(pairs):
         out.append("networkInterfaces repeat a (networkCardIndex, deviceIndex) pair")
     efa_cards = [n["networkCardIndex"] for n in nics if n["interfaceType"] == "efa-only"]
@@ -209,7 +226,8 @@ def load_crds(crd_dir: str | Path) -> dict[tuple[str, str], dict]:
     schemas = {}
     for path in sorted(folder.glob("*.y*ml")):
         docs = [d for d in yaml.safe_load_all(path.read_text()) if isinstance(d, dict)]
-        docs += [item for d in docs if d.get("kind") == "List" for item in d.get("items", [])]  # kubectl get -o yaml
+        # kubectl get -o yaml
+        docs += [item for d in docs if d.get("kind") == "List" for item in d.get("items", [])]
         for doc in docs:
             if doc.get("kind") != "CustomResourceDefinition":
                 continue
@@ -226,7 +244,7 @@ def strict_schema(schema: dict) -> dict:
     def walk(node):
         if isinstance(node, dict):
             if ("properties" in node and "additionalProperties" not in node
-                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+                and not node.get("x-kubernetes-preserve-unknown-fields")):
                 node["additionalProperties"] = False
             for value in node.values():
                 walk(value)
@@ -245,37 +263,47 @@ def _strict_crds(crd_dir: str) -> dict[tuple[str, str], dict]:
 def _schema_errors(validator_cls, schema: dict, obj: dict) -> list[str]:
     validator = validator_cls(schema)
     return [f"{'.'.join(str(p) for p in e.absolute_path) or '(root)'}: {e.message}"
-            for e in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path)))]
+            for e in sorted(validator.iter_errors(obj),
+                            key=lambda e: list(map(str, e.absolute_path)))]
 
 
-def schema_problems(objects: dict[str, dict], crd_dir: str | Path | None) -> tuple[list[str], list[str]]:
+def schema_problems(objects: dict[str, dict],
+                    crd_dir: str | Path | None) -> tuple[list[str], list[str]]:
     """(problems, notes): schema errors per object, and which objects had no schema to check."""
     try:
         import jsonschema
         import kubernetes_validate
     except ImportError:
-        raise UserError("--check needs kubernetes-validate and jsonschema: pip install 'preftune[deploy]'") from None
+        raise UserError("--check needs kubernetes-validate and "
+                        "jsonschema: pip install 'preftune[deploy]'") from None
     crds = _strict_crds(str(Path(crd_dir).resolve())) if crd_dir else {}
     problems, notes = [], []
     for fname, obj in objects.items():
         where = f"{fname}: {_name(obj)}"
         key = (obj["apiVersion"], obj["kind"])
-        if "." not in obj["apiVersion"].split("/")[0]:  # the core and built-in groups (v1, batch/v1)
+        # the core and built-in groups (v1, batch/v1)
+        if "." not in obj["apiVersion"].split("/")[0]:
             try:
                 kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
             except kubernetes_validate.ValidationError as e:
                 problems.append(f"{where}: {'.'.join(map(str, e.path)) or '(root)'}: {e.message}")
         elif key in crds:
-            problems += [f"{where}: {m}" for m in _schema_errors(jsonschema.Draft7Validator, crds[key], obj)]
+            problems += [
+                f"{where}: {m}" for m in _schema_errors(jsonschema.Draft7Validator, crds[key], obj)
+            ]
         else:
-            notes.append(f"{where}: no CRD for {obj['apiVersion']} {obj['kind']}"
-                         + (f" in {crd_dir}" if crd_dir else " (pass --crd-dir)") + "; schema not checked")
+            notes.append(
+                f"{where}: no CRD for {obj['apiVersion']} {obj['kind']}"
+                + (f" in {crd_dir}" if crd_dir else " (pass --crd-dir)")
+                + "; schema not checked"
+            )
         if key == ("batch.volcano.sh/v1alpha1", "Job"):  # each task's pod as a core PodTemplate
             for task in obj["spec"].get("tasks", []):
-                pod = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": task["name"]},
-                       "template": task["template"]}
+                pod = {"apiVersion": "v1", "kind": "PodTemplate",
+                       "metadata": {"name": task["name"]}, "template": task["template"]}
                 try:
                     kubernetes_validate.validate(pod, KUBE_VERSION, strict=True)
                 except kubernetes_validate.ValidationError as e:
-                    problems.append(f"{where}: task {task['name']}: {'.'.join(map(str, e.path))}: {e.message}")
+                    problems.append(f"{where}: task {task['name']}: "
+                                    f"{'.'.join(map(str, e.path))}: {e.message}")
     return problems, notes

@@ -1,1 +1,2 @@
-"""After training: statistics of held-out results, the promotion gate, the model registry, `preftune eval`."""
+"""After training: statistics of held-out results, the promotion gate, the model registry, `preftune
+eval`."""

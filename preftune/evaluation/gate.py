@@ -1,11 +1,12 @@
 """The promotion gate: compare a checkpoint with a baseline on the same held-out prompts and decide.
 
-Figures per model: greedy `reward` (mean summed reward), `rewards/<fn>/mean`, `completions/mean_length`, and
-with eval.num_samples k > 1 the `sampled/…` figures (pass@k, mean@k of 0/1 rewards). The
-comparison is paired by prompt: improvement = mean over prompts of (checkpoint − baseline) greedy
-reward, with a one-sided percentile-bootstrap lower bound at `gate.confidence`; length growth =
-checkpoint / baseline mean greedy completion length. With held-out pairs (`evaluation/pairs.py`) the
-figures are TRL's DPO metrics and the paired series is 1/0 per pair ranked right (reward accuracy).
+Figures per model: greedy `reward` (mean summed reward), `rewards/<fn>/mean`,
+`completions/mean_length`, and with eval.num_samples k > 1 the `sampled/…` figures (pass@k, mean@k
+of 0/1 rewards). The comparison is paired by prompt: improvement = mean over prompts of (checkpoint
+− baseline) greedy reward, with a one-sided percentile-bootstrap lower bound at `gate.confidence`;
+length growth = checkpoint / baseline mean greedy completion length. With held-out pairs
+(`evaluation/pairs.py`) the figures are TRL's DPO metrics and the paired series is 1/0 per pair
+ranked right (reward accuracy).
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def check_gate(gate: GateConfig, has_baseline: bool, pairs: bool = False) -> Non
             raise UserError("needs a baseline: pass --baseline PATH", where=f"gate.{key}")
     if pairs and gate.min_reward is not None:
         raise UserError("scores generated completions, and data.eval is a pairs file: gate on "
-                        "gate.min_accuracy (the pairs' rewards/accuracies) instead", where="gate.min_reward")
+                        "gate.min_accuracy (the pairs' rewards/accuracies) instead",
+                        where="gate.min_reward")
     if pairs and gate.max_length_growth is not None:
         raise UserError("compares generated lengths, and held-out pairs generate nothing",
                         where="gate.max_length_growth")
@@ -59,12 +61,14 @@ def check_gate(gate: GateConfig, has_baseline: bool, pairs: bool = False) -> Non
 
 
 def decide(gate: GateConfig, ckpt: dict, comparison: dict | None) -> Verdict:
-    """Every set threshold must hold; the reason names each check that failed (or all that passed)."""
+    """Every set threshold must hold; the reason names each check that failed (or all that
+    passed)."""
     checks = []
 
     def check(name, value, threshold, ok, text):
         ok = ok and not (isinstance(value, float) and math.isnan(value))
-        checks.append({"name": name, "value": value, "threshold": threshold, "passed": bool(ok), "text": text})
+        checks.append({"name": name, "value": value, "threshold": threshold,
+                       "passed": bool(ok), "text": text})
 
     if gate.min_reward is not None:
         r = ckpt["reward"]
@@ -77,12 +81,14 @@ def decide(gate: GateConfig, ckpt: dict, comparison: dict | None) -> Verdict:
     if gate.min_improvement is not None:
         lo = comparison["improvement_lower"]
         check("min_improvement", lo, gate.min_improvement, lo > gate.min_improvement,
-              f"{_series(comparison)}improvement {comparison['improvement']:+.4f}, {gate.confidence:.0%} lower "
-              f"bound {lo:+.4f} vs gate.min_improvement {gate.min_improvement}")
+              f"{_series(comparison)}improvement {comparison['improvement']:+.4f}, "
+              f"{gate.confidence:.0%} lower bound {lo:+.4f} vs gate.min_improvement "
+              f"{gate.min_improvement}")
     if gate.max_length_growth is not None:
         g = comparison["length_growth"]
         check("max_length_growth", g, gate.max_length_growth, g <= gate.max_length_growth,
-              f"completion length growth {g:.3f}x vs gate.max_length_growth {gate.max_length_growth}")
+              f"completion length growth {g:.3f}x vs gate.max_length_growth "
+              f"{gate.max_length_growth}")
     failed = [c["text"] for c in checks if not c["passed"]]
     if failed:
         return Verdict(False, "failed: " + "; ".join(failed), checks)
@@ -96,7 +102,8 @@ def _series(comparison: dict) -> str:
 
 
 def data_fingerprint(path: str) -> str:
-    """sha256 over the training files: name + content for local files, name + size + ETag for remote ones."""
+    """sha256 over the training files: name + content for local files, name + size + ETag for remote
+    ones."""
     fs, files = resolve_files(path)
     h = hashlib.sha256()
     for f in files:

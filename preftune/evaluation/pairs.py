@@ -1,6 +1,6 @@
-"""`preftune eval` on held-out pairs: TRL's DPO metrics of a checkpoint (and a baseline) on the pairs
-of data.eval, against the reference the run trained from (model.name_or_path), as the held-out eval
-during DPO training reports them (`algorithms/dpo.py`, `evaluate_pairs`)."""
+"""`preftune eval` on held-out pairs: TRL's DPO metrics of a checkpoint (and a baseline) on the
+pairs of data.eval, against the reference the run trained from (model.name_or_path), as the held-out
+eval during DPO training reports them (`algorithms/dpo.py`, `evaluate_pairs`)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -19,7 +19,8 @@ def is_pairs_file(path: str | None) -> bool:
 
 
 @torch.no_grad()
-def reference_pairs(model, pairs: list[EncodedPair], micro_batch_size: int, pad_id: int, device) -> torch.Tensor:
+def reference_pairs(model, pairs: list[EncodedPair], micro_batch_size: int, pad_id: int,
+                    device) -> torch.Tensor:
     """(n, 2) summed [chosen, rejected] log-probs of the reference, in eval mode (as training's)."""
     model.eval()
     out = []
@@ -44,7 +45,8 @@ def pair_figures(cfg, paths: list[str], load: Callable, device) -> list[tuple[di
     for i, path in enumerate(paths):
         if i:
             model, _ = load(cfg, path, device)
-        figures, right = evaluate_pairs(model, pairs, ref, cfg.dpo, tok.pad_token_id, device, Parallel())
+        figures, right = evaluate_pairs(model, pairs, ref, cfg.dpo,
+                                        tok.pad_token_id, device, Parallel())
         out.append(({"num_pairs": len(pairs)} | figures, right))
         del model
     return out

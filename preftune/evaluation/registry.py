@@ -53,7 +53,9 @@ def append(url: str, record: dict) -> str:
         with fs.open(target, "wb") as f:  # a new, unique object: nothing existing is touched
             f.write(line.encode())
     except Exception as e:
-        raise UserError(f"cannot write registry record: {' '.join(str(e).split())[:300]}", where=url) from None
+        raise UserError(
+            f"cannot write registry record: {' '.join(str(e).split())[:300]}", where=url
+        ) from None
     return fs.unstrip_protocol(target)
 
 
@@ -65,9 +67,13 @@ def read(url: str) -> list[dict]:
         if fs.exists(path) and fs.isfile(path):
             texts.append(fs.cat_file(path).decode())
         if not _is_local(fs) and fs.exists(f"{path}.d"):
-            texts += [fs.cat_file(p).decode() for p in sorted(fs.find(f"{path}.d")) if p.endswith(".json")]
+            texts += [
+                fs.cat_file(p).decode() for p in sorted(fs.find(f"{path}.d")) if p.endswith(".json")
+            ]
     except Exception as e:
-        raise UserError(f"cannot read registry: {' '.join(str(e).split())[:300]}", where=url) from None
+        raise UserError(
+            f"cannot read registry: {' '.join(str(e).split())[:300]}", where=url
+        ) from None
     records = []
     for text in texts:
         for n, line in enumerate(text.splitlines(), 1):
@@ -86,8 +92,8 @@ def format_table(records: list[dict]) -> str:
     for r in records:
         m = r.get("metrics", {})
         imp = m.get("improvement")
-        lines.append(f"{str(r.get('time', ''))[:19]:<20}  {_num(m.get('reward'))}  "
-                     f"{_num(imp, 11)}  {r.get('model_path', '')}")
+        lines.append(f"{str(r.get('time', ''))[:19]:<20}  {_num(m.get('reward'))}  {_num(imp, 11)} "
+                     f" {r.get('model_path', '')}")
     return "\n".join(lines)
 
 

@@ -24,7 +24,8 @@ def is_binary(x: torch.Tensor) -> bool:
 
 def pass_and_mean_at_k(correct: torch.Tensor, k: int) -> tuple[float, float]:
     """correct: (n_prompts, n) 0/1 with NaN = not scored. Mean over prompts of pass@k and of the
-    share correct (mean@k), each prompt counting only its scored samples (prompts with < k are skipped)."""
+    share correct (mean@k), each prompt counting only its scored samples (prompts with < k are
+    skipped)."""
     passes, means = [], []
     for row in correct:
         v = row[~row.isnan()]
@@ -36,14 +37,18 @@ def pass_and_mean_at_k(correct: torch.Tensor, k: int) -> tuple[float, float]:
     return sum(passes) / len(passes), sum(means) / len(means)
 
 
-def bootstrap_mean_bounds(diffs: torch.Tensor, confidence: float, samples: int, seed: int) -> tuple[float, float]:
+def bootstrap_mean_bounds(diffs: torch.Tensor, confidence: float, samples: int,
+                          seed: int) -> tuple[float, float]:
     """Percentile bootstrap of the mean of paired differences (n,): the one-sided lower and upper
-    bounds at `confidence` (the (1 - c) and c quantiles of the resampled means). Resampling is seeded."""
+    bounds at `confidence` (the (1 - c) and c quantiles of the resampled means). Resampling is
+    seeded."""
     n = diffs.numel()
     if n == 0:
         return float("nan"), float("nan")
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, n, (samples, n), generator=g)  # (S, n)
     means = diffs.double()[idx].mean(1)  # (S,)
-    lo, hi = torch.quantile(means, torch.tensor([1 - confidence, confidence], dtype=torch.float64)).tolist()
+    lo, hi = torch.quantile(means,
+                            torch.tensor([1 - confidence, confidence],
+                                         dtype=torch.float64)).tolist()
     return lo, hi

@@ -2,8 +2,8 @@
 (what the config reads) imports no torch."""
 import importlib
 
-_HOMES = {"grpo_loss": "preftune.losses.grpo", "dpo_loss": "preftune.losses.dpo", "sft_loss": "preftune.losses.sft",
-          "kto_loss": "preftune.losses.kto"}
+_HOMES = {"grpo_loss": "preftune.losses.grpo", "dpo_loss": "preftune.losses.dpo",
+          "sft_loss": "preftune.losses.sft", "kto_loss": "preftune.losses.kto"}
 __all__ = list(_HOMES)
 
 

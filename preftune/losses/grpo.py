@@ -8,8 +8,9 @@ separate piece that can be read and tested on its own:
    gamma weight on REINFORCE (`vespo_weights`),
 3. the KL penalty (`k3_kl`),
 4. the aggregation: a mean over each sequence's tokens, or a sum over all tokens
-   (`AGGREGATION[loss_type]`, `aggregate`), divided by one normaliser (`local_normaliser`, or the whole
-   batch's). LUSPO is the clip surrogate with a token sum per sequence and a mean over sequences.
+   (`AGGREGATION[loss_type]`, `aggregate`), divided by one normaliser (`local_normaliser`, or the
+   whole batch's). LUSPO is the clip surrogate with a token sum per sequence and a mean over
+   sequences.
 
 A training loop that splits a generation batch into micro-batches (and ranks) passes the whole
 batch's normaliser (`batch_normaliser`): every micro-batch's loss is then its exact share, and the
@@ -24,11 +25,13 @@ import torch
 
 from preftune.losses.names import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 
-SURROGATE = {"grpo": "clip", "bnpo": "clip", "dr_grpo": "clip", "dapo": "clip", "cispo": "cispo", "sapo": "sapo",
-             "luspo": "clip", "vespo": "vespo"}
-AGGREGATION = {"grpo": "sequence", "sapo": "sequence", "bnpo": "token", "dapo": "token", "cispo": "token",
+SURROGATE = {"grpo": "clip", "bnpo": "clip", "dr_grpo": "clip", "dapo": "clip",
+             "cispo": "cispo", "sapo": "sapo", "luspo": "clip", "vespo": "vespo"}
+AGGREGATION = {"grpo": "sequence", "sapo": "sequence", "bnpo": "token",
+               "dapo": "token", "cispo": "token",
                "dr_grpo": "token", "luspo": "token", "vespo": "token"}
-VESPO_DEFAULTS = {"k_pos": 2.0, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 2.0}  # TRL 1.16's vespo_* defaults
+# TRL 1.16's vespo_* defaults
+VESPO_DEFAULTS = {"k_pos": 2.0, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 2.0}
 _LOG_W_MIN = math.log(1e-8)  # VESPO's floor on log w (its reference implementation's)
 
 
@@ -107,7 +110,8 @@ def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, advantages: torch
     sequence importance ratio w instead of a hard clip; no gradient flows through it:
 
         log w_i = clamp(sum_t m (clamp(log pi - log pi_old, -20, 20) + log rho_t), log 1e-8, 20)
-        phi_i   = exp(lambda + k log w_i - lambda w_i)   (= 1 at w = 1),  k, lambda by the sign of A_i (A >= 0: pos)
+        phi_i   = exp(lambda + k log w_i - lambda w_i)   (= 1 at w = 1),
+        k, lambda by the sign of A_i (A >= 0: pos)
 
     rho_t: the sampling engine's per-token importance weights (folded into w here, not multiplied
     into the loss; each log clamped to [log 1e-8, 20]). The loss is then -phi_i * A_i * log pi
@@ -115,7 +119,9 @@ def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, advantages: torch
     seq = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)  # (B, 1)
     if importance_weights is not None:
         log_rho = torch.log(importance_weights).clamp(_LOG_W_MIN, 20.0)  # (B, T) or (B, 1)
-        seq = seq + (log_rho * mask).sum(-1, keepdim=True) if log_rho.shape[-1] > 1 else seq + log_rho
+        seq = (
+            seq + (log_rho * mask).sum(-1, keepdim=True) if log_rho.shape[-1] > 1 else seq + log_rho
+        )
     log_w = seq.clamp(_LOG_W_MIN, 20.0)  # (B, 1)
     nonneg = advantages >= 0
     k = torch.where(nonneg, k_pos, k_neg).to(log_w.dtype)  # (B, 1)
@@ -124,7 +130,8 @@ def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, advantages: torch
     return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, how: str, normaliser) -> torch.Tensor:
+def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, how: str,
+              normaliser) -> torch.Tensor:
     """Reduce masked per-token terms l_{i,t} (m = mask) to a scalar, divided by `normaliser` N:
 
     sequence (GRPO, arXiv:2402.03300; SAPO):  sum_i [sum_t m l / max(|o_i|, 1)] / N
@@ -136,13 +143,15 @@ def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, how: str, normal
     return masked.sum() / normaliser
 
 
-def local_normaliser(loss_type: str, mask: torch.Tensor, *, num_items=None, max_completion_length: int | None = None):
+def local_normaliser(loss_type: str, mask: torch.Tensor, *, num_items=None,
+                     max_completion_length: int | None = None):
     """The aggregation's divisor for this (micro-)batch alone, TRL's rule per loss type (B rows):
 
         grpo, sapo:   B  (a mean over sequences)
         luspo:        B  (a mean over sequences of each one's token sum: LUSPO, arXiv:2602.05261)
         bnpo:         max(sum m, 1)  (a token mean over this batch)
-        dapo, cispo, vespo:  max(num_items, 1), num_items = the whole generation batch's tokens (default sum m)
+        dapo, cispo, vespo:  max(num_items, 1), num_items = the whole generation batch's tokens
+                  (default sum m)
         dr_grpo:      B * L_max, L_max = max_completion_length (default T; pass the configured
                       maximum so micro-batches agree; arXiv:2503.20783)"""
     rows = mask.shape[0]
@@ -155,7 +164,8 @@ def local_normaliser(loss_type: str, mask: torch.Tensor, *, num_items=None, max_
     return tokens.clamp(min=1.0)
 
 
-def batch_normaliser(loss_type: str, *, batch_seqs: int, batch_tokens: float, max_completion_length: int) -> float:
+def batch_normaliser(loss_type: str, *, batch_seqs: int, batch_tokens: float,
+                     max_completion_length: int) -> float:
     """The normaliser of a whole generation batch (sequences and unmasked completion tokens of every
     micro-batch and rank): with it each micro-batch's `grpo_loss` is its share of the batch's loss,
     so losses and gradients summed over micro-batches and ranks equal one pass over the batch
@@ -202,8 +212,8 @@ def _clip_metrics(
 
     low: r < 1 - eps_low with A < 0; high: r > 1 + eps_high with A > 0 (for cispo: r > eps_max
     with A > 0, as TRL's cispo_clip_ratio); region: either. Means are over unmasked tokens;
-    low_min / high_max are the extreme per-sequence fractions. sapo and vespo never hard-clip: zeros.
-    The raw ratio is used (TRL 1.16 tests it after the delta cap, which differs only if
+    low_min / high_max are the extreme per-sequence fractions. sapo and vespo never hard-clip:
+    zeros. The raw ratio is used (TRL 1.16 tests it after the delta cap, which differs only if
     delta < 1 + eps_high, against the recommended setting).
     """
     ratio = torch.exp(log_w)  # (B, T) or (B, 1)
@@ -227,9 +237,11 @@ def _clip_metrics(
     return {f"clip_ratio/{k}": v for k, v in zip(CLIP_KEYS, values)}
 
 
-def _validate(loss_type, importance_sampling_level, beta, ref_logps, epsilon_high, logps, advantages, mask):
+def _validate(loss_type, importance_sampling_level, beta, ref_logps, epsilon_high,
+              logps, advantages, mask):
     _check_choice("loss_type", loss_type, LOSS_TYPES)
-    _check_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+    _check_choice("importance_sampling_level", importance_sampling_level,
+                  IMPORTANCE_SAMPLING_LEVELS)
     if beta < 0:
         raise ValueError(f"beta must be >= 0, got {beta}")
     if beta > 0 and ref_logps is None:
@@ -237,11 +249,14 @@ def _validate(loss_type, importance_sampling_level, beta, ref_logps, epsilon_hig
     if loss_type == "cispo" and epsilon_high is None:
         # For cispo epsilon_high is an absolute cap on r, so defaulting it to epsilon (0.2) would
         # silently scale every update down 5x. ScaleRL (arXiv:2510.13786) recommends 5.0.
-        raise ValueError("loss_type 'cispo' needs epsilon_high (the cap eps_max on the ratio, e.g. 5.0)")
+        raise ValueError("loss_type 'cispo' needs epsilon_high "
+                         "(the cap eps_max on the ratio, e.g. 5.0)")
     if logps.dim() != 2 or mask.shape != logps.shape:
-        raise ValueError(f"logps and mask must both be (B, T); got {tuple(logps.shape)} and {tuple(mask.shape)}")
+        raise ValueError("logps and mask must both be (B, T); got "
+                         f"{tuple(logps.shape)} and {tuple(mask.shape)}")
     if advantages.shape != logps.shape[:1]:
-        raise ValueError(f"advantages must be (B,) = ({logps.shape[0]},); got {tuple(advantages.shape)}")
+        raise ValueError(f"advantages must be (B,) = ({logps.shape[0]},); got "
+                         f"{tuple(advantages.shape)}")
 
 
 def grpo_loss(
@@ -293,7 +308,8 @@ def grpo_loss(
     and clip_ratio/{low_mean, high_mean, region_mean, low_min, high_max}, see `_clip_metrics`;
     vespo also vespo/phi_seq_mean (the mean of phi over sequences).
     """
-    _validate(loss_type, importance_sampling_level, beta, ref_logps, epsilon_high, logps, advantages, mask)
+    _validate(loss_type, importance_sampling_level, beta, ref_logps, epsilon_high,
+              logps, advantages, mask)
     # At least float32: a bf16 mask cannot count past 256 tokens exactly, nor hold ratios near 1.
     dtype = torch.promote_types(logps.dtype, torch.float32)
     logps, mask = logps.to(dtype), mask.to(dtype)
@@ -302,18 +318,24 @@ def grpo_loss(
     eps_high = epsilon if epsilon_high is None else epsilon_high
     adv = advantages.to(dtype).unsqueeze(-1)  # (B, 1)
 
-    log_w = importance_log_ratio(logps, old_logps, mask, importance_sampling_level)  # (B, T) or (B, 1)
+    # (B, T) or (B, 1)
+    log_w = importance_log_ratio(logps, old_logps, mask, importance_sampling_level)
     extra = {}
     if loss_type == "vespo":
-        phi = vespo_weights(logps.detach() - old_logps, mask, adv, **(VESPO_DEFAULTS | (vespo or {})),
-                            importance_weights=None if importance_weights is None else importance_weights.to(dtype))
+        phi = vespo_weights(
+            logps.detach() - old_logps,
+            mask,
+            adv,
+            **(VESPO_DEFAULTS | (vespo or {})),
+            importance_weights=None if importance_weights is None else importance_weights.to(dtype),
+        )
         per_token = -phi * adv * logps  # (B, T)
         extra["vespo/phi_seq_mean"] = phi.mean()
     else:
-        per_token = policy_surrogate(
-            log_w, logps, adv, SURROGATE[loss_type], epsilon_low=epsilon, epsilon_high=eps_high, delta=delta,
-            sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-        )
+        per_token = policy_surrogate(log_w, logps, adv, SURROGATE[loss_type], epsilon_low=epsilon,
+                                     epsilon_high=eps_high, delta=delta,
+                                     sapo_temperature_pos=sapo_temperature_pos,
+                                     sapo_temperature_neg=sapo_temperature_neg)
         if importance_weights is not None:
             per_token = per_token * importance_weights.to(dtype)  # (B, T)
     kl_metric = mask.new_zeros(())
@@ -326,7 +348,8 @@ def grpo_loss(
     n = normaliser if normaliser is not None else local_normaliser(
         loss_type, mask, num_items=num_items, max_completion_length=max_completion_length)
     loss = aggregate(per_token, mask, AGGREGATION[loss_type], n)
-    metrics = {"kl": kl_metric, **_clip_metrics(log_w.detach(), adv, mask, loss_type, epsilon, eps_high), **extra}
+    metrics = {"kl": kl_metric,
+               **_clip_metrics(log_w.detach(), adv, mask, loss_type, epsilon, eps_high), **extra}
     if not sync_metrics:
         return loss, metrics
     values = torch.stack(list(metrics.values())).tolist()  # one device sync for all metrics

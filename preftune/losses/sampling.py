@@ -34,14 +34,19 @@ def importance_weights(old_logps: torch.Tensor, sampling_logps: torch.Tensor, ma
     old_logps: the trainer's log-probs at the sampling weights (B, T); sampling_logps: the
     engine's (B, T); mask (B, T) 1 for counted tokens. No gradient flows through w."""
     if mode not in IS_MODES:
-        raise ValueError(f"unknown importance sampling mode {mode!r}; expected one of {', '.join(IS_MODES)}")
+        raise ValueError(f"unknown importance sampling mode {mode!r}; expected one of "
+                         f"{', '.join(IS_MODES)}")
     compared = _compared(old_logps, sampling_logps, mask)  # (B, T)
     diff = torch.where(compared, old_logps.detach() - sampling_logps, 0.0)  # (B, T)
     if mode.startswith("sequence"):
         diff = diff.sum(-1, keepdim=True)  # (B, 1)
     rho = torch.exp(diff)
     if mode.endswith("truncate"):
-        return rho.clamp(min=clip_min, max=clip_max) if clip_min is not None or clip_max is not None else rho
+        return (
+            rho.clamp(min=clip_min, max=clip_max)
+            if clip_min is not None or clip_max is not None
+            else rho
+        )
     lo = -math.inf if clip_min is None else clip_min
     hi = math.inf if clip_max is None else clip_max
     return rho.masked_fill((rho < lo) | (rho > hi), 0.0)
@@ -64,6 +69,7 @@ def mismatch_stats(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: 
             "ratio_max": flat.max() if flat.numel() else flat.new_full((), -math.inf)}
 
 
-def _compared(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _compared(old_logps: torch.Tensor, sampling_logps: torch.Tensor,
+              mask: torch.Tensor) -> torch.Tensor:
     """Counted tokens with both log-probs finite (B, T) bool."""
     return mask.bool() & torch.isfinite(old_logps.detach()) & ~torch.isnan(sampling_logps)

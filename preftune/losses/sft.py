@@ -15,8 +15,8 @@ import torch
 
 
 def sft_loss(logps: torch.Tensor, mask: torch.Tensor, num_items: int | float) -> torch.Tensor:
-    """logps, mask: (B, T) per-token log-probs and completion mask (any equal shapes, e.g. flat (N,));
-    num_items: completion tokens of the optimiser batch (>= 1). Returns a scalar."""
+    """logps, mask: (B, T) per-token log-probs and completion mask (any equal shapes, e.g. flat
+    (N,)); num_items: completion tokens of the optimiser batch (>= 1). Returns a scalar."""
     if num_items <= 0:
         raise ValueError("num_items must be positive")
     return -(logps * mask).sum() / num_items

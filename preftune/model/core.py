@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from preftune.model.head import head_logps
-from preftune.model.ops import (KVBuffers, RMSNorm, Rotary, addmm, attend, cast, joined, merged, rms, rotate_half,
-                                rotate_half_step)
+from preftune.model.ops import (KVBuffers, RMSNorm, Rotary, addmm, attend, cast, joined,
+                                merged, rms, rotate_half, rotate_half_step)
 
 
 def common_unsupported(config, architectures: tuple[str, ...]) -> str | None:
@@ -81,26 +81,38 @@ class Attention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             setattr(self, name, linear_like(getattr(like, name)))
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if hasattr(like, "q_norm") else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if hasattr(like, "k_norm") else None
+        self.q_norm = (
+            RMSNorm(self.head_dim, config.rms_norm_eps) if hasattr(like, "q_norm") else None
+        )
+        self.k_norm = (
+            RMSNorm(self.head_dim, config.rms_norm_eps) if hasattr(like, "k_norm") else None
+        )
 
     def forward(self, x, cos, sin, mask, kv=None, layer: int = 0, start: int = 0) -> torch.Tensor:
         """x (B, L, H) -> attention output (B, L, H). With `kv`, keys/values go to columns
         start..start+L-1 of layer `layer`'s cache and attention runs over columns 0..start+L-1."""
         B, L, _ = x.shape
         d = self.head_dim
-        q, k, v = (p(x).view(B, L, -1, d) for p in (self.q_proj, self.k_proj, self.v_proj))  # (B, L, h, d)
+        # (B, L, h, d)
+        q, k, v = (p(x).view(B, L, -1, d) for p in (self.q_proj, self.k_proj, self.v_proj))
         if self.q_norm is not None:  # Qwen3 normalises each head's q and k before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = self.rotate(q, cos, sin).transpose(1, 2), self.rotate(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
+        q, k, v = (
+            self.rotate(q, cos, sin).transpose(1, 2),
+            self.rotate(k, cos, sin).transpose(1, 2),
+            v.transpose(1, 2),
+        )
         if kv is not None:
             kv.keys[layer, :, :, start:start + L], kv.values[layer, :, :, start:start + L] = k, v
-            k, v = kv.keys[layer, :, :, :start + L], kv.values[layer, :, :, :start + L]  # (B, nkv, S, d)
+            # (B, nkv, S, d)
+            k, v = kv.keys[layer, :, :, :start + L], kv.values[layer, :, :, :start + L]
         return self.o_proj(attend(q, k, v, mask))  # (B, L, H)
 
     def fused(self, dtype: torch.dtype) -> dict:
-        (qkv, qkv_bias), (o, o_bias) = joined((self.q_proj, self.k_proj, self.v_proj), dtype), merged(self.o_proj)
-        return {"qkv": qkv, "qkv_bias": qkv_bias, "o": cast(o, dtype), "o_bias": cast(o_bias, dtype),
+        (qkv, qkv_bias), (o, o_bias) = joined((self.q_proj, self.k_proj, self.v_proj),
+                                              dtype), merged(self.o_proj)
+        return {"qkv": qkv, "qkv_bias": qkv_bias, "o": cast(o, dtype),
+                "o_bias": cast(o_bias, dtype),
                 "q_norm": self.q_norm and cast(self.q_norm.weight, dtype),
                 "k_norm": self.k_norm and cast(self.k_norm.weight, dtype)}
 
@@ -112,7 +124,8 @@ class Attention(nn.Module):
         q, k, v = qkv.view(n, nh + 2 * nkv, d).split((nh, nkv, nkv), 1)
         if w["q_norm"] is not None:
             q, k = rms(q, w["q_norm"], eps), rms(k, w["k_norm"], eps)
-        q, k = self.rotate_step(q, s.cos, s.sin), self.rotate_step(k, s.cos, s.sin)  # (n, nh | nkv, d)
+        # (n, nh | nkv, d)
+        q, k = self.rotate_step(q, s.cos, s.sin), self.rotate_step(k, s.cos, s.sin)
         s.kv.keys[layer, :, :, s.col], s.kv.values[layer, :, :, s.col] = k, v
         keys = s.kv.keys[layer, :, :, :s.S].reshape(n * nkv, s.S, d)  # a view: rows and heads merge
         values = s.kv.values[layer, :, :, :s.S].reshape(n * nkv, s.S, d)  # (n nkv, S, d)
@@ -134,7 +147,8 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def fused(self, dtype: torch.dtype) -> dict:
-        (gate_up, gate_up_bias), (down, down_bias) = joined((self.gate_proj, self.up_proj), dtype), \
+        (gate_up, gate_up_bias), (down,
+                                  down_bias) = joined((self.gate_proj, self.up_proj), dtype), \
             merged(self.down_proj)
         return {"gate_up": gate_up, "gate_up_bias": gate_up_bias, "down": cast(down, dtype),
                 "down_bias": cast(down_bias, dtype)}
@@ -146,7 +160,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """A pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). `attention`, `mlp`: the family's."""
+    """A pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). `attention`, `mlp`: the
+    family's."""
 
     def __init__(self, config, attention: nn.Module, mlp: nn.Module):
         super().__init__()
@@ -169,7 +184,9 @@ class Block(nn.Module):
     def step(self, x: torch.Tensor, w: dict, s: Step, layer: int) -> torch.Tensor:
         """One token per row through the block: residual adds inside the projections' matmuls."""
         eps = w["eps"]
-        x = addmm(x, self.self_attn.step(rms(x, w["norm1"], eps).to(s.low), w, s, layer, eps), w["o"], w["o_bias"])
+        x = addmm(x,
+                  self.self_attn.step(rms(x, w["norm1"], eps).to(s.low), w, s, layer,
+                                      eps), w["o"], w["o_bias"])
         return self.mlp.step(x, rms(x, w["norm2"], eps).to(s.low), w)  # (n, H)
 
 
@@ -191,7 +208,8 @@ class CausalLM(nn.Module):
 
     ARCHITECTURES: tuple[str, ...] = ()
     PROJECTIONS: tuple[str, ...] = ()
-    generation_config = None  # the folder's GenerationConfig (model/load.py), written back by save_pretrained
+    # the folder's GenerationConfig (model/load.py), written back by save_pretrained
+    generation_config = None
     rotary = Rotary
 
     def __init__(self, config, *, autocast_dtype: torch.dtype | None = None):
@@ -213,14 +231,16 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (B, L, 1, r) for position ids (B, L), as the module's rotary embedding computes them."""
+        """cos, sin (B, L, 1, r) for position ids (B, L), as the module's rotary embedding computes
+        them."""
         cos, sin = self.model.rotary_emb(self.model.embed_tokens.weight[:1], positions)  # (B, L, r)
         return cos.unsqueeze(2), sin.unsqueeze(2)
 
     def hidden(self, ids, positions, mask=None, kv=None, start: int = 0) -> torch.Tensor:
         """Hidden states before the final norm (B, L, H). mask: boolean (B, 1, L, S), True where a
         query may attend a key, or None for plain causal attention over the L tokens."""
-        if mask is not None and ids.size(1) > 1:  # SDPA turns a boolean mask additive: once, not per layer
+        # SDPA turns a boolean mask additive: once, not per layer
+        if mask is not None and ids.size(1) > 1:
             mask = torch.zeros(mask.shape, dtype=self.model.embed_tokens.weight.dtype,
                                device=ids.device).masked_fill_(~mask, float("-inf"))
         cos, sin = self.rope(positions)
@@ -232,12 +252,15 @@ class CausalLM(nn.Module):
                 x = block(x, cos, sin, mask, kv, i, start)
         return x
 
-    def forward(self, ids, positions, mask=None, *, kv=None, index=None, targets=None, temperature: float = 1.0,
-                with_entropy: bool = False, top_k: int = 0, top_p: float = 1.0, stats: bool = False):
+    def forward(self, ids, positions, mask=None, *, kv=None, index=None, targets=None,
+                temperature: float = 1.0,
+                with_entropy: bool = False, top_k: int = 0,
+                top_p: float = 1.0, stats: bool = False):
         """Log-probs (K,) of `targets` (K,) predicted at flat positions `index` (K,) of the rows
         (R, L), and optionally the entropy; the final norm and the (chunked) vocabulary projection
         run here, inside the root module, so a sharded head is whole for them. Without `index`, the
-        hidden states (a prefill writing `kv`). Every pass enters here: FSDP2 runs the root's hooks."""
+        hidden states (a prefill writing `kv`). Every pass enters here: FSDP2 runs the root's
+        hooks."""
         if index is None:
             return self.hidden(ids, positions, mask, kv=kv)  # (R, L, H)
         # index_select, not h[index]: a trunk's last token predicts every branch's first token, so
@@ -262,7 +285,8 @@ class CausalLM(nn.Module):
         """Each block's weights for `step` (`Block.fused`), read once per rollout."""
         return [block.fused(dtype) for block in self.model.layers]
 
-    def step(self, tok, cos, sin, mask, kv: KVBuffers, col: int, weights: list[dict]) -> torch.Tensor:
+    def step(self, tok, cos, sin, mask, kv: KVBuffers, col: int,
+             weights: list[dict]) -> torch.Tensor:
         """One new token per row -> logits (n, V). tok (n,); cos, sin (n, r), the new positions'
         rotary rows; mask (n, S) boolean over cache columns 0..col (S = col + 1), the new one
         included. Residual adds run inside the projections' matmuls (addmm) and attention is one
@@ -273,11 +297,15 @@ class CausalLM(nn.Module):
         if S != col + 1:  # wider would read unwritten columns
             raise ValueError(f"step: the mask covers {S} columns, the cache {col + 1}")
         low = weights[0]["qkv"].dtype
-        bias = torch.zeros(mask.shape, dtype=low, device=tok.device).masked_fill_(~mask, float("-inf"))  # (n, S)
-        bias = bias[:, None, None].expand(n, nkv, 1, S).reshape(n * nkv, 1, S)  # each key head's rows
+        # (n, S)
+        bias = torch.zeros(mask.shape, dtype=low,
+                           device=tok.device).masked_fill_(~mask, float("-inf"))
+        # each key head's rows
+        bias = bias[:, None, None].expand(n, nkv, 1, S).reshape(n * nkv, 1, S)
         s = Step(n, S, col, bias, cos[:, None].to(low), sin[:, None].to(low), kv, low,
                  torch.promote_types(low, torch.float32))  # softmax at least in float32
-        x = F.embedding(tok, self.model.embed_tokens.weight)  # (n, H): the residual in the master dtype
+        # (n, H): the residual in the master dtype
+        x = F.embedding(tok, self.model.embed_tokens.weight)
         for i, (block, w) in enumerate(zip(self.model.layers, weights)):
             x = block.step(x, w, s, i)
         return F.linear(rms(x, self.model.norm.weight, self.model.norm.eps).to(low),
@@ -296,7 +324,8 @@ class CausalLM(nn.Module):
 
     @classmethod
     def hf_state(cls, state: dict, config) -> dict:
-        """A checkpoint's tensors under this model's names (a family with older layouts converts)."""
+        """A checkpoint's tensors under this model's names (a family with older layouts
+        converts)."""
         return state
 
     @classmethod
@@ -304,8 +333,12 @@ class CausalLM(nn.Module):
                         weights: bool = True) -> "CausalLM":
         """The model of a Hugging Face folder (the safetensors files `weight_files` names); without
         `weights`, on the meta device (shapes only: FSDP2 ranks receive their shards)."""
-        with _default_dtype(dtype), torch.device("meta") if not weights else contextlib.nullcontext():
-            model = cls(config, autocast_dtype=autocast_dtype)  # parameters in `dtype`, rotary tables float32
+        with (
+            _default_dtype(dtype),
+            torch.device("meta") if not weights else contextlib.nullcontext(),
+        ):
+            # parameters in `dtype`, rotary tables float32
+            model = cls(config, autocast_dtype=autocast_dtype)
         if not weights:
             return model
         from safetensors.torch import load_file
@@ -318,11 +351,12 @@ class CausalLM(nn.Module):
         missing, unexpected = model.load_state_dict(cls.hf_state(state, config), strict=False)
         missing = [k for k in missing if not (model.tied and k == "lm_head.weight")]
         if missing or unexpected:
-            raise KeyError(f"weights do not fit {config.model_type}: missing {missing[:3]}, unexpected "
-                           f"{unexpected[:3]}")
+            raise KeyError(f"weights do not fit {config.model_type}: missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]}")
         return model
 
-    def save_pretrained(self, out: str | Path, *, safe_serialization: bool = True, state_dict=None) -> None:
+    def save_pretrained(self, out: str | Path, *, safe_serialization: bool = True,
+                        state_dict=None) -> None:
         """config.json and model.safetensors, as `from_pretrained` of transformers reads them."""
         from safetensors.torch import save_file
 
@@ -331,8 +365,8 @@ class CausalLM(nn.Module):
         state = dict(self.state_dict() if state_dict is None else state_dict)
         if self.tied:
             state.pop("lm_head.weight", None)
-        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file({k: v.detach().contiguous() for k, v in state.items()},
+                  str(out / "model.safetensors"), metadata={"format": "pt"})
         self.config.save_pretrained(str(out))
         dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
         cfg = json.loads((out / "config.json").read_text())

@@ -7,7 +7,9 @@ from preftune.model.glm4 import Glm4
 from preftune.model.llama import Llama
 from preftune.model.qwen3_moe import Qwen3Moe
 
-FAMILIES: dict[str, type[CausalLM]] = {t: cls for cls in (Llama, Glm4, Qwen3Moe) for t in cls.ARCHITECTURES}
+FAMILIES: dict[str, type[CausalLM]] = {
+    t: cls for cls in (Llama, Glm4, Qwen3Moe) for t in cls.ARCHITECTURES
+}
 
 
 def own_class(config) -> type[CausalLM] | None:
@@ -20,5 +22,6 @@ def unsupported(config) -> str | None:
     """Why the own module cannot run a model of `config`, or None."""
     cls = FAMILIES.get(getattr(config, "model_type", None))
     if cls is None:
-        return f"model_type {getattr(config, 'model_type', None)!r} (own module: {', '.join(sorted(FAMILIES))})"
+        own = ", ".join(sorted(FAMILIES))
+        return f"model_type {getattr(config, 'model_type', None)!r} (own module: {own})"
     return cls.unsupported(config)

@@ -26,16 +26,20 @@ class FusedMLP(nn.Module):
 
     def __init__(self, like):
         super().__init__()
-        self.gate_up_proj, self.down_proj = linear_like(like.gate_up_proj), linear_like(like.down_proj)
+        self.gate_up_proj, self.down_proj = (
+            linear_like(like.gate_up_proj),
+            linear_like(like.down_proj),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(up * F.silu(gate))
 
     def fused(self, dtype: torch.dtype) -> dict:
-        (gate_up, gate_up_bias), (down, down_bias) = merged(self.gate_up_proj), merged(self.down_proj)
-        return {"gate_up": cast(gate_up, dtype), "gate_up_bias": cast(gate_up_bias, dtype), "down": cast(down, dtype),
-                "down_bias": cast(down_bias, dtype)}
+        (gate_up, gate_up_bias), (down,
+                                  down_bias) = merged(self.gate_up_proj), merged(self.down_proj)
+        return {"gate_up": cast(gate_up, dtype), "gate_up_bias": cast(gate_up_bias, dtype),
+                "down": cast(down, dtype), "down_bias": cast(down_bias, dtype)}
 
     def step(self, residual: torch.Tensor | None, h: torch.Tensor, w: dict) -> torch.Tensor:
         gate, up = addmm(w["gate_up_bias"], h, w["gate_up"]).chunk(2, -1)
@@ -51,7 +55,8 @@ class PostNormBlock(Block):
         self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, kv=None, layer: int = 0, start: int = 0) -> torch.Tensor:
-        x = x + self.post_self_attn_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, layer, start))
+        x = x + self.post_self_attn_layernorm(self.self_attn(self.input_layernorm(x), cos, sin,
+                                                             mask, kv, layer, start))
         return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x)))
 
     def fused(self, dtype: torch.dtype) -> dict:
@@ -62,14 +67,17 @@ class PostNormBlock(Block):
         eps = w["eps"]
         a = self.self_attn.step(rms(x, w["norm1"], eps).to(s.low), w, s, layer, eps)  # (n, nh d)
         x = x + rms(addmm(None, a, w["o"], w["o_bias"]), w["post_attn"], eps)
-        return x + rms(self.mlp.step(None, rms(x, w["norm2"], eps).to(s.low), w), w["post_mlp"], eps)  # (n, H)
+        # (n, H)
+        return x + rms(self.mlp.step(None, rms(x, w["norm2"], eps).to(s.low),
+                                     w), w["post_mlp"], eps)
 
 
 class Glm4(CausalLM):
     """A GLM-4 causal LM with the Hugging Face parameter names."""
 
     ARCHITECTURES = ("glm4",)
-    PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")  # every linear but the head
+    # every linear but the head
+    PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
 
     def block(self, like, config, index: int) -> Block:
         return PostNormBlock(config, PairAttention(like.self_attn, config), FusedMLP(like.mlp))

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-CHUNK_ELEMENTS = 1 << 25  # logits per chunk (128 MB in float32: ~220 rows of a 150k vocabulary, 1k of 32k)
+# logits per chunk (128 MB in float32: ~220 rows of a 150k vocabulary, 1k of 32k)
+CHUNK_ELEMENTS = 1 << 25
 STATS = ("entropy", "mean_logit", "top1", "log_sum_sq_probs")  # `token_stats`' columns
 
 
@@ -43,7 +44,9 @@ def head_logps(hidden: torch.Tensor, head, targets: torch.Tensor, *, temperature
     logps, more = _ChunkedHead.apply(flat, weight, targets.reshape(rows), temperature, chunk, extra)
     if not extra:
         return logps.view(targets.shape), None
-    return logps.view(targets.shape), more.view(*targets.shape, len(STATS)) if stats else more.view(targets.shape)
+    return logps.view(targets.shape), more.view(*targets.shape, len(STATS)) if stats else more.view(
+        targets.shape
+    )
 
 
 class _ChunkedHead(torch.autograd.Function):
@@ -55,11 +58,14 @@ class _ChunkedHead(torch.autograd.Function):
         K = hidden.size(0)
         logps = hidden.new_empty(K, dtype=torch.promote_types(hidden.dtype, torch.float32))  # (K,)
         lse = torch.empty_like(logps)
-        entropy = logps.new_zeros(K, len(STATS)) if extra == 2 else torch.zeros_like(logps)  # (K, 4) or (K,)
+        # (K, 4) or (K,)
+        entropy = logps.new_zeros(K, len(STATS)) if extra == 2 else torch.zeros_like(logps)
         for s in range(0, K, chunk):
             logits = _logits(hidden[s:s + chunk], weight, temperature)  # (c, V)
             lse[s:s + chunk] = logits.logsumexp(-1)  # (c,)
-            logps[s:s + chunk] = logits.gather(1, targets[s:s + chunk, None]).squeeze(1) - lse[s:s + chunk]
+            logps[s:s + chunk] = logits.gather(1,
+                                               targets[s:s + chunk,
+                                                       None]).squeeze(1) - lse[s:s + chunk]
             if extra == 2:
                 entropy[s:s + chunk] = token_stats(logits, targets[s:s + chunk], lse[s:s + chunk])
             elif extra:
@@ -80,10 +86,14 @@ class _ChunkedHead(torch.autograd.Function):
         with torch.autocast(device, dtype=dtype, enabled=enabled):  # the forward's precision
             for s in range(0, hidden.size(0), ctx.chunk):
                 h, g = hidden[s:s + ctx.chunk], grad[s:s + ctx.chunk]
-                probs = (_logits(h, weight, ctx.temperature) - lse[s:s + ctx.chunk, None]).exp_()  # (c, V) softmax
+                # (c, V) softmax
+                probs = (_logits(h, weight, ctx.temperature) - lse[s:s + ctx.chunk, None]).exp_()
                 d_logits = probs.mul_(-g[:, None])
                 d_logits[torch.arange(h.size(0), device=h.device), targets[s:s + ctx.chunk]] += g
-                d_logits = (d_logits if ctx.temperature == 1.0 else d_logits / ctx.temperature).to(h.dtype)  # (c, V)
+                # (c, V)
+                d_logits = (d_logits if ctx.temperature == 1.0 else d_logits / ctx.temperature).to(
+                    h.dtype
+                )
                 if d_hidden is not None:
                     d_hidden[s:s + ctx.chunk] = d_logits @ weight.to(d_logits.dtype)  # (c, H)
                 if d_weight is not None and not enabled and d_logits.dtype == weight.dtype:
@@ -99,8 +109,8 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> t
     return logits if temperature == 1.0 else logits / temperature
 
 @torch.no_grad()
-def sampling_logps(hidden: torch.Tensor, head, targets: torch.Tensor, temperature: float, top_k: int,
-                   top_p: float) -> torch.Tensor:
+def sampling_logps(hidden: torch.Tensor, head, targets: torch.Tensor,
+                   temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """log of the distribution a sampler draws from with temperature, top-k and top-p: the
     softmax of logits/T over the tokens `filter_logits` keeps (-inf for a target it drops).
     Row chunks of CHUNK_ELEMENTS logits; no gradient (it is a behaviour policy, not a loss term)."""
@@ -108,9 +118,14 @@ def sampling_logps(hidden: torch.Tensor, head, targets: torch.Tensor, temperatur
     V = getattr(head, "weight", hidden.new_empty(1, 1)).size(0)
     chunk, out = max(1, CHUNK_ELEMENTS // max(V, 1)), []
     for s in range(0, flat.size(0), chunk):
-        logits = filter_logits(upcast_logits(head(flat[s:s + chunk])) / temperature, top_k, top_p)  # (c, V)
+        # (c, V)
+        logits = filter_logits(upcast_logits(head(flat[s:s + chunk])) / temperature, top_k, top_p)
         out.append(token_logps(logits, tgt[s:s + chunk])[0])  # (c,)
-    return torch.cat(out).view(targets.shape) if out else flat.new_zeros(targets.shape, dtype=torch.float32)
+    return (
+        torch.cat(out).view(targets.shape)
+        if out
+        else flat.new_zeros(targets.shape, dtype=torch.float32)
+    )
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -137,15 +152,16 @@ def upcast_logits(logits: torch.Tensor) -> torch.Tensor:
 def token_stats(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """Per position, no gradient, the columns of STATS: the entropy lse - sum_v p_v z_v; the mean
     logit over the vocabulary (TRL's `logits/*`); 1 where the target is the argmax (TRL's
-    `mean_token_accuracy`); log sum_v p_v^2 = logsumexp(2 z) - 2 lse (WPO's weight, arXiv:2406.11827).
-    logits (..., V), targets (...), lse (...) -> (..., 4)."""
+    `mean_token_accuracy`); log sum_v p_v^2 = logsumexp(2 z) - 2 lse (WPO's weight,
+    arXiv:2406.11827). logits (..., V), targets (...), lse (...) -> (..., 4)."""
     entropy = lse - (torch.softmax(logits, -1) * logits).sum(-1)  # (...)
     top1 = (logits.argmax(-1) == targets).to(logits.dtype)  # (...)
     log_sum_sq = torch.logsumexp(2 * logits, -1) - 2 * lse  # (...)
     return torch.stack([entropy, logits.mean(-1), top1, log_sum_sq], -1)  # (..., 4)
 
 
-def token_logps(logits: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool = False, stats: bool = False):
+def token_logps(logits: torch.Tensor, targets: torch.Tensor, *,
+                with_entropy: bool = False, stats: bool = False):
     """log softmax(logits)[target] = logit - logsumexp, and optionally the entropy (no gradient),
     or with `stats` every column of `token_stats`. logits (..., V), targets (...) -> (...), (...)
     or (..., 4) or None."""

@@ -10,13 +10,15 @@ from preftune.model.core import MLP, Attention, Block, CausalLM
 class Llama(CausalLM):
     """A Llama-family causal LM with the Hugging Face parameter names."""
 
-    ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # model_type values this family implements
+    # model_type values this family implements
+    ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
     # every linear but the head (LoRA's "all-linear")
     PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
     @classmethod
     def unsupported(cls, config) -> str | None:
-        """Why this family cannot run a model of `config` (then the Hugging Face module does), or None."""
+        """Why this family cannot run a model of `config` (then the Hugging Face module does), or
+        None."""
         why = super().unsupported(config)
         mistral_window = config.model_type == "mistral" and getattr(config, "sliding_window", None)
         if why is None and (getattr(config, "use_sliding_window", False) or mistral_window):

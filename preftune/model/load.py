@@ -19,9 +19,11 @@ from preftune.errors import UserError, one_line
 from preftune.model.core import CausalLM
 from preftune.model.families import own_class, unsupported
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the names of CHOICES["model.dtype"]
+# the names of CHOICES["model.dtype"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 log = logging.getLogger(__name__)
-# Hugging Face modules loaded with float32 masters for bf16 compute (preftune's own module says so itself)
+# Hugging Face modules loaded with float32 masters for bf16 compute (preftune's own module says so
+# itself)
 _MIXED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -29,8 +31,10 @@ _MIXED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _load_errors() -> tuple[type[BaseException], ...]:
     from safetensors import SafetensorError
 
-    # UnpicklingError: a pytorch_model.bin that torch.load(weights_only=True) refuses (arbitrary objects)
-    return (OSError, ValueError, KeyError, EnvironmentError, SafetensorError, pickle.UnpicklingError)
+    # UnpicklingError: a pytorch_model.bin that torch.load(weights_only=True) refuses (arbitrary
+    # objects)
+    return (OSError, ValueError, KeyError, EnvironmentError, SafetensorError,
+            pickle.UnpicklingError)
 
 
 def check_model_path(path: str) -> str:
@@ -38,9 +42,11 @@ def check_model_path(path: str) -> str:
     relative to the config file by `config.resolve_local` (the one place paths are resolved)."""
     where = "model.name_or_path"
     if not os.path.exists(path):
-        raise UserError(f"model folder not found: {path} (no model hub here: give a local folder)", where=where)
+        raise UserError(f"model folder not found: {path} (no model hub here: give a local folder)",
+                        where=where)
     if not os.path.isdir(path):
-        raise UserError(f"{path} is a file; give the model's folder (with config.json and *.safetensors)",
+        raise UserError(f"{path} is a file; give the model's folder "
+                        "(with config.json and *.safetensors)",
                         where=where)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise UserError(f"{path} has no config.json: not a Hugging Face model folder", where=where)
@@ -50,10 +56,15 @@ def check_model_path(path: str) -> str:
 
 
 def weights_signature(path: str) -> str:
-    """Name, size and mtime of the model's weight files: a folder whose weights were replaced (same path)
-    must not reuse what was computed from the old weights (cached reference log-probs, a loaded reward model)."""
+    """Name, size and mtime of the model's weight files: a folder whose weights were replaced (same
+    path) must not reuse what was computed from the old weights (cached reference log-probs, a
+    loaded reward model)."""
     folder = Path(path)
-    files = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")) if folder.is_dir() else []
+    files = (
+        sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin"))
+        if folder.is_dir()
+        else []
+    )
     return ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
 
 
@@ -66,15 +77,18 @@ def import_model_libraries(cfg: ModelConfig) -> None:
 
     if cfg.trust_remote_code:
         return
-    try:  # the flag, always: without it transformers may ask on a terminal whether to run a folder's code
-        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=False))]
+    # the flag, always: without it transformers may ask on a terminal whether to run a folder's code
+    try:
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(cfg.name_or_path,
+                                                                    trust_remote_code=False))]
     except Exception:  # noqa: BLE001 - an unknown or missing model: load_model says what is wrong
         pass
 
 
 def _refuse_remote_code(e: BaseException, path: str, what: str) -> None:
     if "contains custom code" in str(e):
-        raise UserError(f"the {what} in {path} maps to its own code (auto_map), which runs only with "
+        raise UserError(f"the {what} in {path} maps to its own code (auto_map), which runs only "
+                        "with "
                         "model.trust_remote_code: true", where="model.trust_remote_code") from None
 
 
@@ -96,10 +110,11 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 
 
 def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True, weights: bool = True):
-    """The policy (trainable, optionally LoRA-wrapped) or a frozen copy for the reference: preftune's
-    own module (`families.own_class`: the Llama family, GLM-4), else the Hugging Face module (also with
-    `model.lean_forward: false`). Without `weights`, the same module on the meta device, from
-    config.json alone (shapes, no storage: the FSDP2 ranks that receive their shards from rank 0)."""
+    """The policy (trainable, optionally LoRA-wrapped) or a frozen copy for the reference:
+    preftune's own module (`families.own_class`: the Llama family, GLM-4), else the Hugging Face
+    module (also with `model.lean_forward: false`). Without `weights`, the same module on the meta
+    device, from config.json alone (shapes, no storage: the FSDP2 ranks that receive their shards
+    from rank 0)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     # Full fine-tuning in bfloat16 keeps float32 master weights and computes under autocast: AdamW
@@ -114,10 +129,12 @@ def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True, weights: 
             model = own.from_pretrained(path, config, dtype=dtype, weights=weights,
                                         autocast_dtype=torch.bfloat16 if mixed else None)
         elif weights:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=remote)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                         trust_remote_code=remote)
         else:
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=remote)
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                         trust_remote_code=remote)
     except _load_errors() as e:  # corrupt or truncated weights, bad config.json
         _refuse_remote_code(e, path, "model")
         raise UserError(f"cannot load model: {one_line(e, with_type=True)}", where=path) from None
@@ -132,7 +149,8 @@ def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True, weights: 
     if cfg.gradient_checkpointing:
         _checkpoint_blocks(model)
     if cfg.compile and isinstance(model, CausalLM):
-        for block in model.model.layers:  # per block, as FSDP2 wraps them: one graph serves every layer
+        # per block, as FSDP2 wraps them: one graph serves every layer
+        for block in model.model.layers:
             block.compile()
     if cfg.lora.enabled:
         model = _wrap_lora(model, cfg, path)
@@ -153,7 +171,8 @@ def _generation_config(path: str):
 
 
 def save_generation_config(model, out: str | Path) -> None:
-    """The model's generation config (from its folder) as OUT/generation_config.json, when it has one."""
+    """The model's generation config (from its folder) as OUT/generation_config.json, when it has
+    one."""
     generation = getattr(base_module(model), "generation_config", None)
     if generation is not None:
         generation.save_pretrained(str(out))
@@ -165,7 +184,11 @@ _SAID: set = set()  # (model_type, path taken): each said once per process
 def _say_path(config, own, lean_forward: bool) -> None:
     """Log once which module runs this model type and why."""
     why = "model.lean_forward: false" if not lean_forward else unsupported(config)
-    path = f"preftune's own module ({own.__name__})" if own is not None else f"the Hugging Face module ({why})"
+    path = (
+        f"preftune's own module ({own.__name__})"
+        if own is not None
+        else f"the Hugging Face module ({why})"
+    )
     key = (getattr(config, "model_type", None), path)
     if key not in _SAID:
         _SAID.add(key)
@@ -197,7 +220,8 @@ def compute_dtype(model) -> torch.dtype | None:
 
 
 def autocast(model):
-    """The compute-precision context for a forward pass of `model` (bf16 autocast for mixed precision)."""
+    """The compute-precision context for a forward pass of `model` (bf16 autocast for mixed
+    precision)."""
     dtype = compute_dtype(model)
     if dtype is None:
         return contextlib.nullcontext()
@@ -219,14 +243,17 @@ def _wrap_lora(model, cfg: ModelConfig, path: str):
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
-        raise UserError("model.lora.enabled needs peft: pip install 'preftune[lora]'", where="model.lora") from None
+        raise UserError("model.lora.enabled needs peft: pip install 'preftune[lora]'",
+                        where="model.lora") from None
     targets, own = cfg.lora.target_modules, isinstance(model, CausalLM)
-    if own and targets == "all-linear":  # PEFT's rule for a transformers model: every linear but the head
+    # PEFT's rule for a transformers model: every linear but the head
+    if own and targets == "all-linear":
         targets = list(type(model).PROJECTIONS)
     lcfg = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                       target_modules=targets, task_type=None if own else "CAUSAL_LM")
     wrapped = get_peft_model(model, lcfg)
-    # adapter_config.json names the base, as PEFT and TRL write it: from_pretrained(adapter folder) finds it
+    # adapter_config.json names the base, as PEFT and TRL write it: from_pretrained(adapter folder)
+    # finds it
     wrapped.peft_config["default"].base_model_name_or_path = os.path.abspath(path)
     return wrapped
 
@@ -240,7 +267,8 @@ def save_pretrained(model, tokenizer, out: str | Path, *, dtype: str | None = No
         to_save = copy.deepcopy(model).merge_and_unload()
     state = None
     if dtype is not None and DTYPES[dtype] != next(to_save.parameters()).dtype:
-        state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in to_save.state_dict().items()}
+        state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k,
+                 v in to_save.state_dict().items()}
     to_save.save_pretrained(str(out), safe_serialization=True, state_dict=state)
     save_generation_config(to_save, out)
     if state is not None:  # transformers writes the in-memory dtype into config.json
@@ -254,4 +282,8 @@ def save_pretrained(model, tokenizer, out: str | Path, *, dtype: str | None = No
 def cache_kwarg(model) -> str:
     """transformers renamed `past_key_values` to `cache` in 5.x; use whichever the model takes."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
+    return (
+        "cache"
+        if "cache" in inspect.signature(type(base).forward).parameters
+        else "past_key_values"
+    )

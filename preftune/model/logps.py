@@ -3,7 +3,8 @@
 A batch is rows of (left-padded prompt, right-padded completion); consecutive rows with the same
 prompt form a unit (a GRPO group, a DPO pair), whose prompt is a trunk and whose completions are
 branches. One packer lays units out as the rows of one forward pass of preftune's own model
-(`model/core.py` and its families), and one rule (`_plan`) chooses the layout by a multiply-add count:
+(`model/core.py` and its families), and one rule (`_plan`) chooses the layout by a multiply-add
+count:
 
 - plain: each completion row its own sequence [prompt | completion], left-aligned, padding after:
   causal attention with no mask (SDPA's flash kernel on CUDA);
@@ -44,28 +45,34 @@ class Rows:
 
     @classmethod
     def read(cls, prompt_ids, prompt_mask, completion_mask) -> "Rows":
-        """One host read. Rows share a prompt when their real tokens and padding agree (padding ids may differ)."""
+        """One host read. Rows share a prompt when their real tokens and padding agree (padding ids
+        may differ)."""
         if prompt_ids.size(0) == 0:  # a rank can hold no rows of a batch
             return cls([], [], [])
         same = ((prompt_ids[1:] == prompt_ids[:-1]) | (prompt_mask[1:] == 0)).all(1) \
             & (prompt_mask[1:] == prompt_mask[:-1]).all(1)  # (B-1,) row i+1 repeats row i
         starts = torch.cat([same.new_ones(1), ~same]).long()  # (B,) 1 where a run begins
-        p, c, g = torch.stack([prompt_mask.sum(1).long(), completion_mask.sum(1).long(), starts.cumsum(0)]).tolist()
+        p, c, g = torch.stack([prompt_mask.sum(1).long(), completion_mask.sum(1).long(),
+                               starts.cumsum(0)]).tolist()
         return cls(p, c, g)
 
     @classmethod
     def of(cls, prompts: list[list[int]], completion_lengths: list[int]) -> "Rows":
         """From the rows' prompt tokens and completion lengths, already on the host."""
         starts = [int(i == 0 or prompts[i] != prompts[i - 1]) for i in range(len(prompts))]
-        return cls([len(x) for x in prompts], list(completion_lengths), list(itertools.accumulate(starts)))
+        return cls([len(x) for x in prompts], list(completion_lengths),
+                   list(itertools.accumulate(starts)))
 
     def __getitem__(self, rows: slice | list[int]) -> "Rows":
-        pick = (lambda xs: xs[rows]) if isinstance(rows, slice) else (lambda xs: [xs[i] for i in rows])  # noqa: E731
+        pick = (
+            (lambda xs: xs[rows]) if isinstance(rows, slice) else (lambda xs: [xs[i] for i in rows])
+        )  # noqa: E731
         return Rows(pick(self.prompt), pick(self.completion), pick(self.group))
 
     def units(self) -> list[list[int]]:
         """The rows of each run of equal prompts."""
-        return [[i for i, _ in run] for _, run in itertools.groupby(enumerate(self.group), key=lambda x: x[1])]
+        return [[i for i, _ in run] for _,
+                run in itertools.groupby(enumerate(self.group), key=lambda x: x[1])]
 
     @property
     def width(self) -> int:
@@ -81,13 +88,14 @@ def completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_
     """log p(y_t | x, y_<t) for each completion token -> (B, T), and optionally the entropy (B, T),
     0 at padding. Logits are divided by the sampling temperature (the ratio is taken against the
     distribution the completions were drawn from, as TRL does). `rows` (these rows' `Rows`)
-    saves the one host read that sizes the pass; `pack` False keeps the plain layout. `top_k`/`top_p`
-    give the sampler's log-probs instead (softmax over the kept tokens; no gradient, no entropy).
-    `stats`: instead of the entropy, `head.token_stats` (B, T, 4), 0 at padding.
+    saves the one host read that sizes the pass; `pack` False keeps the plain layout.
+    `top_k`/`top_p` give the sampler's log-probs instead (softmax over the kept tokens; no gradient,
+    no entropy). `stats`: instead of the entropy, `head.token_stats` (B, T, 4), 0 at padding.
     `loss_mask` (B, T): 0 at completion tokens that are not the policy's (a tool's output inside an
     agent response): they stay in the sequence (attended to) but their log-prob and entropy (or
     stats) are 0, with no gradient; None or all ones gives exactly the unmasked result."""
-    logps, entropy = _completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+    logps, entropy = _completion_logps(model, prompt_ids, prompt_mask,
+                                       completion_ids, completion_mask,
                                        temperature, with_entropy, rows, pack, top_k, top_p, stats)
     if loss_mask is None:
         return logps, entropy
@@ -97,15 +105,16 @@ def completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_
     return torch.where(keep, logps, 0.0), entropy
 
 
-def _completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy,
+def _completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                      temperature, with_entropy,
                       rows, pack, top_k, top_p, stats) -> tuple[torch.Tensor, torch.Tensor | None]:
     if rows is None:
         rows = Rows.read(prompt_ids, prompt_mask, completion_mask)
     if rows.prompt and min(rows.prompt) < 1:
         raise ValueError("every prompt needs at least one token")
     if not isinstance(base_module(model), CausalLM):
-        return _module_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
-                             with_entropy, top_k, top_p, stats)
+        return _module_logps(model, prompt_ids, prompt_mask, completion_ids,
+                             completion_mask, temperature, with_entropy, top_k, top_p, stats)
     B, T = completion_ids.shape
     plan = _plan(rows, prompt_ids.size(1), T, base_module(model).config, pack=pack)
     device = completion_ids.device
@@ -114,21 +123,30 @@ def _completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion
     pos = to_device(plan.positions, device).view(plan.rows, plan.width)  # (R, W)
     mask = None
     if plan.segment is not None:
-        mask = tree_mask(*(to_device(x, device).view(plan.rows, plan.width) for x in (plan.segment, plan.branch)))
+        mask = tree_mask(
+            *(to_device(x, device).view(plan.rows, plan.width) for x in (plan.segment, plan.branch))
+        )
     dst = to_device(plan.dst, device)  # (K,) flat (row, t) of each predicted completion token
     with autocast(model):
         logps, entropy = model(ids, pos, mask, index=to_device(plan.src, device),
                                targets=completion_ids.reshape(-1)[dst], temperature=temperature,
-                               with_entropy=with_entropy, top_k=top_k, top_p=top_p, stats=stats)  # (K,)
+                               # (K,)
+                               with_entropy=with_entropy, top_k=top_k, top_p=top_p, stats=stats)
     out = logps.new_zeros(B * T).index_copy(0, dst, logps).view(B, T)
-    ent = None if entropy is None else \
-        entropy.new_zeros(B * T, *entropy.shape[1:]).index_copy(0, dst, entropy).view(B, T, *entropy.shape[1:])
+    ent = (
+        None
+        if entropy is None
+        else entropy.new_zeros(B * T, *entropy.shape[1:])
+        .index_copy(0, dst, entropy)
+        .view(B, T, *entropy.shape[1:])
+    )
     return out, ent
 
 
-def list_logps(model, prompts: list[list[int]], completions: list[list[int]], pad_id: int, device, *,
-               with_entropy: bool = False, pack: bool = True, masks: list[list[int] | None] | None = None,
-               stats: bool = False):
+def list_logps(model, prompts: list[list[int]], completions: list[list[int]],
+               pad_id: int, device, *,
+               with_entropy: bool = False, pack: bool = True,
+               masks: list[list[int] | None] | None = None, stats: bool = False):
     """`completion_logps` of rows given as token lists -> log-probs (n, T), entropy (n, T) or None,
     completion mask (n, T): 1 at the tokens that count. Sized from the lists (no host read);
     consecutive rows with one prompt share it (DPO's pairs, KTO's mismatched pairs). `masks`: per
@@ -140,9 +158,12 @@ def list_logps(model, prompts: list[list[int]], completions: list[list[int]], pa
     p_ids, p_mask, c_ids, c_mask = (to_device(t, device) for t in (p_ids, p_mask, c_ids, c_mask))
     loss_mask = None
     if masks is not None and any(m is not None for m in masks):
-        loss_mask, _ = right_pad([[1] * len(c) if m is None else m for m, c in zip(masks, completions)], 0)
-        loss_mask = to_device(loss_mask, device)  # (n, T) 0 at padding and at tokens that are not the policy's
-    logps, entropy = completion_logps(model, p_ids, p_mask, c_ids, c_mask, with_entropy=with_entropy, rows=rows,
+        loss_mask, _ = right_pad([[1] * len(c) if m is None else m for m,
+                                  c in zip(masks, completions)], 0)
+        # (n, T) 0 at padding and at tokens that are not the policy's
+        loss_mask = to_device(loss_mask, device)
+    logps, entropy = completion_logps(model, p_ids, p_mask, c_ids, c_mask,
+                                      with_entropy=with_entropy, rows=rows,
                                       pack=pack, loss_mask=loss_mask, stats=stats)
     return logps, entropy, c_mask if loss_mask is None else c_mask * loss_mask
 
@@ -166,8 +187,10 @@ class Plan:
 def unit_costs(config) -> tuple[int, int]:
     """Multiply-adds per token of the decoder blocks, and per token pair of attention."""
     H, layers = getattr(config, "hidden_size", 1), getattr(config, "num_hidden_layers", 1)
-    inter = getattr(config, "intermediate_size", 4 * H)  # a mixture of experts: the k experts a token runs
-    inter = getattr(config, "moe_intermediate_size", 0) * getattr(config, "num_experts_per_tok", 0) or inter
+    # a mixture of experts: the k experts a token runs
+    inter = getattr(config, "intermediate_size", 4 * H)
+    inter = getattr(config, "moe_intermediate_size", 0) * getattr(config,
+                                                                  "num_experts_per_tok", 0) or inter
     return layers * (4 * H * H + 3 * H * inter), layers * 2 * H
 
 
@@ -193,7 +216,8 @@ def _plan(rows: Rows, P: int, T: int, config, *, pack: bool = True) -> Plan:
     return _layout([[units[j] for j in row] for row in packed], width, rows, P, T, masked=True)
 
 
-def _layout(packed: list[list[list[int]]], width: int, rows: Rows, P: int, T: int, *, masked: bool) -> Plan:
+def _layout(packed: list[list[list[int]]], width: int, rows: Rows, P: int, T: int,
+            *, masked: bool) -> Plan:
     """Cells of `packed` (per row, its units; per unit, its batch rows: the first row's prompt, then
     each row's completion as a branch)."""
     F = P + T  # the table's stride: a batch row's [prompt | completion]
@@ -208,10 +232,14 @@ def _layout(packed: list[list[list[int]]], width: int, rows: Rows, P: int, T: in
             cells[at:at + p], positions[at:at + p] = range(b0 * F + P - p, b0 * F + P), range(p)
             if masked:
                 segment[at:at + p] = [s] * p
-            last, start = at + p - 1, at + p  # the trunk's last cell predicts each branch's first token
+            # the trunk's last cell predicts each branch's first token
+            last, start = at + p - 1, at + p
             for k, b in enumerate(unit):
                 c = rows.completion[b]
-                cells[start:start + c], positions[start:start + c] = range(b * F + P, b * F + P + c), range(p, p + c)
+                cells[start : start + c], positions[start : start + c] = (
+                    range(b * F + P, b * F + P + c),
+                    range(p, p + c),
+                )
                 if masked:
                     segment[start:start + c], branch[start:start + c] = [s] * c, [k + 1] * c
                 if c:
@@ -240,8 +268,8 @@ def pack_rows(lengths: list[int], width: int | None = None) -> tuple[list[list[i
     return rows, max(filled, 1)
 
 
-def _module_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy,
-                  top_k=0, top_p=1.0, stats=False):
+def _module_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                  temperature, with_entropy, top_k=0, top_p=1.0, stats=False):
     """The Hugging Face module's forward over [left-padded prompt | right-padded completion], logits
     for the last T + 1 positions only."""
     T = completion_ids.size(1)
@@ -254,7 +282,8 @@ def _module_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mas
         logits = logits / temperature
     if top_k or top_p < 1.0:  # the sampler's distribution (`head.filter_logits`); no entropy
         B, T, V = logits.shape
-        logits, with_entropy = filter_logits(logits.reshape(B * T, V), top_k, top_p).view(B, T, V), False
+        logits, with_entropy = filter_logits(logits.reshape(B * T, V), top_k,
+                                             top_p).view(B, T, V), False
     logps, entropy = token_logps(logits, completion_ids, with_entropy=with_entropy, stats=stats)
     keep = completion_mask.to(logps.dtype)
     if top_k or top_p < 1.0:  # a dropped padding target is -inf, and -inf * 0 is NaN

@@ -20,21 +20,26 @@ FOLDER = "base_model"
 
 
 def write_model_object(model: Any, processing_class: Any, output_dir: Path) -> str:
-    """OUTPUT_DIR/base_model holding `model` and its tokenizer (`processing_class`, else the tokenizer
-    of the folder the model was loaded from, as TRL falls back to it); returns the folder."""
+    """OUTPUT_DIR/base_model holding `model` and its tokenizer (`processing_class`, else the
+    tokenizer of the folder the model was loaded from, as TRL falls back to it); returns the
+    folder."""
     if hasattr(model, "peft_config"):
-        raise UserError("a PEFT model: pass its base model, and the LoraConfig as peft_config", where="model")
+        raise UserError("a PEFT model: pass its base model, and the LoraConfig as peft_config",
+                        where="model")
     if not (hasattr(model, "save_pretrained") and hasattr(model, "config")):
-        raise UserError(f"a {type(model).__name__} is neither a model folder nor a transformers model", where="model")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would write the folder: each raises the same
-        raise UserError("a model object under torchrun: save it (model.save_pretrained(folder)) and pass the folder",
+        raise UserError(f"a {type(model).__name__} is neither a "
+                        "model folder nor a transformers model", where="model")
+    # every rank would write the folder: each raises the same
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("a model object under torchrun: save it "
+                        "(model.save_pretrained(folder)) and pass the folder",
                         where="model")
     tokenizer = processing_class
     if tokenizer is None:
         source = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
         if not source or not os.path.isdir(source):
-            raise UserError("the model object names no local folder to read its tokenizer from: pass "
-                            "processing_class=tokenizer", where="model")
+            raise UserError("the model object names no local folder to read its tokenizer from: "
+                            "pass processing_class=tokenizer", where="model")
         tokenizer = load_tokenizer(source)
     folder, tmp = output_dir / FOLDER, output_dir / f".tmp-{FOLDER}"
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -47,8 +52,9 @@ def write_model_object(model: Any, processing_class: Any, output_dir: Path) -> s
             return str(folder)
         if any((output_dir / "checkpoints").glob("step-*")):
             shutil.rmtree(tmp)
-            raise UserError(f"{folder} holds another model than the one passed, and the run's checkpoints were "
-                            "trained from it: pass the same model, or another output_dir", where="model")
+            raise UserError(f"{folder} holds another model than the one passed, "
+                            "and the run's checkpoints were trained from it: "
+                            "pass the same model, or another output_dir", where="model")
         shutil.rmtree(folder)
     os.replace(tmp, folder)
     return str(folder)

@@ -19,8 +19,13 @@ class RMSNorm(nn.Module):
 
 
 def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as the HF module computes it: in float32 (even for float64 weights), then the weight."""
-    if x.dtype == torch.float32 and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    """RMSNorm as the HF module computes it: in float32 (even for float64 weights), then the
+    weight."""
+    if (
+        x.dtype == torch.float32
+        and torch.is_grad_enabled()
+        and (x.requires_grad or weight.requires_grad)
+    ):
         return _RMSNorm.apply(x, weight, eps)  # the same forward, a shorter backward
     h = x.to(torch.float32)  # a no-op for float32
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -49,9 +54,11 @@ class _RMSNorm(torch.autograd.Function):
         return gx, gw, None
 
 
-def addmm(base: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """base + x @ weight.T (+ bias) for 2-D x (n, in): one matmul that adds (base None: x @ weight.T).
-    A float32 residual over bf16 products (mixed precision) keeps its dtype, as under autocast."""
+def addmm(base: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor,
+          bias: torch.Tensor | None = None):
+    """base + x @ weight.T (+ bias) for 2-D x (n, in): one matmul that adds (base None: x @
+    weight.T). A float32 residual over bf16 products (mixed precision) keeps its dtype, as under
+    autocast."""
     if base is None or base.dtype != x.dtype:
         out = torch.mm(x, weight.t())
         out = out if bias is None else out + bias
@@ -72,11 +79,15 @@ class Rotary(nn.Module):
         super().__init__()
         rope = dict(getattr(config, "rope_parameters", None) or {})
         kind = rope.get("rope_type", rope.get("type", "default"))
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = getattr(config, "head_dim",
+                           None) or config.hidden_size // config.num_attention_heads
         if kind == "default":
             dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
             base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            inv_freq, self.attention_scaling = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+            inv_freq, self.attention_scaling = (
+                1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)),
+                1.0,
+            )
         else:  # yarn, llama3, linear, ...: transformers' published table for that type
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -84,17 +95,24 @@ class Rotary(nn.Module):
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)  # (r/2,) float32
 
     @torch.no_grad()
-    def forward(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq.to(device=like.device, dtype=torch.float)  # (B, L, r/2)
+    def forward(self, like: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # (B, L, r/2)
+        freqs = positions[...,
+                          None].float() * self.inv_freq.to(device=like.device, dtype=torch.float)
         emb = torch.cat((freqs, freqs), dim=-1)  # (B, L, r)
-        return (emb.cos() * self.attention_scaling).to(like.dtype), (emb.sin() * self.attention_scaling).to(like.dtype)
+        return (emb.cos() * self.attention_scaling).to(like.dtype), (
+            emb.sin() * self.attention_scaling
+        ).to(like.dtype)
 
 
 def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE over the whole head: x * cos + [-x2, x1] * sin. (B, L, h, d) -> (B, L, h, d)."""
+    """Rotate-half RoPE over the whole head: x * cos + [-x2, x1] * sin. (B, L, h, d) -> (B, L, h,
+    d)."""
     if torch.is_grad_enabled() and x.requires_grad:
         return _Rope.apply(x, cos, sin)
-    if x.dtype in (torch.float32, torch.float64):  # as `_Rope` computes it, without building [-x2, x1]
+    # as `_Rope` computes it, without building [-x2, x1]
+    if x.dtype in (torch.float32, torch.float64):
         return rotate_into(x * cos, x, sin)
     # bf16/fp16: the module's own ops and roundings, so a frozen bf16 reference gives the module's
     # log-probs (a fused multiply-add rounds once where the module rounds twice)
@@ -150,9 +168,10 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 # ---------------------------------------------------------------- attention
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Softmax attention with grouped keys/values -> (B, L, nh d). q (B, nh, L, d), k/v (B, nkv, S, d);
-    mask additive (B, 1, L, S), or None for causal attention (SDPA's flash kernel on CUDA)."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           mask: torch.Tensor | None) -> torch.Tensor:
+    """Softmax attention with grouped keys/values -> (B, L, nh d). q (B, nh, L, d), k/v (B, nkv, S,
+    d); mask additive (B, 1, L, S), or None for causal attention (SDPA's flash kernel on CUDA)."""
     B, nh, L, d = q.shape
     if mask is not None and k.size(1) != nh and q.device.type == "cuda":
         # CUDA's flash kernel takes no mask and the efficient one no grouped heads: repeat k/v so a
@@ -181,7 +200,8 @@ def tree_mask(segment: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
 
 
 class KVBuffers:
-    """Keys and values of every layer in buffers of the final length: (layers, N, kv_heads, cap, d)."""
+    """Keys and values of every layer in buffers of the final length: (layers, N, kv_heads, cap,
+    d)."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor):
         self.keys, self.values = keys, values

@@ -22,7 +22,8 @@ from torch import nn
 from preftune.model.core import MLP, Attention, Block, CausalLM
 from preftune.model.ops import cast, merged
 
-ROUTER_DTYPE = torch.float32  # the router's softmax, as transformers computes it (even for a float64 model)
+# the router's softmax, as transformers computes it (even for a float64 model)
+ROUTER_DTYPE = torch.float32
 
 
 def route(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +37,8 @@ def route(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor
     return weights.to(logits.dtype), experts
 
 
-def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+def grouped_experts(x: torch.Tensor, experts: torch.Tensor,
+                    weights: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor) -> torch.Tensor:
     """sum over a token's k experts e of weight x down_e (silu(gate_e x) * up_e x) -> (N, H).
     x (N, H); experts, weights (N, k); gate_up (E, 2I, H); down (E, H, I). Assignments are sorted
@@ -80,16 +82,19 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.size(-1))  # (N, H)
         weights, experts = route(self.gate(h), self.top_k, self.renormalise)  # (N, k)
-        return grouped_experts(h, experts, weights, self.experts.gate_up_proj, self.experts.down_proj).view(x.shape)
+        return grouped_experts(h, experts, weights, self.experts.gate_up_proj,
+                               self.experts.down_proj).view(x.shape)
 
     def fused(self, dtype: torch.dtype) -> dict:
-        return {"router": cast(merged(self.gate)[0], dtype), "experts_gate_up": cast(self.experts.gate_up_proj, dtype),
+        return {"router": cast(merged(self.gate)[0], dtype),
+                "experts_gate_up": cast(self.experts.gate_up_proj, dtype),
                 "experts_down": cast(self.experts.down_proj, dtype)}
 
     def step(self, residual: torch.Tensor, h: torch.Tensor, w: dict) -> torch.Tensor:
         """residual + this layer's experts on normed h (n, H)."""
         weights, experts = route(F.linear(h, w["router"]), self.top_k, self.renormalise)  # (n, k)
-        out = grouped_experts(h, experts, weights, w["experts_gate_up"], w["experts_down"])  # (n, H)
+        # (n, H)
+        out = grouped_experts(h, experts, weights, w["experts_gate_up"], w["experts_down"])
         return residual + out.to(residual.dtype)
 
 
@@ -106,8 +111,9 @@ class Qwen3Moe(CausalLM):
     """A Qwen3-MoE causal LM with the Hugging Face (transformers 5) parameter names."""
 
     ARCHITECTURES = ("qwen3_moe",)
-    # LoRA's "all-linear": the attention projections and the dense layers' gate/up/down_proj. PEFT on
-    # the HF module also wraps the router and the 3-D experts (its ParamWrapper); the own module does not
+    # LoRA's "all-linear": the attention projections and the dense layers' gate/up/down_proj. PEFT
+    # on the HF module also wraps the router and the 3-D experts (its ParamWrapper); the own module
+    # does not
     PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
     @classmethod
@@ -136,7 +142,8 @@ class Qwen3Moe(CausalLM):
             ids = sorted(per)
             if ids != list(range(config.num_experts)):
                 raise KeyError(f"{prefix}: experts {ids[:3]}... of {config.num_experts}")
-            gate_up = [torch.cat([per[e]["gate_proj"], per[e]["up_proj"]]) for e in ids]  # (2I, H) each, gate first
+            # (2I, H) each, gate first
+            gate_up = [torch.cat([per[e]["gate_proj"], per[e]["up_proj"]]) for e in ids]
             out[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
             out[f"{prefix}.down_proj"] = torch.stack([per[e]["down_proj"] for e in ids])
         return out

@@ -15,7 +15,9 @@ def _pre(text: str) -> str:
 
 def _table(rows: list[tuple], head: tuple) -> str:
     th = "".join(f"<th>{html.escape(str(h))}</th>" for h in head)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in r) + "</tr>" for r in rows)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in r) + "</tr>" for r in rows
+    )
     return f"<table><tr>{th}</tr>{body}</table>"
 
 
@@ -34,15 +36,23 @@ def status_line(records: list[dict], max_steps: int | None, finished: bool) -> s
 
 def gate_section(report: dict) -> str:
     verdict, reason = report.get("verdict", "?"), report.get("reason", "")
-    parts = [f"<p class='{html.escape(verdict)}'><b>{html.escape(verdict.upper())}</b>: {html.escape(reason)}</p>"]
+    parts = [f"<p class='{html.escape(verdict)}'><b>{html.escape(verdict.upper())}</b>: "
+             f"{html.escape(reason)}</p>"]
     ck, base = report["metrics"]["checkpoint"], report["metrics"].get("baseline")
     rows = [(k, ck[k], (base or {}).get(k)) for k in ck]
     parts.append(_table(rows, ("figure", "checkpoint", "baseline")))
     if report.get("comparison"):
         parts.append(_table(list(report["comparison"].items()), ("comparison", "value")))
     if report.get("checks"):
-        parts.append(_table([(c["name"], c["value"], c["threshold"], "pass" if c["passed"] else "fail")
-                             for c in report["checks"]], ("check", "value", "threshold", "result")))
+        parts.append(
+            _table(
+                [
+                    (c["name"], c["value"], c["threshold"], "pass" if c["passed"] else "fail")
+                    for c in report["checks"]
+                ],
+                ("check", "value", "threshold", "result"),
+            )
+        )
     return "".join(parts)
 
 
@@ -68,8 +78,11 @@ def render(run_dir: Path, charts: list[tuple[str, str, Path]], status: str, last
             if name.endswith(".json"):
                 text = json.dumps(json.loads(text), indent=1)
             parts += [f"<h2>{title}</h2>", _pre(text)]
-    style = ("body{font-family:sans-serif;max-width:1000px;margin:auto}figure{display:inline-block;margin:4px}"
-             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px;text-align:left}"
-             "pre{background:#f6f6f6;padding:8px;overflow:auto}.pass{color:#060}.fail{color:#a00}")
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>preftune report</title>"
-            f"<style>{style}</style></head><body>{''.join(parts)}</body></html>\n")
+    style = (
+        "body{font-family:sans-serif;max-width:1000px;margin:auto}figure{display:inline-block;margin:4px}"
+        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px "
+        "6px;text-align:left}"
+        "pre{background:#f6f6f6;padding:8px;overflow:auto}.pass{color:#060}.fail{color:#a00}"
+    )
+    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>preftune "
+            f"report</title><style>{style}</style></head><body>{''.join(parts)}</body></html>\n")

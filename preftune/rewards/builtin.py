@@ -5,8 +5,8 @@ Every reward is called as `f(prompts, completions, completion_ids, **columns)` a
 string or, for chat data, a list of messages `[{"role": "assistant", "content": text}]`.
 
 `BUILTINS` maps a name to a factory `factory(options) -> reward function`; the returned function's
-`__name__` is the builtin name, so metrics read `rewards/<name>/mean`. Options a builtin does not use
-are ignored.
+`__name__` is the builtin name, so metrics read `rewards/<name>/mean`. Options a builtin does not
+use are ignored.
 """
 from __future__ import annotations
 
@@ -29,20 +29,26 @@ def completion_text(completion: Any) -> str:
     if isinstance(completion, Mapping):
         return _content_text(completion.get("content"))
     if isinstance(completion, (list, tuple)) and completion:
-        assistant = [m for m in completion if isinstance(m, Mapping) and m.get("role") == "assistant"]
+        assistant = [m for m in completion if isinstance(m,
+                                                         Mapping) and m.get("role") == "assistant"]
         last = assistant[-1] if assistant else completion[-1]
         return _content_text(last.get("content") if isinstance(last, Mapping) else last)
     return "" if completion is None else str(completion)
 
 
 def _content_text(content: Any) -> str:
-    # Multimodal messages carry a list of blocks: [{"type": "text", "text": ...}, {"type": "image"}].
+    # Multimodal messages carry a list of blocks: [{"type": "text", "text": ...}, {"type":
+    # "image"}].
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, (list, tuple)):
-        parts = [b.get("text", "") for b in content if isinstance(b, Mapping) and b.get("type", "text") == "text"]
+        parts = [
+            b.get("text", "")
+            for b in content
+            if isinstance(b, Mapping) and b.get("type", "text") == "text"
+        ]
         return "".join(parts)
     return str(content)
 
@@ -77,9 +83,11 @@ def answers_match(predicted: str, reference: Any) -> bool:
 def _require_int(options: Mapping[str, Any], key: str, builtin: str, *, minimum: int) -> int:
     value = options.get(key)
     if value is None:
-        raise UserError(f"the `{builtin}` reward needs the `{key}` option", where=f"reward '{builtin}'")
+        raise UserError(f"the `{builtin}` reward needs the `{key}` option",
+                        where=f"reward '{builtin}'")
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise UserError(f"`{key}` must be an integer >= {minimum}, got {value!r}", where=f"reward '{builtin}'")
+        raise UserError(f"`{key}` must be an integer >= {minimum}, got {value!r}",
+                        where=f"reward '{builtin}'")
     return value
 
 
@@ -87,7 +95,8 @@ def _require_int(options: Mapping[str, Any], key: str, builtin: str, *, minimum:
 # rewards
 
 
-def accuracy(prompts, completions, completion_ids=None, answer=None, **kwargs) -> list[float | None]:
+def accuracy(prompts, completions, completion_ids=None, answer=None,
+             **kwargs) -> list[float | None]:
     """1.0 when the completion's answer equals the row's `answer` column, else 0.0.
 
     The answer is the content of the completion's last `<answer>...</answer>` block, or the whole
@@ -96,7 +105,8 @@ def accuracy(prompts, completions, completion_ids=None, answer=None, **kwargs) -
     scores None (not applicable).
     """
     if answer is None:
-        raise UserError("the `accuracy` reward needs an `answer` column in the dataset", where="reward 'accuracy'")
+        raise UserError("the `accuracy` reward needs an `answer` column in the dataset",
+                        where="reward 'accuracy'")
     rewards: list[float | None] = []
     for completion, ref in zip(completions, answer, strict=True):
         if ref is None:
@@ -107,19 +117,21 @@ def accuracy(prompts, completions, completion_ids=None, answer=None, **kwargs) -
     return rewards
 
 
-# <think>reasoning</think> then <answer>final</answer> and nothing else (DeepSeek-R1, arXiv:2501.12948).
-# Tag bodies may not contain another tag, so doubled or nested blocks fail.
+# <think>reasoning</think> then <answer>final</answer> and nothing else (DeepSeek-R1,
+# arXiv:2501.12948). Tag bodies may not contain another tag, so doubled or nested blocks fail.
 _NO_TAG = r"(?:(?!</?(?:think|answer)>).)*"
 _FORMAT_RE = re.compile(rf"<think>{_NO_TAG}</think>\s*<answer>{_NO_TAG}</answer>", re.DOTALL)
 
 
-def format(prompts, completions, completion_ids=None, **kwargs) -> list[float]:  # noqa: A001 (builtin name)
+def format(prompts, completions, completion_ids=None,
+           **kwargs) -> list[float]:  # noqa: A001 (builtin name)
     """1.0 when the completion, stripped, is exactly `<think>...</think>` followed (after optional
     whitespace) by `<answer>...</answer>` -- the DeepSeek-R1 reasoning format -- else 0.0."""
     return [1.0 if _FORMAT_RE.fullmatch(completion_text(c).strip()) else 0.0 for c in completions]
 
 
-def soft_overlong_penalty(length: int, max_completion_length: int, overlong_buffer_len: int) -> float:
+def soft_overlong_penalty(length: int, max_completion_length: int,
+                          overlong_buffer_len: int) -> float:
     """DAPO soft overlong punishment (arXiv:2503.14476, eq. 13), L_max = max_completion_length,
     L_cache = overlong_buffer_len:
 
@@ -154,7 +166,8 @@ class _SoftOverlong:
         ]
 
 
-def length_penalty(length: int, max_completion_length: int, target_length: int | None = None) -> float:
+def length_penalty(length: int, max_completion_length: int,
+                   target_length: int | None = None) -> float:
     """Length reward in [-1, 0]: r = -min(|y|, L_max) / L_max, or with a target length L_t,
     r = -min(| |y| - L_t |, L_max) / L_max (0 exactly at the target)."""
     distance = length if target_length is None else abs(length - target_length)
@@ -173,7 +186,10 @@ class _Length:
         self.target_length = target_length
 
     def __call__(self, prompts, completions, completion_ids, **kwargs) -> list[float]:
-        return [length_penalty(len(ids), self.max_completion_length, self.target_length) for ids in completion_ids]
+        return [
+            length_penalty(len(ids), self.max_completion_length, self.target_length)
+            for ids in completion_ids
+        ]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Loading reward functions (built-ins, Python functions, reward-model folders) and scoring completions
-with them (TRL's reward contract).
+"""Loading reward functions (built-ins, Python functions, reward-model folders) and scoring
+completions with them (TRL's reward contract).
 
 A reward function is called as
 
@@ -35,12 +35,14 @@ from preftune.rewards.model import is_model_folder, load_reward_model
 
 # Dataset columns TRL never forwards (they are passed positionally-named instead).
 _DROPPED_COLUMNS = ("prompt", "completion", "completion_ids")
-_RESERVED_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+_RESERVED_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state",
+                    "log_extra", "log_metric")
 
 
 @dataclass
 class RewardState:
-    """Stand-in for TRL's `TrainerState`, passed as `trainer_state` for progress-dependent shaping."""
+    """Stand-in for TRL's `TrainerState`, passed as `trainer_state` for progress-dependent
+    shaping."""
 
     global_step: int = 0
     max_steps: int = 0
@@ -49,22 +51,27 @@ class RewardState:
 
 @dataclass
 class RewardLog:
-    """What reward functions log through TRL's `log_metric(name, value)` and `log_extra(column, values)`:
-    per metric the sum and count of its values (TRL logs their mean), per column its values in order."""
+    """What reward functions log through TRL's `log_metric(name, value)` and `log_extra(column,
+    values)`: per metric the sum and count of its values (TRL logs their mean), per column its
+    values in order."""
 
     metrics: dict[str, list[float]] = field(default_factory=dict)  # name -> [sum, count]
     columns: dict[str, list] = field(default_factory=dict)
 
     def metric(self, name: str, value: float) -> None:
-        if not isinstance(value, numbers.Real) and not (isinstance(value, torch.Tensor) and value.numel() == 1):
-            raise UserError(f"log_metric({name!r}, ...) needs one number, got {type(value).__name__}")
+        if not isinstance(value,
+                          numbers.Real) and not (isinstance(value,
+                                                            torch.Tensor) and value.numel() == 1):
+            raise UserError(f"log_metric({name!r}, ...) needs one number, got "
+                            f"{type(value).__name__}")
         total = self.metrics.setdefault(str(name), [0.0, 0])
         total[0] += float(value)
         total[1] += 1
 
     def extra(self, column: str, values: Sequence[Any]) -> None:
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-            raise UserError(f"log_extra({column!r}, ...) needs a list of values, got {type(values).__name__}")
+            raise UserError(f"log_extra({column!r}, ...) needs a list of values, got "
+                            f"{type(values).__name__}")
         self.columns.setdefault(str(column), []).extend(_plain(v) for v in values)
 
     def add(self, other: "RewardLog") -> "RewardLog":
@@ -78,14 +85,15 @@ class RewardLog:
         return self
 
     def record(self) -> dict:
-        """The metrics.jsonl entries: each metric's mean under its own name (as TRL logs it), each column's
-        values as `extra/<column>`."""
+        """The metrics.jsonl entries: each metric's mean under its own name (as TRL logs it), each
+        column's values as `extra/<column>`."""
         return {**{k: s / n for k, (s, n) in self.metrics.items() if n},
                 **{f"extra/{k}": v for k, v in self.columns.items()}}
 
 
 def _plain(v: Any) -> Any:
-    """A logged value as JSON holds it: numbers, strings, booleans, None; anything else as its text."""
+    """A logged value as JSON holds it: numbers, strings, booleans, None; anything else as its
+    text."""
     if isinstance(v, torch.Tensor) and v.numel() == 1:
         v = v.item()
     if v is None or isinstance(v, (bool, str)):
@@ -100,9 +108,11 @@ def _plain(v: Any) -> Any:
 @dataclass
 class RewardResult:
     per_func: torch.Tensor  # (N, F) float32, NaN where a function returned None
-    total: torch.Tensor  # (N,) weighted nansum over functions, NaN where every function returned None
+    # (N,) weighted nansum over functions, NaN where every function returned None
+    total: torch.Tensor
     names: list[str]  # F metric names, unique
-    log: RewardLog = field(default_factory=RewardLog)  # what the functions logged (log_metric, log_extra)
+    # what the functions logged (log_metric, log_extra)
+    log: RewardLog = field(default_factory=RewardLog)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,7 +132,8 @@ def qualified_name(func: Callable) -> str:
 
 def register_callables(funcs: Sequence[Any]) -> list[str]:
     """Replace the callables in `funcs` by `callable:<module>.<qualname>` specs (registered for
-    `load_reward_function`); strings pass through. Two different functions with one name get `#2`, `#3`."""
+    `load_reward_function`); strings pass through. Two different functions with one name get `#2`,
+    `#3`."""
     specs, named = [], {}
     for func in funcs:
         if isinstance(func, str) or not callable(func):
@@ -142,8 +153,9 @@ def check_callables(specs: Sequence[str] | None, key: str) -> None:
     """Every `callable:` spec names a function handed to this preftune.train() call."""
     for spec in specs or ():
         if isinstance(spec, str) and spec.startswith(CALLABLE_PREFIX) and spec not in CALLABLES:
-            raise UserError(f"'{spec}' is a Python function (or class) that was handed to preftune.train(); "
-                            "pass the same one again (a command line or a config file cannot)", where=key)
+            raise UserError(f"'{spec}' is a Python function (or class) that was "
+                            "handed to preftune.train(); pass the same one "
+                            "again (a command line or a config file cannot)", where=key)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,16 +183,18 @@ def load_reward_function(spec: str, *, base_dir: str | Path = ".", device: Any =
     if ":" not in spec and spec not in BUILTINS:
         folder = is_model_folder(spec, base_dir)
         if folder is not None:
-            return load_reward_model(folder, device=device, batch_size=reward_model_batch_size, where=where)
+            return load_reward_model(folder, device=device,
+                                     batch_size=reward_model_batch_size, where=where)
         if "/" in spec or "\\" in spec or spec.startswith("."):
-            raise UserError(f"no such reward-model folder: {spec} (looked in {Path.cwd()} and {base_dir})", where=where)
+            raise UserError(f"no such reward-model folder: {spec} "
+                            f"(looked in {Path.cwd()} and {base_dir})", where=where)
     if ":" not in spec:
         if spec not in BUILTINS:
             near = difflib.get_close_matches(spec, list(BUILTINS), n=1)
             hint = f"did you mean '{near[0]}'? " if near else ""
             raise UserError(
-                f"unknown built-in reward; {hint}built-ins: {', '.join(sorted(BUILTINS))}; "
-                "custom rewards are 'module:function' or 'file.py:function'",
+                f"unknown built-in reward; {hint}built-ins: {', '.join(sorted(BUILTINS))}; custom "
+                "rewards are 'module:function' or 'file.py:function'",
                 where=where,
             )
         return BUILTINS[spec](builtin_options)
@@ -194,7 +208,8 @@ def load_callable(spec: str, base_dir: str | Path, where: str) -> Callable:
     if spec.startswith(CALLABLE_PREFIX):
         check_callables([spec], where)
         return CALLABLES[spec]
-    target, _, attr = spec.rpartition(":")  # the last colon keeps a Windows drive letter in the path
+    # the last colon keeps a Windows drive letter in the path
+    target, _, attr = spec.rpartition(":")
     if not target or not attr:
         raise UserError("expected 'module:function' or 'file.py:function'", where=where)
     if target.endswith(".py") or "/" in target or "\\" in target:
@@ -210,7 +225,9 @@ def _import_module(name: str, base_dir: Path, where: str):
         try:
             return importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 -- any import-time failure is the user's module
-            raise UserError(f"cannot import module '{name}': {one_line(exc, with_type=True)}", where=where) from exc
+            raise UserError(
+                f"cannot import module '{name}': {one_line(exc, with_type=True)}", where=where
+            ) from exc
 
 
 def _load_file(target: str, base_dir: Path, where: str):
@@ -235,7 +252,9 @@ def _load_file(target: str, base_dir: Path, where: str):
             module_spec.loader.exec_module(module)
         except Exception as exc:  # noqa: BLE001
             del sys.modules[mod_name]
-            raise UserError(f"error importing {path}: {one_line(exc, with_type=True)}", where=where) from exc
+            raise UserError(
+                f"error importing {path}: {one_line(exc, with_type=True)}", where=where
+            ) from exc
     return module
 
 
@@ -255,7 +274,9 @@ class _on_sys_path:
 
 def _get_callable(module, attr: str, where: str) -> Callable:
     if not hasattr(module, attr):
-        names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None))]
+        names = [
+            n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None))
+        ]
         near = difflib.get_close_matches(attr, names, n=1)
         hint = f"; did you mean '{near[0]}'?" if near else ""
         raise UserError(f"module '{module.__name__}' has no attribute '{attr}'{hint}", where=where)
@@ -296,14 +317,15 @@ def as_completions(prompts: Sequence[Any], texts: Sequence[str]) -> list[Any]:
     return list(texts)
 
 
-def _reward_kwargs(columns: Mapping[str, Sequence[Any]], n: int, extra_kwargs: Mapping[str, Any] | None,
-                   log: RewardLog) -> dict:
+def _reward_kwargs(columns: Mapping[str, Sequence[Any]], n: int,
+                   extra_kwargs: Mapping[str, Any] | None, log: RewardLog) -> dict:
     kwargs: dict[str, Any] = {}
     for key, values in columns.items():
         if key in _DROPPED_COLUMNS:
             continue
         if key in _RESERVED_KWARGS:
-            raise UserError(f"dataset column '{key}' clashes with a reward-function argument; rename it")
+            raise UserError(f"dataset column '{key}' clashes with "
+                            "a reward-function argument; rename it")
         if len(values) != n:
             raise ValueError(f"column '{key}' has {len(values)} values for {n} completions")
         kwargs[key] = list(values)
@@ -322,7 +344,8 @@ def _call_reward(func: Callable, name: str, args: dict) -> Any:
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 -- a failing reward is reported as the user's error
-        raise UserError(f"raised {one_line(exc, with_type=True)}", where=f"reward '{name}'") from exc
+        raise UserError(f"raised {one_line(exc, with_type=True)}",
+                        where=f"reward '{name}'") from exc
 
 
 async def _await(awaitable):
@@ -332,12 +355,15 @@ async def _await(awaitable):
 def _to_column(out: Any, name: str, n: int) -> list[float]:
     """Validate one function's output and turn it into n floats (NaN for None)."""
     where = f"reward '{name}'"
-    if isinstance(out, torch.Tensor) or type(out).__module__ == "numpy":  # 1-D arrays work in TRL too
+    # 1-D arrays work in TRL too
+    if isinstance(out, torch.Tensor) or type(out).__module__ == "numpy":
         out = out.tolist() if getattr(out, "ndim", None) == 1 else out
     if not isinstance(out, (list, tuple)):
-        raise UserError(f"returned a {type(out).__name__}, expected a list of {n} floats", where=where)
+        raise UserError(f"returned a {type(out).__name__}, expected a list of {n} floats",
+                        where=where)
     if len(out) != n:
-        raise UserError(f"returned {len(out)} values, expected {n} (one per completion)", where=where)
+        raise UserError(f"returned {len(out)} values, expected {n} (one per completion)",
+                        where=where)
     column = []
     for row, value in enumerate(out):
         if value is None:
@@ -346,10 +372,12 @@ def _to_column(out: Any, name: str, n: int) -> list[float]:
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
         if not isinstance(value, numbers.Real):
-            raise UserError(f"returned a non-numeric value {value!r} at row {row}; use None to skip a row", where=where)
+            raise UserError(f"returned a non-numeric value {value!r} "
+                            f"at row {row}; use None to skip a row", where=where)
         value = float(value)
         if value != value or value in (float("inf"), float("-inf")):
-            raise UserError(f"returned non-finite value {value} at row {row}; use None to skip a row", where=where)
+            raise UserError(f"returned non-finite value {value} "
+                            f"at row {row}; use None to skip a row", where=where)
         column.append(value)
     return column
 
@@ -359,7 +387,8 @@ def _weights_tensor(weights: Sequence[float] | None, num_funcs: int) -> torch.Te
         return torch.ones(num_funcs, dtype=torch.float32)
     weights = list(weights)
     if len(weights) != num_funcs:
-        raise UserError(f"got {len(weights)} reward weights for {num_funcs} reward functions", where="reward_weights")
+        raise UserError(f"got {len(weights)} reward weights for {num_funcs} reward functions",
+                        where="reward_weights")
     w = torch.tensor([float(x) for x in weights], dtype=torch.float32)  # (F,)
     if not torch.isfinite(w).all():
         raise UserError(f"reward weights must be finite, got {weights}", where="reward_weights")
@@ -381,29 +410,33 @@ def compute_rewards(
     per_func[i, k] = f_k(...)[i] (NaN for None); total[i] = sum_k w_k * per_func[i, k] over the
     non-NaN entries (TRL's weighted `nansum`), and NaN when every function returned None for row i
     (TRL 1.16 marks such rows unscorable). `columns` hold one value per completion; `extra_kwargs`
-    (e.g. `trainer_state`) override the defaults passed to every function. What the functions log with
-    `log_metric` / `log_extra` is returned in `log`.
+    (e.g. `trainer_state`) override the defaults passed to every function. What the functions log
+    with `log_metric` / `log_extra` is returned in `log`.
     """
     n = len(completions)
     if not funcs:
         raise ValueError("compute_rewards needs at least one reward function")
     if len(prompts) != n or len(completion_ids) != n:
-        raise ValueError(f"got {len(prompts)} prompts, {n} completions, {len(completion_ids)} completion_ids")
+        raise ValueError(f"got {len(prompts)} prompts, {n} completions, "
+                         f"{len(completion_ids)} completion_ids")
     w = _weights_tensor(weights, len(funcs))  # (F,)
     log = RewardLog()
     kwargs = _reward_kwargs(columns, n, extra_kwargs, log)
     names = _unique([reward_name(f) for f in funcs])
-    args = dict(prompts=list(prompts), completions=list(completions), completion_ids=list(completion_ids), **kwargs)
+    args = dict(prompts=list(prompts), completions=list(completions),
+                completion_ids=list(completion_ids), **kwargs)
     cols = [_to_column(_call_reward(f, name, args), name, n) for f, name in zip(funcs, names)]
-    per_func = torch.tensor(cols, dtype=torch.float32).reshape(len(funcs), n).T.contiguous()  # (N, F)
+    # (N, F)
+    per_func = torch.tensor(cols, dtype=torch.float32).reshape(len(funcs), n).T.contiguous()
     total = (per_func * w.unsqueeze(0)).nansum(dim=1)  # (N,)
     total[torch.isnan(per_func).all(dim=1)] = torch.nan
     return RewardResult(per_func=per_func, total=total, names=names, log=log)
 
 
-def load_reward_funcs(specs: Sequence[str], grpo, base_dir: str | Path = ".", device: Any = "cpu") -> list[Callable]:
-    """Every reward function of a run; `grpo` (a `GRPOConfig`) configures the length-based builtins and
-    the reward models' batch size; reward models run on `device` (the policy's)."""
+def load_reward_funcs(specs: Sequence[str], grpo, base_dir: str | Path = ".",
+                      device: Any = "cpu") -> list[Callable]:
+    """Every reward function of a run; `grpo` (a `GRPOConfig`) configures the length-based builtins
+    and the reward models' batch size; reward models run on `device` (the policy's)."""
     return [load_reward_function(s, base_dir=base_dir, device=device,
                                  reward_model_batch_size=grpo.reward_model_batch_size,
                                  max_completion_length=grpo.max_completion_length,

@@ -1,6 +1,6 @@
-"""Reward models as reward functions: a local Hugging Face sequence-classification folder (one label)
-named in grpo.reward_funcs or eval.reward_funcs scores each completion with its logit, as TRL 1.16's
-GRPOTrainer does with a reward model in `reward_funcs`.
+"""Reward models as reward functions: a local Hugging Face sequence-classification folder (one
+label) named in grpo.reward_funcs or eval.reward_funcs scores each completion with its logit, as TRL
+1.16's GRPOTrainer does with a reward model in `reward_funcs`.
 
 The text it scores is prompt + completion for text prompts, or the chat template of the whole
 conversation (prompt messages + the assistant's completion) for chat prompts, tokenised by the
@@ -20,11 +20,13 @@ from preftune.data.messages import is_messages
 from preftune.errors import UserError, one_line
 from preftune.model.load import load_tokenizer, weights_signature
 
-_LOADED: dict[tuple, "RewardModel"] = {}  # (folder, device, weights) -> loaded model: one load per process
+# (folder, device, weights) -> loaded model: one load per process
+_LOADED: dict[tuple, "RewardModel"] = {}
 
 
 def is_model_folder(spec: str, base_dir: str | Path = ".") -> Path | None:
-    """The folder a reward spec names (absolute, or relative to `base_dir` or the working directory), or None."""
+    """The folder a reward spec names (absolute, or relative to `base_dir` or the working
+    directory), or None."""
     for path in (Path(spec).expanduser(), Path(base_dir) / spec):
         if path.is_dir():
             return path.resolve()
@@ -32,11 +34,12 @@ def is_model_folder(spec: str, base_dir: str | Path = ".") -> Path | None:
 
 
 def _check_folder(folder: Path, where: str) -> None:
-    """A sequence-classification model with one label (its logit is the reward), else a UserError naming it."""
+    """A sequence-classification model with one label (its logit is the reward), else a UserError
+    naming it."""
     config = folder / "config.json"
     if not config.is_file():
-        raise UserError(f"{folder} is a folder without config.json: not a Hugging Face sequence-classification "
-                        "model (a reward model)", where=where)
+        raise UserError(f"{folder} is a folder without config.json: not a Hugging Face "
+                        "sequence-classification model (a reward model)", where=where)
     try:
         meta = json.loads(config.read_text())
     except (OSError, ValueError) as e:
@@ -44,11 +47,17 @@ def _check_folder(folder: Path, where: str) -> None:
     archs = meta.get("architectures") or []
     if not any(str(a).endswith("ForSequenceClassification") for a in archs):
         names = ", ".join(map(str, archs)) or "none"
-        raise UserError(f"{folder} is not a sequence-classification model (architectures: {names}); a reward "
-                        "model is a *ForSequenceClassification checkpoint with one label", where=where)
-    labels = len(meta["id2label"]) if isinstance(meta.get("id2label"), dict) else meta.get("num_labels", 2)
+        raise UserError(f"{folder} is not a sequence-classification model "
+                        f"(architectures: {names}); a reward model is a "
+                        "*ForSequenceClassification checkpoint with one label", where=where)
+    labels = (
+        len(meta["id2label"])
+        if isinstance(meta.get("id2label"), dict)
+        else meta.get("num_labels", 2)
+    )
     if labels != 1:
-        raise UserError(f"{folder} has {labels} labels; a reward model has one (its logit is the reward)", where=where)
+        raise UserError(f"{folder} has {labels} labels; a reward "
+                        "model has one (its logit is the reward)", where=where)
     if not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(folder)):
         raise UserError(f"{folder} has no weights (*.safetensors or *.bin)", where=where)
 
@@ -65,14 +74,18 @@ class RewardModel:
         except UserError as e:
             raise UserError(f"{folder}: {e.message}", where=where) from None
         try:
-            self.model = AutoModelForSequenceClassification.from_pretrained(str(folder), dtype="auto")
+            self.model = AutoModelForSequenceClassification.from_pretrained(str(folder),
+                                                                            dtype="auto")
         except Exception as e:  # noqa: BLE001 - a broken folder is the user's, whatever transformers raises
-            raise UserError(f"cannot load {folder}: {one_line(e, with_type=True)}", where=where) from None
+            raise UserError(
+                f"cannot load {folder}: {one_line(e, with_type=True)}", where=where
+            ) from None
         # the model pools the last token that is not padding: it must know the tokenizer's pad id
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.to(device).eval().requires_grad_(False)
         self.device, self.batch_size = torch.device(device), batch_size
-        self.__name__ = folder.name  # the metric is rewards/<folder name>/mean, TRL's model-id basename
+        # the metric is rewards/<folder name>/mean, TRL's model-id basename
+        self.__name__ = folder.name
 
     def texts(self, prompts: list, completions: list) -> list[str]:
         """prompt + completion, or the chat template of the whole conversation for chat prompts."""
@@ -85,15 +98,18 @@ class RewardModel:
     def __call__(self, prompts: list, completions: list, **_) -> list[float]:
         texts, scores = self.texts(prompts, completions), []
         for start in range(0, len(texts), self.batch_size):
-            enc = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
+            enc = self.tokenizer(texts[start:start + self.batch_size],
+                                 return_tensors="pt", padding=True,
                                  padding_side="right", add_special_tokens=False)
             enc = {k: v.to(self.device) for k, v in enc.items()}
-            scores += self.model(**enc).logits[:, 0].float().cpu().tolist()  # (b,) one label: the reward
+            # (b,) one label: the reward
+            scores += self.model(**enc).logits[:, 0].float().cpu().tolist()
         return scores
 
 
 def load_reward_model(folder: Path, *, device, batch_size: int, where: str) -> RewardModel:
-    """The folder's reward model on `device`, loaded once per process (and again if its weights change)."""
+    """The folder's reward model on `device`, loaded once per process (and again if its weights
+    change)."""
     key = (str(folder), str(torch.device(device)), weights_signature(str(folder)))
     if key not in _LOADED:
         _LOADED[key] = RewardModel(folder, device=device, batch_size=batch_size, where=where)

@@ -32,7 +32,8 @@ class Trajectory:
     completion: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
-    messages: list[dict] = field(default_factory=list)  # assistant and tool turns (rewards, the dump)
+    # assistant and tool turns (rewards, the dump)
+    messages: list[dict] = field(default_factory=list)
     turns: int = 0
     calls: int = 0
     failures: int = 0
@@ -51,28 +52,33 @@ class ToolTurns:
 
     def __init__(self, tokenizer, max_response_tokens: int | None):
         self.tok, self.cap = tokenizer, max_response_tokens
-        self.suffix([{"role": "tool", "name": "probe", "content": "probe"}])  # fails now, not mid-run
+        # fails now, not mid-run
+        self.suffix([{"role": "tool", "name": "probe", "content": "probe"}])
 
     def suffix(self, messages: list[dict]) -> list[int]:
         tok = self.tok
         if self.cap is not None:  # the result is cut to its first tokens, then rendered
-            messages = [m | {"content": tok.decode(tok(m["content"], add_special_tokens=False).input_ids[:self.cap])}
+            messages = [m | {"content": tok.decode(tok(m["content"],
+                                                       add_special_tokens=False).input_ids[:self.cap])}
                         for m in messages]
         call = {"type": "function", "function": {"name": messages[0]["name"], "arguments": {}}}
-        head = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        head = [{"role": "user", "content": "u"},
+                {"role": "assistant", "content": "", "tool_calls": [call]}]
         before = self._ids(head, generation=False)
         eos = [i for i, t in enumerate(before) if t == tok.eos_token_id]
-        if eos:  # the sampled turn ends at its stop token; what the template adds after it is the suffix's
+        # the sampled turn ends at its stop token; what the template adds after it is the suffix's
+        if eos:
             before = before[:eos[-1] + 1]
         after = self._ids(head + messages, generation=True)
         if after[:len(before)] != before:
-            raise UserError("the chat template does not keep the conversation before a tool turn as it was "
-                            "(rendering a tool message changes earlier tokens); tool turns cannot be appended as "
-                            "token ids", where="model.chat_template")
+            raise UserError("the chat template does not keep the conversation before a tool turn "
+                            "as it was (rendering a tool message changes earlier tokens); tool "
+                            "turns cannot be appended as token ids", where="model.chat_template")
         return after[len(before):]
 
     def _ids(self, messages, generation: bool) -> list[int]:
-        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+        text = self.tok.apply_chat_template(messages, tokenize=False,
+                                            add_generation_prompt=generation)
         return self.tok(text, add_special_tokens=False).input_ids
 
 
@@ -82,14 +88,17 @@ class ToolLoop:
     def __init__(self, tokenizer, cfg, fmt: str, turns: ToolTurns):
         self.tok, self.cfg, self.fmt, self.turns = tokenizer, cfg, fmt, turns
 
-    def run(self, engine, rows: list[Trajectory], tools: list[dict[str, Tool]], G: int, positions: list[int],
-            **kw) -> Rollout:
+    def run(self, engine, rows: list[Trajectory], tools: list[dict[str, Tool]],
+            G: int, positions: list[int], **kw) -> Rollout:
         """rows: N = B * G trajectories (group-contiguous) holding their prompts; positions: each
         prompt's place in the draw. `kw`: the engine's sampling options (eos_id, pad_id, ...)."""
         budget, firsts = self.cfg.max_completion_length, [t.prompt for t in rows]
-        at = [positions[i // G] * G + i % G for i in range(len(rows))]  # each row's place (vLLM seeds)
-        if all(firsts[i] == firsts[i - i % G] for i in range(len(rows))):  # a group shares its prompt
-            ro = engine.generate(firsts[::G], positions, num_generations=G, max_new_tokens=budget, **kw)
+        # each row's place (vLLM seeds)
+        at = [positions[i // G] * G + i % G for i in range(len(rows))]
+        # a group shares its prompt
+        if all(firsts[i] == firsts[i - i % G] for i in range(len(rows))):
+            ro = engine.generate(firsts[::G], positions, num_generations=G,
+                                 max_new_tokens=budget, **kw)
         else:  # an environment's reset text made the group's prompts differ
             ro = engine.generate(firsts, at, num_generations=1, max_new_tokens=budget, turn=1, **kw)
         active, turn = list(range(len(rows))), 0
@@ -100,7 +109,8 @@ class ToolLoop:
                 break
             turn += 1
             room = max(budget - len(rows[i].completion) for i in active)
-            ro = engine.generate([rows[i].prompt + rows[i].completion for i in active], [at[i] for i in active],
+            ro = engine.generate([rows[i].prompt + rows[i].completion for i in active],
+                                 [at[i] for i in active],
                                  num_generations=1, max_new_tokens=room, turn=turn + 1, **kw)
         return assemble(rows, kw["pad_id"], with_logps=engine.with_logps)
 
@@ -117,10 +127,12 @@ class ToolLoop:
             t.messages.append({"role": "assistant", "content": self._text(ids[j][:n], t.truncated)})
 
     def _text(self, ids: list[int], truncated: bool) -> str:
-        return self.tok.decode(ids if truncated else ids[:-1], skip_special_tokens=False)  # without the stop token
+        # without the stop token
+        return self.tok.decode(ids if truncated else ids[:-1], skip_special_tokens=False)
 
     def _act(self, t: Trajectory, tools: dict[str, Tool], turn: int) -> bool:
-        """Run the calls of the row's last turn and append their results -> whether it samples again."""
+        """Run the calls of the row's last turn and append their results -> whether it samples
+        again."""
         cap = self.cfg.max_tool_calling_iterations
         if t.truncated or (cap is not None and turn >= cap):
             return False
@@ -133,7 +145,8 @@ class ToolLoop:
             t.calls, t.failures = t.calls + 1, t.failures + int(failed)
             results.append({"role": "tool", "name": call.name or "unknown", "content": content})
         suffix = self.turns.suffix(results)
-        if len(t.completion) + len(suffix) >= self.cfg.max_completion_length:  # no room to answer: stop here
+        # no room to answer: stop here
+        if len(t.completion) + len(suffix) >= self.cfg.max_completion_length:
             return False
         t.add(suffix, [], sampled=False)
         t.messages += results
@@ -146,7 +159,8 @@ def assemble(rows: list[Trajectory], pad_id: int, *, with_logps: bool) -> Rollou
     p_ids, p_mask = left_pad([t.prompt for t in rows], pad_id)  # (N, P)
     N, T = len(rows), max([len(t.completion) for t in rows] + [1])
     ids = torch.full((N, T), pad_id, dtype=torch.long)  # (N, T)
-    cmask, tmask = torch.zeros(N, T, dtype=torch.long), torch.zeros(N, T, dtype=torch.long)  # (N, T)
+    # (N, T)
+    cmask, tmask = torch.zeros(N, T, dtype=torch.long), torch.zeros(N, T, dtype=torch.long)
     logps = torch.zeros(N, T)  # (N, T)
     for i, t in enumerate(rows):
         n = len(t.completion)
@@ -162,23 +176,28 @@ def assemble(rows: list[Trajectory], pad_id: int, *, with_logps: bool) -> Rollou
 def completions_of(rows: list[Trajectory], prompts: list, tokenizer) -> list:
     """What reward functions receive: for chat prompts the turns as messages (TRL's form), else the
     completion's text (tool results included)."""
-    return [t.messages if is_messages(p) else tokenizer.decode(t.completion, skip_special_tokens=True)
+    return [t.messages if is_messages(p) else tokenizer.decode(t.completion,
+                                                               skip_special_tokens=True)
             for t, p in zip(rows, prompts)]
 
 
 def stats(rows: list[Trajectory]) -> list[float]:
-    """Sums for the metrics, added over rounds and ranks: rows, turns, calls, failures, tool tokens, tokens."""
+    """Sums for the metrics, added over rounds and ranks: rows, turns, calls, failures, tool tokens,
+    tokens."""
     return [float(len(rows)), float(sum(t.turns for t in rows)), float(sum(t.calls for t in rows)),
-            float(sum(t.failures for t in rows)), float(sum(len(t.mask) - sum(t.mask) for t in rows)),
+            float(sum(t.failures for t in rows)),
+            float(sum(len(t.mask) - sum(t.mask) for t in rows)),
             float(sum(len(t.mask) for t in rows))]
 
 
-def tool_metrics(rows: float, turns: float, calls: float, failures: float, tool_tokens: float, tokens: float) -> dict:
+def tool_metrics(rows: float, turns: float, calls: float, failures: float, tool_tokens: float,
+                 tokens: float) -> dict:
     """TRL's names (`tools/call_frequency`: calls per completion; `tools/failure_frequency`: failed
     calls per call) and turns per completion, the share of tool tokens among completion tokens."""
     return {"tools/call_frequency": calls / max(rows, 1.0),
             "tools/failure_frequency": failures / calls if calls else 0.0,
-            "tools/turns": turns / max(rows, 1.0), "tools/token_share": tool_tokens / max(tokens, 1.0)}
+            "tools/turns": turns / max(rows, 1.0),
+            "tools/token_share": tool_tokens / max(tokens, 1.0)}
 
 
 @dataclass
@@ -219,15 +238,18 @@ def build_agent(cfg, tokenizer, base_dir, tools=(), environment_factory=None) ->
     made = [make_tool(f, "grpo.tools") for f in funcs]
     envs = Environments(factory) if factory is not None else None
     fmt = pick_format(tokenizer, cfg.tool_call_format)
-    return Agent(ToolLoop(tokenizer, cfg, fmt, ToolTurns(tokenizer, cfg.max_tool_response_length)), made, envs)
+    return Agent(ToolLoop(tokenizer, cfg, fmt,
+                          ToolTurns(tokenizer, cfg.max_tool_response_length)), made, envs)
 
 
 def dump_trajectories(path, step: int, scored, tokenizer, limit: int) -> None:
     """The first `limit` trajectories of a generation batch as JSON lines (appended): the turns, the
-    calls and results, the reward, and which completion tokens trained (`trained`: 1 sampled, 0 tool)."""
+    calls and results, the reward, and which completion tokens trained (`trained`: 1 sampled, 0
+    tool)."""
     with open(path, "a", encoding="utf-8") as f:
         for i, t in enumerate(scored.trajectories[:limit]):
             f.write(json.dumps({"step": step, "row": i, "prompt": tokenizer.decode(t.prompt),
-                                "messages": t.messages, "reward": float(scored.total[i]), "turns": t.turns,
+                                "messages": t.messages,
+                                "reward": float(scored.total[i]), "turns": t.turns,
                                 "calls": t.calls, "failures": t.failures, "truncated": t.truncated,
                                 "completion_ids": t.completion, "trained": t.mask}) + "\n")

@@ -34,16 +34,20 @@ class SamplerEngine:
     tp = 1  # every rank samples its own prompts
 
     def __init__(self, with_logps: bool = False):
-        self.with_logps = with_logps  # off for training: on-policy, the trainer's log-probs are the sampler's
+        # off for training: on-policy, the trainer's log-probs are the sampler's
+        self.with_logps = with_logps
 
     def generate(self, prompts: list[list[int]], positions: list[int] | None = None, *, model,
-                 num_generations: int, max_new_tokens: int, eos_id: int, pad_id: int, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, greedy: bool = False, generator: torch.Generator | None = None,
+                 num_generations: int, max_new_tokens: int, eos_id: int, pad_id: int,
+                 temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
+                 generator: torch.Generator | None = None,
                  seed: int = 0, step: int = 0, round_: int = 0, turn: int = 0) -> Rollout:
         p_ids, p_mask = left_pad(prompts, pad_id)  # (B, P)
-        return sample(model, p_ids, p_mask, num_generations=num_generations, max_new_tokens=max_new_tokens,
-                      eos_id=eos_id, pad_id=pad_id, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
-                      generator=generator, with_logps=self.with_logps)
+        return sample(model, p_ids, p_mask, num_generations=num_generations,
+                      max_new_tokens=max_new_tokens,
+                      eos_id=eos_id, pad_id=pad_id, temperature=temperature, top_p=top_p,
+                      top_k=top_k, greedy=greedy, generator=generator, with_logps=self.with_logps)
 
     def push(self, model) -> float:
         return 0.0
@@ -61,9 +65,12 @@ class SamplerEngine:
 def make_engine(cfg, dp=None, model_path: str | None = None):
     """The rollout engine of a run (`cfg`: the whole Config): vLLM with grpo.use_vllm, else the own
     sampler. The only place that reads grpo.use_vllm to choose. vLLM is sized for training's and
-    evaluation's prompts and completions; `model_path` starts it on another folder (`preftune eval`)."""
+    evaluation's prompts and completions; `model_path` starts it on another folder (`preftune
+    eval`)."""
     if not cfg.grpo.use_vllm:
         return SamplerEngine()
     longest = max(cfg.grpo.max_completion_length, cfg.eval.max_new_tokens or 0)
-    model_cfg = cfg.model if model_path is None else dataclasses.replace(cfg.model, name_or_path=model_path)
-    return VLLMEngine(cfg.grpo, model_cfg, max_model_len=cfg.data.max_prompt_length + longest, seed=cfg.seed, dp=dp)
+    model_cfg = cfg.model if model_path is None else dataclasses.replace(cfg.model,
+                                                                         name_or_path=model_path)
+    return VLLMEngine(cfg.grpo, model_cfg,
+                      max_model_len=cfg.data.max_prompt_length + longest, seed=cfg.seed, dp=dp)

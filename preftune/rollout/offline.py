@@ -23,7 +23,8 @@ from preftune.rollout.scored import Scored
 
 class OfflineSource:
     def __init__(self, cfg: GRPOConfig, tokenizer, groups: list, *, seed: int, shuffle: bool,
-                 truncation: PromptTruncation, reward_name: str, dp=None, tools: list[dict] | None = None):
+                 truncation: PromptTruncation, reward_name: str, dp=None,
+                 tools: list[dict] | None = None):
         """`tools`: the set's tool schemas (`data.tools`), for groups whose rows have none."""
         self.cfg, self.tok, self.groups, self.truncation = cfg, tokenizer, groups, truncation
         self.tools = tools
@@ -35,7 +36,10 @@ class OfflineSource:
     def _encode(self, idx: int):
         g = self.groups[idx]
         tools = group_tools(g) or self.tools
-        rows = [encode_row(self.tok, g.prompt, r, tools=tools, where=f"group {idx}") for r in g.responses]
+        rows = [
+            encode_row(self.tok, g.prompt, r, tools=tools, where=f"group {idx}")
+            for r in g.responses
+        ]
         p = self.truncation.apply(rows[0].prompt, where=f"group {idx}")
         if p is None:
             return None
@@ -55,8 +59,9 @@ class OfflineSource:
             if self.dp.sum(len(encoded))[0]:
                 return encoded
             drawn += self.cfg.prompts_per_step
-        raise UserError(f"every prompt is longer than data.max_prompt_length={self.truncation.max_length} "
-                        "and data.prompt_truncation=drop", where="data.max_prompt_length")
+        raise UserError("every prompt is longer than "
+                        f"data.max_prompt_length={self.truncation.max_length} and "
+                        "data.prompt_truncation=drop", where="data.max_prompt_length")
 
     def make_batch(self, model, step: int) -> Scored:
         prompts, comps, cut, rewards, sizes = [], [], [], [], []
@@ -70,10 +75,14 @@ class OfflineSource:
         p_ids, p_mask = left_pad(prompts, self.tok.pad_token_id)
         c_ids, c_mask = right_pad([c.completion for c in comps], self.tok.pad_token_id)
         tool_mask = None
-        if any(c.mask is not None for c in comps):  # (N, T) 0 at a tool's tokens; padding is out by c_mask
-            tool_mask, _ = right_pad([[1] * len(c.completion) if c.mask is None else c.mask for c in comps], 1)
+        # (N, T) 0 at a tool's tokens; padding is out by c_mask
+        if any(c.mask is not None for c in comps):
+            tool_mask, _ = right_pad(
+                [[1] * len(c.completion) if c.mask is None else c.mask for c in comps], 1
+            )
             tool_mask = tool_mask.masked_fill(c_mask == 0, 1)
-        ro = Rollout(prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids, completion_mask=c_mask,
+        ro = Rollout(prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids,
+                     completion_mask=c_mask,
                      truncated=torch.tensor(cut, dtype=torch.bool), tool_mask=tool_mask)
         total = torch.tensor(rewards, dtype=torch.float32)  # (N,)
         return Scored(ro, total[:, None].clone(), total, [self.reward_name], sizes)

@@ -6,7 +6,8 @@ prompt once, copy its cache G times into preallocated buffers, then one forward 
 the last-token logits, a Gumbel-max draw, and one host sync per token (stop when all rows are
 done; rows that finished leave the batch once they are an eighth of it).
 Positions come from the attention mask, so a left-padded prompt sees the same positions as an
-unpadded one, here and in the training forward pass (`model/logps.py` calls `data/tensors.positions_from_mask`).
+unpadded one, here and in the training forward pass (`model/logps.py` calls
+`data/tensors.positions_from_mask`).
 """
 from __future__ import annotations
 
@@ -33,12 +34,19 @@ class Rollout:
     completion_mask: torch.Tensor  # (N, T) 1 up to and including EOS
     truncated: torch.Tensor  # (N,) bool: no EOS within max_new_tokens
     old_logps: torch.Tensor | None = None  # (N, T) recorded by the batch's first step when reused
-    sampling_logps: torch.Tensor | None = None  # (N, T) each token's log-prob under the distribution that drew it
-    tool_mask: torch.Tensor | None = None  # (N, T) 1 sampled, 0 a tool's result (`rollout/agent.py`); None: all 1
+    # (N, T) each token's log-prob under the distribution that drew it
+    sampling_logps: torch.Tensor | None = None
+    # (N, T) 1 sampled, 0 a tool's result (`rollout/agent.py`); None: all 1
+    tool_mask: torch.Tensor | None = None
 
     def loss_mask(self) -> torch.Tensor:
-        """(N, T) the completion tokens the policy sampled: the completion mask without tool tokens."""
-        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
+        """(N, T) the completion tokens the policy sampled: the completion mask without tool
+        tokens."""
+        return (
+            self.completion_mask
+            if self.tool_mask is None
+            else self.completion_mask * self.tool_mask
+        )
 
     def to(self, device) -> "Rollout":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
@@ -68,27 +76,30 @@ def sample(
     model.eval()  # dropout off, and HF keeps the cache on even with gradient checkpointing
     try:  # FSDP2: one all-gather per rollout, the decode step reads whole parameters
         with whole(model), autocast(model):
-            return _sample(model, prompt_ids, prompt_mask, num_generations, max_new_tokens, eos_id, pad_id,
+            return _sample(model, prompt_ids, prompt_mask, num_generations,
+                           max_new_tokens, eos_id, pad_id,
                            temperature, top_p, top_k, greedy, generator, with_logps)
     finally:
         model.train(was_training)
 
 
-def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id, temperature, top_p, top_k, greedy,
-            generator, with_logps=False) -> Rollout:
+def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id,
+            temperature, top_p, top_k, greedy, generator, with_logps=False) -> Rollout:
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     P = prompt_ids.size(1)
-    copies = torch.arange(prompt_ids.size(0), device=device).repeat_interleave(G)  # (N,) prompt of each row
+    # (N,) prompt of each row
+    copies = torch.arange(prompt_ids.size(0), device=device).repeat_interleave(G)
     decoder = _decoder(model, P + max_new_tokens - 1)
-    # inference mode skips autograd's per-op bookkeeping (version counters, view tracking; measured in
-    # bench/bench_passes.py). Not where hooks (FSDP2's, the HF module's) may keep tensors made here
-    # for the training pass: those stay in `sample`'s no_grad (`inference_mode(False)` would turn
-    # grad back on)
+    # inference mode skips autograd's per-op bookkeeping (version counters, view tracking; measured
+    # in bench/bench_passes.py). Not where hooks (FSDP2's, the HF module's) may keep tensors made
+    # here for the training pass: those stay in `sample`'s no_grad (`inference_mode(False)` would
+    # turn grad back on)
     with torch.inference_mode() if decoder.inference else contextlib.nullcontext():
         logits = decoder.prefill(prompt_ids, prompt_mask, copies)  # (N, V)
         N = logits.size(0)
-        attn = torch.zeros(N, P + max_new_tokens, dtype=prompt_mask.dtype, device=device)  # (N, P+T) filled as we go
+        # (N, P+T) filled as we go
+        attn = torch.zeros(N, P + max_new_tokens, dtype=prompt_mask.dtype, device=device)
         attn[:, :P] = prompt_mask[copies]
         next_pos = attn.sum(-1, keepdim=True)  # (N, 1)
         tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)  # (N, T)
@@ -96,7 +107,8 @@ def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id, t
         rows = torch.arange(N, device=device)  # (n,) the rollout row of each row still in the batch
         done = torch.zeros(N, dtype=torch.bool, device=device)  # (n,)
         for t in range(max_new_tokens):
-            drawn = draw(logits, temperature, top_k, top_p, greedy, generator, with_logp=logps is not None)
+            drawn = draw(logits, temperature, top_k, top_p, greedy, generator,
+                         with_logp=logps is not None)
             tok, lp = drawn if logps is not None else (drawn, None)  # (n,), (n,)
             tok = tok.masked_fill(done, pad_id)
             tokens[rows, t] = tok
@@ -111,20 +123,30 @@ def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id, t
                 break
             if finished * 8 >= done.numel():  # finished rows leave the batch (and the cache)
                 keep = (~done).nonzero().squeeze(1)  # (n',)
-                rows, done, tok, attn, next_pos = rows[keep], done[keep], tok[keep], attn[keep], next_pos[keep]
+                rows, done, tok, attn, next_pos = (
+                    rows[keep],
+                    done[keep],
+                    tok[keep],
+                    attn[keep],
+                    next_pos[keep],
+                )
                 decoder.select(keep)
             logits = decoder.step(tok, attn[:, :P + t + 1], next_pos)  # (n, V)
             next_pos = next_pos + 1
-    out = assemble(prompt_ids[copies], prompt_mask[copies], tokens.clone(), eos_id)  # a normal tensor again
+    # a normal tensor again
+    out = assemble(prompt_ids[copies], prompt_mask[copies], tokens.clone(), eos_id)
     if logps is not None:
         out.sampling_logps = logps[:, :out.completion_ids.size(1)].clone()
     return out
 
 
 def _decoder(model, capacity: int):
-    """preftune's own model decodes with its `step`; any other module with its forward and a cache."""
+    """preftune's own model decodes with its `step`; any other module with its forward and a
+    cache."""
     base = base_module(model)
-    return _OwnDecoder(base, capacity) if isinstance(base, CausalLM) else _HFDecoder(model, capacity)
+    return (
+        _OwnDecoder(base, capacity) if isinstance(base, CausalLM) else _HFDecoder(model, capacity)
+    )
 
 
 class _HFDecoder:
@@ -135,14 +157,22 @@ class _HFDecoder:
     def __init__(self, model, capacity: int):
         from transformers import DynamicCache
 
-        self.model, self.capacity, self.cache, self.kw = model, capacity, DynamicCache(), cache_kwarg(model)
+        self.model, self.capacity, self.cache, self.kw = (
+            model,
+            capacity,
+            DynamicCache(),
+            cache_kwarg(model),
+        )
 
     def prefill(self, prompt_ids, prompt_mask, copies) -> torch.Tensor:
-        """Each distinct prompt once, its keys/values copied to its G rows -> last-position logits (N, V)."""
+        """Each distinct prompt once, its keys/values copied to its G rows -> last-position logits
+        (N, V)."""
         pos = positions_from_mask(prompt_mask)
-        out = self.model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True,
+        out = self.model(input_ids=prompt_ids, attention_mask=prompt_mask,
+                         position_ids=pos, use_cache=True,
                          logits_to_keep=1, **{self.kw: self.cache})
-        self.cache.layers = [preallocated_layer()(layer.keys[copies], layer.values[copies], self.capacity)
+        self.cache.layers = [preallocated_layer()(layer.keys[copies],
+                                                  layer.values[copies], self.capacity)
                              for layer in self.cache.layers]
         return out.logits[:, -1].float()[copies]
 
@@ -150,8 +180,8 @@ class _HFDecoder:
         self.cache.batch_select_indices(keep)
 
     def step(self, tok, attn, pos) -> torch.Tensor:
-        out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, use_cache=True,
-                         **{self.kw: self.cache})
+        out = self.model(input_ids=tok[:, None], attention_mask=attn,
+                         position_ids=pos, use_cache=True, **{self.kw: self.cache})
         return out.logits[:, -1].float()  # (n, V)
 
 
@@ -163,7 +193,9 @@ class _OwnDecoder:
         self.inference = not hasattr(model, "unshard")  # an FSDP2 module's hooks run in the prefill
         device = model.model.embed_tokens.weight.device
         on = torch.is_autocast_enabled(device.type)
-        self.dtype = torch.get_autocast_dtype(device.type) if on else model.model.embed_tokens.weight.dtype
+        self.dtype = (
+            torch.get_autocast_dtype(device.type) if on else model.model.embed_tokens.weight.dtype
+        )
         self.model, self.capacity, self.filled = model, capacity, 0
         self.weights = model.decoding(self.dtype)
         cos, sin = model.rope(torch.arange(capacity + 1, device=device)[None])  # (1, cap, 1, d)
@@ -174,12 +206,16 @@ class _OwnDecoder:
         pos = positions_from_mask(prompt_mask)  # (B, P)
         keys = prompt_mask.bool()[:, None, None, :]  # (B, 1, 1, P)
         causal = torch.ones(P, P, dtype=torch.bool, device=pos.device).tril()
-        # a left-padding query sees only itself (never an empty softmax row); real tokens never see padding
+        # a left-padding query sees only itself (never an empty softmax row); real tokens never see
+        # padding
         mask = (causal & keys) | torch.eye(P, dtype=torch.bool, device=pos.device)  # (B, 1, P, P)
         kv = self.model.new_kv(B, P, self.dtype)
         h = self.model(prompt_ids, pos, mask, kv=kv)  # (B, P, H)
         self.kv = self.model.new_kv(copies.numel(), self.capacity, self.dtype)
-        self.kv.keys[:, :, :, :P], self.kv.values[:, :, :, :P] = kv.keys[:, copies], kv.values[:, copies]
+        self.kv.keys[:, :, :, :P], self.kv.values[:, :, :, :P] = (
+            kv.keys[:, copies],
+            kv.values[:, copies],
+        )
         self.filled = P
         return self.model.logits(h[:, -1]).float()[copies]  # (N, V)
 
@@ -188,7 +224,8 @@ class _OwnDecoder:
 
     def step(self, tok, attn, pos) -> torch.Tensor:
         at = pos[:, 0]  # (n,)
-        logits = self.model.step(tok, self.cos[at], self.sin[at], attn.bool(), self.kv, self.filled, self.weights)
+        logits = self.model.step(tok, self.cos[at], self.sin[at], attn.bool(), self.kv,
+                                 self.filled, self.weights)
         self.filled += 1
         return logits.float()  # (n, V)
 
@@ -203,10 +240,12 @@ def draw(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gre
         tok = logits.argmax(-1)
         return (tok, torch.zeros(tok.shape, device=tok.device)) if with_logp else tok
     scores = filter_logits(logits / temperature, top_k, top_p)  # (n, V)
-    # uniform then two logs: faster on CPU than exponential_ at a large vocabulary (bench/bench_draw.py);
-    # U >= tiny keeps the noise finite (float32 rand returns 0 about once in 2^24 draws)
-    u = torch.rand(scores.shape, generator=generator, device=scores.device, dtype=scores.dtype)  # (n, V)
-    noise = u.clamp_min_(torch.finfo(scores.dtype).tiny).log_().neg_().log_()  # (n, V): log E = -Gumbel
+    # uniform then two logs: faster on CPU than exponential_ at a large vocabulary
+    # (bench/bench_draw.py); U >= tiny keeps the noise finite (float32 rand returns 0 about once in
+    # 2^24 draws) (n, V)
+    u = torch.rand(scores.shape, generator=generator, device=scores.device, dtype=scores.dtype)
+    # (n, V): log E = -Gumbel
+    noise = u.clamp_min_(torch.finfo(scores.dtype).tiny).log_().neg_().log_()
     tok = (scores - noise).argmax(-1)  # (n,)
     if not with_logp:
         return tok
@@ -216,8 +255,8 @@ def draw(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gre
 @functools.cache
 def preallocated_layer():
     """The class of a KV-cache layer whose keys/values live in buffers of the final length: a decode
-    step writes its column in place (a DynamicLayer concatenates, copying the whole cache per token).
-    Built on first use, so importing this module does not import transformers."""
+    step writes its column in place (a DynamicLayer concatenates, copying the whole cache per
+    token). Built on first use, so importing this module does not import transformers."""
     from transformers.cache_utils import DynamicLayer
 
     class PreallocatedLayer(DynamicLayer):
@@ -238,7 +277,8 @@ def preallocated_layer():
             return self.keys, self.values
 
         def batch_select_indices(self, indices):
-            self.kbuf, self.vbuf = _select(self.kbuf, indices, self.length), _select(self.vbuf, indices, self.length)
+            self.kbuf, self.vbuf = _select(self.kbuf, indices,
+                                           self.length), _select(self.vbuf, indices, self.length)
             self._view(self.length)
 
         def _view(self, n):
@@ -263,7 +303,8 @@ def assemble(prompt_ids, prompt_mask, tokens, eos_id) -> Rollout:
     idx = torch.arange(tokens.size(1), device=tokens.device)[None]  # (1, T)
     completion_mask = (idx <= first_eos[:, None]).long()  # (N, T) includes the EOS token
     length = int(completion_mask.sum(-1).max().item()) if tokens.numel() else 0
-    return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=tokens[:, :max(length, 1)],
+    return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+                   completion_ids=tokens[:, :max(length, 1)],
                    completion_mask=completion_mask[:, :max(length, 1)], truncated=~has_eos)
 
 
@@ -272,8 +313,8 @@ def select(ro: Rollout, rows: torch.Tensor | list[int]) -> Rollout:
     pick = lambda t: None if t is None else t[rows]  # noqa: E731
     return Rollout(prompt_ids=ro.prompt_ids[rows], prompt_mask=ro.prompt_mask[rows],
                    completion_ids=ro.completion_ids[rows], completion_mask=ro.completion_mask[rows],
-                   truncated=ro.truncated[rows], old_logps=pick(ro.old_logps), sampling_logps=pick(ro.sampling_logps),
-                   tool_mask=pick(ro.tool_mask))
+                   truncated=ro.truncated[rows], old_logps=pick(ro.old_logps),
+                   sampling_logps=pick(ro.sampling_logps), tool_mask=pick(ro.tool_mask))
 
 
 def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
@@ -291,7 +332,8 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
 
     has_old = all(r.old_logps is not None for r in rollouts)
     has_sampling = all(r.sampling_logps is not None for r in rollouts)
-    has_tools = any(r.tool_mask is not None for r in rollouts)  # a round without tool rows: all sampled
+    # a round without tool rows: all sampled
+    has_tools = any(r.tool_mask is not None for r in rollouts)
     return Rollout(
         prompt_ids=torch.cat([lpad(r.prompt_ids, P, pad_id) for r in rollouts]),
         prompt_mask=torch.cat([lpad(r.prompt_mask, P, 0) for r in rollouts]),
@@ -299,6 +341,8 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
         completion_mask=torch.cat([rpad(r.completion_mask, T, 0) for r in rollouts]),
         truncated=torch.cat([r.truncated for r in rollouts]),
         old_logps=torch.cat([rpad(r.old_logps, T, 0.0) for r in rollouts]) if has_old else None,
-        sampling_logps=torch.cat([rpad(r.sampling_logps, T, 0.0) for r in rollouts]) if has_sampling else None,
+        sampling_logps=torch.cat([rpad(r.sampling_logps, T, 0.0) for r in rollouts])
+        if has_sampling
+        else None,
         tool_mask=torch.cat([rpad(r.loss_mask(), T, 0) for r in rollouts]) if has_tools else None,
     )

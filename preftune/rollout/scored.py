@@ -17,5 +17,7 @@ class Scored:
     names: list[str]
     group_sizes: list[int]  # rows per prompt, group-contiguous
     extra: dict = field(default_factory=dict)
-    log: RewardLog = field(default_factory=RewardLog)  # the reward functions' log_metric / log_extra
-    trajectories: list = field(default_factory=list)  # a tool loop's rows (`rollout/agent.Trajectory`)
+    # the reward functions' log_metric / log_extra
+    log: RewardLog = field(default_factory=RewardLog)
+    # a tool loop's rows (`rollout/agent.Trajectory`)
+    trajectories: list = field(default_factory=list)

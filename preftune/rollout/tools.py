@@ -42,8 +42,9 @@ def make_tool(func: Callable, where: str) -> Tool:
     try:
         schema = get_json_schema(func)
     except Exception as e:  # noqa: BLE001 - transformers' TypeHint/Docstring parsing errors
-        raise UserError(f"tool '{name}' has no usable schema ({one_line(e)}): a tool needs type hints on every "
-                        "argument and a Google-style docstring with an Args: section", where=where) from None
+        raise UserError(f"tool '{name}' has no usable schema ({one_line(e)}): "
+                        "a tool needs type hints on every argument and a "
+                        "Google-style docstring with an Args: section", where=where) from None
     return Tool(name, func, schema)
 
 
@@ -56,13 +57,16 @@ class Environments:
         probe = self._new()
         cls = type(probe)
         if not callable(getattr(probe, "reset", None)):
-            raise UserError(f"environment {cls.__name__} has no reset method (reset(**row) -> str | None)",
+            raise UserError(f"environment {cls.__name__} has no reset "
+                            "method (reset(**row) -> str | None)",
                             where=where)
         self.name = cls.__name__
         self.methods = [n for n, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
                         if not n.startswith("_") and n not in ("reset", "get_reward")]
         self.has_reward = callable(getattr(probe, "get_reward", None))
-        self.schemas = [make_tool(getattr(probe, n), f"{where}: {self.name}.{n}").schema for n in self.methods]
+        self.schemas = [
+            make_tool(getattr(probe, n), f"{where}: {self.name}.{n}").schema for n in self.methods
+        ]
         self.pool = [probe]
 
     def _new(self):
@@ -104,10 +108,15 @@ class Call:
 def pick_format(tokenizer, requested: str) -> str:
     """`auto`: the format the chat template writes tool calls in. A template that mentions no tool
     at all cannot show the policy its tools or their results: a UserError."""
-    template = tokenizer.chat_template if isinstance(getattr(tokenizer, "chat_template", None), str) else ""
+    template = (
+        tokenizer.chat_template
+        if isinstance(getattr(tokenizer, "chat_template", None), str)
+        else ""
+    )
     if not template or "tool" not in template:
-        raise UserError("the chat template has no tool support (it never renders tools or a tool turn); use a "
-                        "tool-capable model or set its chat_template", where="grpo.tools")
+        raise UserError("the chat template has no tool support (it never renders tools or a tool "
+                        "turn); "
+                        "use a tool-capable model or set its chat_template", where="grpo.tools")
     if requested != "auto":
         return requested
     if "<arg_key>" in template:
@@ -116,12 +125,13 @@ def pick_format(tokenizer, requested: str) -> str:
         return "hermes"
     if "<|python_tag|>" in template or "ipython" in template:
         return "llama3"
-    raise UserError("cannot tell the tool-call format from the chat template: set grpo.tool_call_format "
-                    f"({', '.join(FORMATS)})", where="grpo.tool_call_format")
+    raise UserError("cannot tell the tool-call format from the chat template: set "
+                    f"grpo.tool_call_format ({', '.join(FORMATS)})", where="grpo.tool_call_format")
 
 
 def parse_calls(text: str, fmt: str) -> list[Call]:
-    """The tool calls written in `text` (one assistant turn, without its stop token): [] for none."""
+    """The tool calls written in `text` (one assistant turn, without its stop token): [] for
+    none."""
     return {"hermes": _hermes, "llama3": _llama3, "glm4": _glm4}[fmt](text)
 
 
@@ -161,15 +171,16 @@ def _llama3(text: str) -> list[Call]:
 
 
 def _glm4(text: str) -> list[Call]:
-    """GLM-4.5: `<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...</tool_call>`; a value
-    is JSON when it parses, else a string."""
+    """GLM-4.5: `<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...</tool_call>`; a
+    value is JSON when it parses, else a string."""
     out = []
     for body in re.findall(r"<tool_call>(.*?)</tool_call>", text, re.S):
         name, _, rest = body.partition("<arg_key>")
         keys = re.findall(r"<arg_key>(.*?)</arg_key>", "<arg_key>" + rest if rest else "", re.S)
         values = re.findall(r"<arg_value>(.*?)</arg_value>", rest, re.S)
         if not name.strip() or len(keys) != len(values):
-            out.append(Call(name.strip() or None, error="malformed tool call (arg_key/arg_value pairs)"))
+            out.append(Call(name.strip() or None,
+                            error="malformed tool call (arg_key/arg_value pairs)"))
             continue
         out.append(Call(name.strip(), {k.strip(): _json_or_text(v) for k, v in zip(keys, values)}))
     if text.count("<tool_call>") > len(out):
@@ -195,7 +206,9 @@ def run_call(call: Call, tools: dict[str, Tool], timeout: float) -> tuple[str, b
         return _error(call.error), True
     tool = tools.get(call.name)
     if tool is None:
-        return _error(f"unknown tool '{call.name}'; tools: {', '.join(sorted(tools)) or 'none'}"), True
+        return _error(
+            f"unknown tool '{call.name}'; tools: {', '.join(sorted(tools)) or 'none'}"
+        ), True
     try:
         inspect.signature(tool.func).bind(**call.arguments)
     except TypeError as e:

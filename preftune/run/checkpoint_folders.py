@@ -1,4 +1,5 @@
-"""Atomic checkpoints with a manifest, retention, verification, and an optional remote (fsspec) mirror.
+"""Atomic checkpoints with a manifest, retention, verification, and an optional remote (fsspec)
+mirror.
 
 A checkpoint folder `checkpoints/step-N/` holds the model in Hugging Face format (loadable by
 `from_pretrained`), `trainer_state.json` + `.safetensors` (data only: preftune/tensorfile.py), the
@@ -31,8 +32,10 @@ log = logging.getLogger("preftune")
 MANIFEST = "MANIFEST.json"
 STATE = "trainer_state"  # trainer_state.json + trainer_state.safetensors
 STEP_RE = re.compile(r"^step-(\d+)$")
-ANNOTATIONS = ("eval.json",)  # written beside a published checkpoint by `preftune eval`; never read by a restore
-TMP_PREFIX = ".tmp-"  # everything under checkpoints/ with this prefix is scratch, removed at start-up
+# written beside a published checkpoint by `preftune eval`; never read by a restore
+ANNOTATIONS = ("eval.json",)
+# everything under checkpoints/ with this prefix is scratch, removed at start-up
+TMP_PREFIX = ".tmp-"
 _counter = itertools.count()
 
 
@@ -73,14 +76,21 @@ def file_entries(folder: Path, names: list[str] | None = None) -> dict:
 
 
 def content_files(folder: Path) -> list[str]:
-    return [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != MANIFEST and p.relative_to(folder).as_posix() not in ANNOTATIONS]
+    return [
+        p.relative_to(folder).as_posix()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+        and p.name != MANIFEST
+        and p.relative_to(folder).as_posix() not in ANNOTATIONS
+    ]
 
 
 def write_manifest(folder: Path, step: int, files: dict | None = None) -> None:
-    """MANIFEST.json, written last; `files` are entries hashed elsewhere (by each rank, in parallel)."""
+    """MANIFEST.json, written last; `files` are entries hashed elsewhere (by each rank, in
+    parallel)."""
     files = file_entries(folder) if files is None else dict(sorted(files.items()))
-    atomic_write(folder / MANIFEST, json.dumps({"step": step, "files": files}, indent=1), fsync=True)
+    atomic_write(folder / MANIFEST,
+                 json.dumps({"step": step, "files": files}, indent=1), fsync=True)
 
 
 def _safe_rel(name: str) -> bool:
@@ -93,7 +103,9 @@ def read_manifest(text: str) -> dict:
     """Parsed manifest, or ValueError when it is not one."""
     m = json.loads(text)
     files = m.get("files") if isinstance(m, dict) else None
-    if not isinstance(files, dict) or not all(_safe_rel(k) and isinstance(v, dict) for k, v in files.items()):
+    if not isinstance(files, dict) or not all(
+        _safe_rel(k) and isinstance(v, dict) for k, v in files.items()
+    ):
         raise ValueError("not a preftune manifest")
     return m
 
@@ -132,7 +144,8 @@ def verify(folder: Path, required: tuple[str, ...] = ()) -> str | None:
 
 def readable(path: Path) -> str | None:
     """For the formats preftune reads: None when `path` parses, else why not (JSON; JSON lines of
-    objects with a step; safetensors headers, checked against the file without reading the tensors)."""
+    objects with a step; safetensors headers, checked against the file without reading the
+    tensors)."""
     try:
         if path.suffix == ".json":
             json.loads(path.read_text())
@@ -145,12 +158,14 @@ def readable(path: Path) -> str | None:
     return _check_safetensors(path) if path.suffix == ".safetensors" else None
 
 
-SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
+SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1,
+                      "I16": 2, "U16": 2, "F16": 2,
                       "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
 def _check_safetensors(path: Path) -> str | None:
-    """The header parses and every tensor's bytes lie inside the file and fit its shape and dtype."""
+    """The header parses and every tensor's bytes lie inside the file and fit its shape and
+    dtype."""
     try:
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
@@ -176,7 +191,11 @@ def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
     """Published checkpoint folders (by name), newest first; temporary folders are not listed."""
     if not ckpt_root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in ckpt_root.iterdir() if p.is_dir() and (m := STEP_RE.match(p.name))]
+    found = [
+        (int(m.group(1)), p)
+        for p in ckpt_root.iterdir()
+        if p.is_dir() and (m := STEP_RE.match(p.name))
+    ]
     return sorted(found, reverse=True)
 
 
@@ -239,7 +258,8 @@ def state_files(name: str = STATE) -> tuple[str, str]:
 
 
 def save_state(folder: Path, state: dict, name: str = STATE) -> None:
-    from preftune import tensorfile  # here, not at the top: the completion check reads manifests without torch
+    # here, not at the top: the completion check reads manifests without torch
+    from preftune import tensorfile
 
     tensorfile.save(folder / name, state)
 

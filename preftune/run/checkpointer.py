@@ -1,4 +1,5 @@
-"""The one owner of a run's checkpoints: "save at step N", "restore from this folder", "write final/".
+"""The one owner of a run's checkpoints: "save at step N", "restore from this folder", "write
+final/".
 
 The loop calls `Checkpointer.save(step)` / `.restore(folder)` / `.write_final(step)`; how the state
 is laid out is this module's business. Two layouts, one folder lifecycle (checkpoint.py: scratch
@@ -45,7 +46,8 @@ ADAPTER = "adapter"
 
 
 def rng_state() -> dict:
-    """Every global RNG as plain tensors/ints/floats (data only: tensorfile.py writes and reads them)."""
+    """Every global RNG as plain tensors/ints/floats (data only: tensorfile.py writes and reads
+    them)."""
     _, py_state, py_gauss = random.getstate()
     _, mt, pos, has_gauss, gauss = np.random.get_state()
     state = {"python": list(py_state), "python_gauss": py_gauss,
@@ -59,14 +61,16 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     random.setstate((3, tuple(state["python"]), state["python_gauss"]))
     has_gauss, gauss = state["numpy_gauss"]
-    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], has_gauss, gauss))
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32),
+                         state["numpy_pos"], has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def prepare_task(task, model) -> None:
-    """What a task computes from the initial weights (DPO's reference log-probs); SFT has nothing."""
+    """What a task computes from the initial weights (DPO's reference log-probs); SFT has
+    nothing."""
     prepare = getattr(task, "prepare", None)
     if prepare is not None:
         prepare(model)
@@ -81,7 +85,8 @@ def rank_file(rank: int) -> str:
 
 
 class Checkpointer:
-    def __init__(self, cfg, dp: dist.Parallel, *, model, tokenizer, optimizer, task, mirror=None, lock=None):
+    def __init__(self, cfg, dp: dist.Parallel, *, model, tokenizer, optimizer, task,
+                 mirror=None, lock=None):
         self.cfg, self.dp, self.mirror, self.lock = cfg, dp, mirror, lock
         self.model, self.tokenizer, self.optimizer, self.task = model, tokenizer, optimizer, task
         self.out = Path(cfg.output_dir)
@@ -106,14 +111,15 @@ class Checkpointer:
         return folder
 
     def _save_together(self, step: int, metrics_path: Path | None, extra: dict | None) -> Path:
-        """All ranks write into one scratch folder; each hashes and fsyncs a share of the files; rank 0
-        writes the manifest from those hashes after a barrier, then renames."""
+        """All ranks write into one scratch folder; each hashes and fsyncs a share of the files;
+        rank 0 writes the manifest from those hashes after a barrier, then renames."""
         dp = self.dp
         what = f"checkpoint step-{step}"
         with storage(what, self.root):
             tmp = Path(dp.on_main(lambda: str(ckpt.begin(self.root, step))))
 
-        def write() -> dict:  # every rank's files are complete (together) before anyone hashes or publishes
+        # every rank's files are complete (together) before anyone hashes or publishes
+        def write() -> dict:
             with storage(what, self.root):
                 self._write(tmp, step, metrics_path, extra)
             return {}
@@ -141,7 +147,8 @@ class Checkpointer:
     def _write(self, tmp: Path, step: int, metrics_path: Path | None, extra: dict | None) -> None:
         dp, model = self.dp, self.model
         if dp.sharded:
-            dist.save_sharded(model, self.optimizer, tmp / SHARDS, dp.rank, trainable_only=is_lora(model))
+            dist.save_sharded(model, self.optimizer, tmp / SHARDS, dp.rank,
+                              trainable_only=is_lora(model))
         own = {"task": self.task.state_dict(), "rng": rng_state()}
         if not dp.is_main:
             ckpt.save_state(tmp, own, rank_file(dp.rank))
@@ -170,7 +177,8 @@ class Checkpointer:
         def restore() -> dict:
             try:
                 return self._restore(folder)
-            except (TensorFileError, KeyError, TypeError) as e:  # a state file without what it must hold
+            # a state file without what it must hold
+            except (TensorFileError, KeyError, TypeError) as e:
                 raise CheckpointDamaged(f"{folder}: {type(e).__name__}: {e}") from None
 
         try:
@@ -178,15 +186,16 @@ class Checkpointer:
         except CheckpointDamaged as e:
             if self.dp.is_main and folder.parent == self.root and folder.is_dir():
                 ckpt.set_aside(folder, str(e))
-            raise CheckpointDamaged(f"cannot resume from {folder}: {e}; it is set aside, run again to resume "
-                                    "from the checkpoint before") from None
+            raise CheckpointDamaged(f"cannot resume from {folder}: {e}; it is set aside, run again "
+                                    "to resume from the checkpoint before") from None
 
     def _restore(self, folder: Path) -> dict:
         state = ckpt.load_state(folder)
         saved_world = int(state.get("world_size", 1))
         if self.dp.world != saved_world:
-            log.warning("resuming a %d-rank checkpoint on %d ranks: training continues, but not bit for "
-                        "bit as it would have at %d", saved_world, self.dp.world, saved_world)
+            log.warning("resuming a %d-rank checkpoint on %d ranks: training continues, but not "
+                        "bit "
+                        "for bit as it would have at %d", saved_world, self.dp.world, saved_world)
         mine = self.dp.rank % saved_world
         own = state if mine == 0 else ckpt.load_state(folder, rank_file(mine))
         # the task state first: what it lacks, `prepare` computes from the base weights (DPO's
@@ -194,7 +203,8 @@ class Checkpointer:
         self.task.load_state_dict(own["task"])
         prepare_task(self.task, self.model)
         if (folder / SHARDS).is_dir():
-            dist.load_sharded(self.model, self.optimizer, folder / SHARDS, trainable_only=is_lora(self.model))
+            dist.load_sharded(self.model, self.optimizer, folder / SHARDS,
+                              trainable_only=is_lora(self.model))
         else:
             load_weights(self.model, folder, self.optimizer, state.get("optimizer"))
         set_rng_state(own["rng"])
@@ -213,7 +223,8 @@ class Checkpointer:
             model = self.model if full is None else fresh_model(self.cfg, full)
             with storage("final/", self.out):
                 save_pretrained(model, self.tokenizer, tmp, dtype=self.cfg.model.dtype)
-                (tmp / CONFIG_FILE).write_text(checkpoint_config(self.cfg))  # with the manifest's step: "complete"
+                # with the manifest's step: "complete"
+                (tmp / CONFIG_FILE).write_text(checkpoint_config(self.cfg))
                 ckpt.write_manifest(tmp, step)
                 ckpt.fsync_tree(tmp)
                 self._check_lock()
@@ -229,14 +240,15 @@ class Checkpointer:
 @contextlib.contextmanager
 def storage(what: str, where: Path):
     """A failed write (a full disk, a read-only or lost volume) as one line with its errno: exit 69
-    (storage unavailable; the checkpoints published before are whole, a restart resumes from them)."""
+    (storage unavailable; the checkpoints published before are whole, a restart resumes from
+    them)."""
     from safetensors import SafetensorError
 
     try:
         yield
     except (OSError, SafetensorError) as e:
-        raise Unavailable(f"cannot write {what} in {where}: {one_line(e)}; the checkpoints before it are "
-                          "intact") from None
+        raise Unavailable(f"cannot write {what} in {where}: {one_line(e)}; "
+                          "the checkpoints before it are intact") from None
 
 
 def fresh_model(cfg, weights: dict):
@@ -248,9 +260,11 @@ def fresh_model(cfg, weights: dict):
 
 def check_fit(model, missing, unexpected, *, where: str) -> None:
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    if unexpected or [k for k in missing if k not in tied and "lm_head" not in k and "lora_" not in k]:
-        raise UserError(f"checkpoint weights do not fit the model (missing {list(missing)[:3]}, unexpected "
-                        f"{list(unexpected)[:3]})", where=where)
+    if unexpected or [
+        k for k in missing if k not in tied and "lm_head" not in k and "lora_" not in k
+    ]:
+        raise UserError(f"checkpoint weights do not fit the model (missing {list(missing)[:3]}, "
+                        f"unexpected {list(unexpected)[:3]})", where=where)
 
 
 def read_weights(model, folder: Path) -> dict:
@@ -279,11 +293,14 @@ def read_weights(model, folder: Path) -> dict:
             state.update(load_file(str(f)))
     except (OSError, SafetensorError) as e:
         raise TensorFileError(f"{f.name} is not readable: {e}") from None
-    return _insert_adapter_name_into_state_dict(state, "default", "lora_") if is_lora(model) else state
+    return (
+        _insert_adapter_name_into_state_dict(state, "default", "lora_") if is_lora(model) else state
+    )
 
 
 def load_weights(model, folder: Path, optimizer=None, optim_state: dict | None = None) -> None:
     """Weights of a full-layout checkpoint (and optimizer state) into a model of any strategy."""
-    missing, unexpected = dist.load_full_state(model, optimizer, read_weights(model, folder), optim_state)
+    missing, unexpected = dist.load_full_state(model, optimizer,
+                                               read_weights(model, folder), optim_state)
     if not is_lora(model):
         check_fit(model, missing, unexpected, where=str(folder))

@@ -37,7 +37,8 @@ def _is_complete(manifest_text: str, config_text: str, cfg: Config, where: str) 
         return False
     changes = check_changes(saved, cfg, f"the finished run {where}")
     if any(c.kind == TRAJECTORY for c in changes):
-        log.warning("the changes apply to no step: the run ended at max_steps %d (raise it to continue)", cfg.max_steps)
+        log.warning("the changes apply to no step: the run ended "
+                    "at max_steps %d (raise it to continue)", cfg.max_steps)
     return True
 
 
@@ -52,8 +53,10 @@ def _local(final: Path, cfg: Config) -> bool:
 def _remote(cfg: Config) -> bool:
     mirror = RemoteMirror(cfg.checkpoint_uri, timeout=cfg.checkpoint_uri_timeout_seconds)
     try:
-        manifest, config = mirror.read_text(FINAL, ckpt.MANIFEST), mirror.read_text(FINAL, CONFIG_FILE)
-    except (OSError, UnicodeDecodeError, Unavailable) as e:  # not there, or an unreachable remote: not known complete
+        manifest, config = mirror.read_text(FINAL,
+                                            ckpt.MANIFEST), mirror.read_text(FINAL, CONFIG_FILE)
+    # not there, or an unreachable remote: not known complete
+    except (OSError, UnicodeDecodeError, Unavailable) as e:
         if isinstance(e, Unavailable):
             log.warning("%s; going on as if the run were not complete", e)
         return False
@@ -67,5 +70,9 @@ def completed(cfg: Config) -> str | None:
         return None
     final = Path(cfg.output_dir) / FINAL
     if cfg.checkpoint_uri:
-        return f"{cfg.checkpoint_uri.rstrip('/')}/{FINAL} (step {cfg.max_steps})" if _remote(cfg) else None
+        return (
+            f"{cfg.checkpoint_uri.rstrip('/')}/{FINAL} (step {cfg.max_steps})"
+            if _remote(cfg)
+            else None
+        )
     return f"{final} (step {cfg.max_steps})" if _local(final, cfg) else None

@@ -22,7 +22,8 @@ import platform
 log = logging.getLogger("preftune")
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # mallopt parameters (malloc.h)
 SETTINGS = {
-    M_MMAP_THRESHOLD: 32 << 20,  # the largest glibc accepts on 64-bit: smaller blocks come from the heap
+    # the largest glibc accepts on 64-bit: smaller blocks come from the heap
+    M_MMAP_THRESHOLD: 32 << 20,
     M_TRIM_THRESHOLD: 1 << 30,  # keep up to 1 GiB of freed heap top for the next pass
     M_TOP_PAD: 64 << 20,  # grow the heap 64 MiB at a time (pages are touched only when used)
 }
@@ -33,7 +34,8 @@ def user_chose(environ=os.environ) -> bool:
     """Did the user tune malloc or preload another allocator?"""
     if any(k.startswith("MALLOC_") or k == "GLIBC_TUNABLES" for k in environ):
         return True
-    return any(name in environ.get("LD_PRELOAD", "") for name in ("jemalloc", "tcmalloc", "mimalloc"))
+    return any(name in environ.get("LD_PRELOAD", "") for name in ("jemalloc",
+                                                                  "tcmalloc", "mimalloc"))
 
 
 def keep_freed_memory() -> bool:

@@ -86,8 +86,8 @@ def _read(path: Path) -> dict | None:
 
 
 def describe(holder: dict) -> str:
-    return (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, "
-            f"started {holder.get('started_at', '?')}")
+    return (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started "
+            f"{holder.get('started_at', '?')}")
 
 
 class RunLock:
@@ -112,8 +112,9 @@ class RunLock:
                 continue  # released in between: try again
             why, seen = self._stale(holder)
             if why is ALIVE:
-                raise UserError(f"output_dir is in use by another preftune process ({describe(holder)}); "
-                                f"it holds {self.path}. Use another output_dir, or stop that process",
+                raise UserError("output_dir is in use by another preftune process "
+                                f"({describe(holder)}); it holds {self.path}. Use another "
+                                "output_dir, or stop that process",
                                 where="output_dir")
             if why is not CHANGED:
                 self._take_over(holder, why, seen)
@@ -139,12 +140,14 @@ class RunLock:
             started = _started(pid)
             if started is None:
                 return f"its process {pid} is gone", _mtime(self.path)
-            if holder.get("pid_started") not in (None, "?") and started not in ("?", holder["pid_started"]):
+            if holder.get("pid_started") not in (None, "?") and started not in ("?",
+                                                                                holder["pid_started"]):
                 return f"pid {pid} is another process now", _mtime(self.path)
             return ALIVE, None
         first = _mtime(self.path)
         end = time.monotonic() + self.stale
-        log.info("output_dir is locked by %s: watching its heartbeat for up to %.0f s", describe(holder), self.stale)
+        log.info("output_dir is locked by %s: watching its heartbeat for up to %.0f s",
+                 describe(holder), self.stale)
         while time.monotonic() < end:
             time.sleep(min(1.0, self.stale / 10))
             if _read(self.path) != holder:
@@ -193,7 +196,8 @@ class RunLock:
         if self.lost is None and (holder is None or (holder and holder.get("token") != self.token)):
             self.lost = holder or {"host": "?", "pid": "?", "started_at": "?"}
         if self.lost is not None:
-            raise UserError(f"output_dir was taken over by another preftune process ({describe(self.lost)}); "
+            raise UserError("output_dir was taken over by another preftune process "
+                            f"({describe(self.lost)}); "
                             "stopping without publishing", where="output_dir")
 
     def release(self) -> None:

@@ -50,15 +50,20 @@ class TrackerOutage(Exception):
     """A tracker's server could not be reached (not a config error)."""
 
 
-_OUTAGE = re.compile(r"Max retries exceeded|Failed to establish|Connection (refused|reset|aborted)|timed out|"
-                     r"Temporary failure in name resolution|Name or service not known|\b50[234]\b", re.I)
+_OUTAGE = re.compile(
+    r"Max retries exceeded|Failed to establish|Connection "
+    r"(refused|reset|aborted)|timed out|"
+    r"Temporary failure in name resolution|Name or service not known|\b50[234]\b",
+    re.I,
+)
 
 
 def is_outage(e: BaseException) -> bool:
     """No connection, a timeout or a server error (5xx), through the exception's chain."""
     while e is not None:
         if isinstance(e, (ConnectionError, TimeoutError)) or _OUTAGE.search(str(e)) \
-                or getattr(e, "error_code", None) in ("TEMPORARILY_UNAVAILABLE", "SERVICE_UNDER_MAINTENANCE"):
+                or getattr(e, "error_code", None) in ("TEMPORARILY_UNAVAILABLE",
+                                                      "SERVICE_UNDER_MAINTENANCE"):
             return True
         e = e.__cause__ or e.__context__
     return False
@@ -81,9 +86,11 @@ class Unreached:
         pass
 
 
-def build_trackers(names: list[str], out_dir: Path, *, config: dict, project: str | None, run_name: str | None,
+def build_trackers(names: list[str], out_dir: Path, *, config: dict,
+                   project: str | None, run_name: str | None,
                    start_step: int, state: dict | None, on_outage: str = "fail") -> list:
-    """The trackers named in log.report_to, continuing the runs recorded in `state` (from a checkpoint)."""
+    """The trackers named in log.report_to, continuing the runs recorded in `state` (from a
+    checkpoint)."""
     state = state or {}
     name = run_name or Path(out_dir).resolve().name
     built = []
@@ -98,8 +105,11 @@ def build_trackers(names: list[str], out_dir: Path, *, config: dict, project: st
                     built.append(MLflow(config, project, name, state.get("mlflow")))
             except TrackerOutage as e:
                 if on_outage != "local":
-                    raise Unavailable(f"{e} (log.on_tracker_outage: local goes on without it)") from None
-                log.warning("%s: going on with metrics.jsonl only (log.on_tracker_outage: local)", e)
+                    raise Unavailable(
+                        f"{e} (log.on_tracker_outage: local goes on without it)"
+                    ) from None
+                log.warning("%s: going on with metrics.jsonl only (log.on_tracker_outage: local)",
+                            e)
                 built.append(Unreached(tracker, state.get(tracker)))
     except BaseException:
         for t in built:  # the ones already open must not outlive the failed start
@@ -138,15 +148,22 @@ class WandB:
 
     key = "wandb"
 
-    def __init__(self, out_dir: Path, config: dict, project: str | None, name: str, state: dict | None):
+    def __init__(self, out_dir: Path, config: dict, project: str | None,
+                 name: str, state: dict | None):
         import wandb
 
         self.excepthook = sys.excepthook
         run_id = (state or {}).get("id")  # None: W&B makes a new one
         try:
-            self.run = wandb.init(project=project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT, name=name,
-                                  id=run_id, resume="allow", config=config, reinit="create_new",
-                                  dir=os.environ.get("WANDB_DIR") or str(out_dir))
+            self.run = wandb.init(
+                project=project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
+                name=name,
+                id=run_id,
+                resume="allow",
+                config=config,
+                reinit="create_new",
+                dir=os.environ.get("WANDB_DIR") or str(out_dir),
+            )
         except wandb.errors.Error as e:
             sys.excepthook = self.excepthook
             if isinstance(e, wandb.errors.CommError) or is_outage(e):
@@ -192,15 +209,20 @@ class MLflow:
             self.file_store = urlparse(self.client.tracking_uri).scheme in ("", "file")
             self.run_id = self._resume((state or {}).get("run_id"))
             if self.run_id is None:
-                self.run_id = self._create(project or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_PROJECT, name)
+                self.run_id = self._create(
+                    project or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_PROJECT, name
+                )
             self._log_params(flat_params(config))
         except Exception as e:  # noqa: BLE001 - MlflowException, or the HTTP client's own errors
             store = f"MLFLOW_TRACKING_URI={os.environ.get('MLFLOW_TRACKING_URI', 'unset')}"
             if is_outage(e):
-                raise TrackerOutage(f"mlflow is unreachable ({store}): {one_line(e, limit=200)}") from None
+                raise TrackerOutage(
+                    f"mlflow is unreachable ({store}): {one_line(e, limit=200)}"
+                ) from None
             if not isinstance(e, MlflowException):
                 raise
-            raise UserError(f"mlflow: {one_line(e)} (tracking store: {store})", where="log.report_to") from None
+            raise UserError(f"mlflow: {one_line(e)} (tracking store: {store})",
+                            where="log.report_to") from None
         log.info("mlflow run %s%s", self.run_id, " (resumed)" if state else "")
 
     def _resume(self, run_id: str | None) -> str | None:
@@ -212,12 +234,15 @@ class MLflow:
             self.client.update_run(run_id, status="RUNNING")
             return run_id
         except MlflowException:
-            log.warning("mlflow run %s of the checkpoint is not in this tracking store; starting a new run", run_id)
+            log.warning("mlflow run %s of the checkpoint is not in "
+                        "this tracking store; starting a new run", run_id)
             return None
 
     def _create(self, experiment: str, name: str) -> str:
         found = self.client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
+        experiment_id = (
+            found.experiment_id if found is not None else self.client.create_experiment(experiment)
+        )
         return self.client.create_run(experiment_id, run_name=name).info.run_id
 
     def _log_params(self, params: dict[str, str]) -> None:

@@ -1,7 +1,8 @@
 """The run: set up, resume, step, log, evaluate, checkpoint, and stop cleanly on preemption.
 
 The loop owns the optimizer, the schedule, logging, checkpoints and the stop flag; a *task*
-(`GRPOTask`, `DPOTask`, `KTOTask`, `SFTTask`) owns its data order and does one step's forward/backward.
+(`GRPOTask`, `DPOTask`, `KTOTask`, `SFTTask`) owns its data order and does one step's
+forward/backward.
 
 Exact resume: a checkpoint at step N holds everything step N+1 reads (weights, optimizer moments,
 every RNG, the task's data position and pending batch, the metrics so far), and the LR is a pure
@@ -76,13 +77,16 @@ class Run:
     on_first_step = None  # called once the first optimizer step has been taken
     startup: dict = {}  # startup_seconds by phase, until the first training record carries them
 
-    def __init__(self, cfg: Config, dp: Parallel | None = None, *, callbacks=(), clock: StartupClock | None = None,
-                 lock: RunLock | None = None):
-        self.cfg, self.lock = cfg, lock  # lock: rank 0's hold on output_dir (run/lock.py), else None
+    def __init__(self, cfg: Config, dp: Parallel | None = None, *, callbacks=(),
+                 clock: StartupClock | None = None, lock: RunLock | None = None):
+        # lock: rank 0's hold on output_dir (run/lock.py), else None
+        self.cfg, self.lock = cfg, lock
         self.dp = dp = dp or Parallel()
         self.clock = clock = clock or StartupClock()
         # functions cb(step, record) and TrainerCallbacks (run/callbacks.py), on rank 0
-        self.callbacks = callbacks if isinstance(callbacks, Callbacks) else Callbacks(callbacks, cfg)
+        self.callbacks = (
+            callbacks if isinstance(callbacks, Callbacks) else Callbacks(callbacks, cfg)
+        )
         if not dp.is_main:
             self.callbacks = Callbacks((), cfg)
         self.window, self.num_tokens = Window(), 0  # the steps since the last record; tokens seen
@@ -93,7 +97,8 @@ class Run:
         self.device = dp.device
         if self.device.type == "cpu":  # activations live in host memory: reuse it from step to step
             keep_freed_memory()
-        self.mirror = RemoteMirror(cfg.checkpoint_uri, cfg.save_total_limit, cfg.checkpoint_uri_timeout_seconds) \
+        self.mirror = RemoteMirror(cfg.checkpoint_uri, cfg.save_total_limit,
+                                   cfg.checkpoint_uri_timeout_seconds) \
             if cfg.checkpoint_uri and dp.is_main else None
         # rank 0 decides (it may set damaged checkpoints aside or download one) and tells the others
         found = dp.on_main(lambda: find_resume_point(cfg, self.out, self.ckpt_root, self.mirror))
@@ -104,15 +109,24 @@ class Run:
             enable_full_determinism(self.device)
         base_path = check_model_path(cfg.model.name_or_path)
         self.tokenizer = load_tokenizer(base_path, cfg.model.trust_remote_code)
-        self.model = dp.load(cfg.model, base_path, reshard_after_forward=cfg.distributed.reshard_after_forward)
+        self.model = dp.load(cfg.model, base_path,
+                             reshard_after_forward=cfg.distributed.reshard_after_forward)
         clock.mark("model")
         self.task = build_task(cfg, self.model, self.tokenizer, self.device, dp)
         own = getattr(self.task, "evaluator", lambda: None)()  # DPO's held-out pairs
-        self.evaluator = own or build_evaluator(cfg, self.tokenizer, dp, engine=getattr(self.task, "engine", None),
-                                                agent=getattr(getattr(self.task, "source", None), "agent", None))
-        self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optim)
-        self.callbacks.bind(model=self.model, processing_class=self.tokenizer, optimizer=self.optimizer)
-        self.checkpointer = Checkpointer(cfg, dp, model=self.model, tokenizer=self.tokenizer, optimizer=self.optimizer,
+        self.evaluator = own or build_evaluator(
+            cfg,
+            self.tokenizer,
+            dp,
+            engine=getattr(self.task, "engine", None),
+            agent=getattr(getattr(self.task, "source", None), "agent", None),
+        )
+        self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad],
+                                         cfg.optim)
+        self.callbacks.bind(model=self.model, processing_class=self.tokenizer,
+                            optimizer=self.optimizer)
+        self.checkpointer = Checkpointer(cfg, dp, model=self.model, tokenizer=self.tokenizer,
+                                         optimizer=self.optimizer,
                                          task=self.task, mirror=self.mirror, lock=lock)
         if dp.is_main:
             self.out.mkdir(parents=True, exist_ok=True)  # everything above is validated: now write
@@ -134,9 +148,10 @@ class Run:
             record_changes(self.out, self.resumed_from, self.step, cfg)
         # a fresh start drops every old record; a resume keeps those up to its checkpoint
         start = self.step if self.step else -1
-        trackers = build_trackers(cfg.log.report_to, self.out, config=redact(to_dict(cfg)), project=cfg.log.project,
-                                  run_name=cfg.log.run_name, start_step=start, state=self.tracker_state,
-                                  on_outage=cfg.log.on_tracker_outage)
+        trackers = build_trackers(cfg.log.report_to, self.out, config=redact(to_dict(cfg)),
+                                  project=cfg.log.project,
+                                  run_name=cfg.log.run_name, start_step=start,
+                                  state=self.tracker_state, on_outage=cfg.log.on_tracker_outage)
         self.metrics = MetricsLog(self.out, total_steps=cfg.max_steps, start_step=start,
                                   progress=cfg.log.progress_bar, trackers=trackers)
 
@@ -145,7 +160,10 @@ class Run:
         state = self.checkpointer.restore(folder)
         self.step = int(state["step"])
         self.tracker_state = state.get("trackers")
-        self.window, self.num_tokens = Window(state.get("log_window")), int(state.get("num_tokens", 0))
+        self.window, self.num_tokens = (
+            Window(state.get("log_window")),
+            int(state.get("num_tokens", 0)),
+        )
         if self.dp.is_main and (folder / METRICS).is_file():  # the records as they were at the save
             copy_atomic(folder / METRICS, self.out / METRICS)
         log.info("resumed from %s (step %d)", folder, self.step)
@@ -155,7 +173,8 @@ class Run:
         extra, path = {}, None
         if self.metrics is not None:
             self.metrics.file.flush()
-            extra, path = {"trackers": self.metrics.state_dict(), "log_window": self.window.state_dict(),
+            extra, path = {"trackers": self.metrics.state_dict(),
+                           "log_window": self.window.state_dict(),
                            "num_tokens": self.num_tokens}, self.metrics.path
         folder = self.checkpointer.save(self.step, path, extra)
         self.saved_step = self.step
@@ -163,19 +182,23 @@ class Run:
         return folder
 
     def _eval(self) -> None:
-        if self.evaluator is not None and self.evaluated != self.step:  # an early stop may follow an eval
-            with self.dp.gathered(self.model):  # each rank evaluates its share of the prompts; rank 0 logs
+        # an early stop may follow an eval
+        if self.evaluator is not None and self.evaluated != self.step:
+            # each rank evaluates its share of the prompts; rank 0 logs
+            with self.dp.gathered(self.model):
                 m = self.evaluator(self.model, self.step)
             self._log(m)
             self.evaluated = self.step
 
     def _log(self, m: dict, advance: bool = False) -> None:
-        if advance and self.startup:  # the first training record of this process carries startup_seconds
+        # the first training record of this process carries startup_seconds
+        if advance and self.startup:
             m, self.startup = m | self.startup, {}
         if self.metrics is None:  # not rank 0: every rank holds the same reduced metrics
             return
         record = self.metrics.log(self.step, m, advance=advance)
-        self.callbacks.log(self.step, {k: v for k, v in record.items() if k != "step"}, evaluation=not advance)
+        self.callbacks.log(self.step, {k: v for k, v in record.items() if k != "step"},
+                           evaluation=not advance)
 
     def _one_step(self, stop: Preemption) -> dict:
         self.step += 1
@@ -205,7 +228,8 @@ class Run:
             self.optimizer.zero_grad(set_to_none=True)
             self.task.load_state_dict(task_state)
             set_rng_state(rng)
-            log.warning("step %d abandoned: the grace period is too short to finish it", self.step + 1)
+            log.warning("step %d abandoned: the grace period is too short to finish it",
+                        self.step + 1)
             return None
 
     def run(self, stop: Preemption | None = None) -> Path:
@@ -217,7 +241,8 @@ class Run:
         try:
             return self._run(stop)
         except BaseException:
-            if self.lock is None or self.lock.held:  # else the trackers' run is another process's now
+            # else the trackers' run is another process's now
+            if self.lock is None or self.lock.held:
                 self._close_metrics("failed")  # no-op after a preemption closed it
             raise
 
@@ -253,7 +278,11 @@ class Run:
                 self._log(self.window.take(), advance=True)  # the window's mean, as TRL logs
             elif self.metrics is not None and self.metrics.bar is not None:
                 self.metrics.bar.update(1)
-            if cfg.eval.eval_steps and self.step % cfg.eval.eval_steps == 0 and self.step < cfg.max_steps:
+            if (
+                cfg.eval.eval_steps
+                and self.step % cfg.eval.eval_steps == 0
+                and self.step < cfg.max_steps
+            ):
                 self._eval()
             if cfg.save_steps and self.step % cfg.save_steps == 0:
                 self._save()
@@ -262,40 +291,48 @@ class Run:
         return self._finish(stop)
 
     def _finish(self, stop: Preemption) -> Path:
-        """The end checkpoint (the complete trainer state, even with save_steps 0: a larger max_steps,
-        or a resume after a callback's early stop, continues from it), the final evaluation, final/,
-        the uploads; then the run is complete and a signal changes nothing. A signal in between lets
-        this finish (bounded work; the end checkpoint makes a kill cost only the final evaluation).
-        With checkpoint_uri the run is done only when the end checkpoint and final/ are there: else
-        exit 75 after a signal (the grace ran out), 69 when the remote failed or did not answer."""
+        """The end checkpoint (the complete trainer state, even with save_steps 0: a larger
+        max_steps, or a resume after a callback's early stop, continues from it), the final
+        evaluation, final/, the uploads; then the run is complete and a signal changes nothing. A
+        signal in between lets this finish (bounded work; the end checkpoint makes a kill cost only
+        the final evaluation). With checkpoint_uri the run is done only when the end checkpoint and
+        final/ are there: else exit 75 after a signal (the grace ran out), 69 when the remote failed
+        or did not answer."""
         stop.saving = True
         if self.step != self.saved_step:
             self._save()
         else:
             self.dp.on_main(self._upload_if_missing)  # a rerun after a failed upload: send it again
-        self._eval()  # while the end checkpoint uploads; final/ must not supersede it in the mirror's queue
+        # while the end checkpoint uploads; final/ must not supersede it in the mirror's queue
+        self._eval()
         problem = self._wait_uploads(stop)
         final = self._write_final() if problem != "preempted" else None
         if problem is None:
             problem = self._wait_uploads(stop)
         if problem == "preempted":
             self._close_metrics("preempted")
-            raise Preempted(f"preempted at step {self.step} while uploading to {self.cfg.checkpoint_uri}; "
-                            "run again to finish")
+            raise Preempted(f"preempted at step {self.step} while uploading to "
+                            f"{self.cfg.checkpoint_uri}; run again to finish")
         missing = self.dp.on_main(lambda: self._not_uploaded(problem))
         if missing:
             self._close_metrics("failed")
-            raise Unavailable(f"the run finished at step {self.step} (model in {final}), but {missing}; "
-                              "run again to upload (the run resumes from its end checkpoint)")
+            raise Unavailable(f"the run finished at step {self.step} (model in "
+                              f"{final}), but {missing}; run again to upload "
+                              "(the run resumes from its end checkpoint)")
         self.callbacks.event("on_train_end", self.step)
         stop.complete()
         self._close_metrics()
         return final
 
     def _upload_if_missing(self) -> None:
-        """Rank 0: the end checkpoint, saved by an earlier process, sent again if the remote lacks it."""
+        """Rank 0: the end checkpoint, saved by an earlier process, sent again if the remote lacks
+        it."""
         folder = self.ckpt_root / f"step-{self.step}"
-        if self.mirror is None or not folder.is_dir() or self.mirror.reached(folder.name) != "never uploaded":
+        if (
+            self.mirror is None
+            or not folder.is_dir()
+            or self.mirror.reached(folder.name) != "never uploaded"
+        ):
             return
         try:
             there = self.mirror.has(folder.name)
@@ -322,7 +359,8 @@ class Run:
         return None
 
     def _stop(self, stop: Preemption) -> None:
-        """Save (unless the newest checkpoint already is this state), flush uploads, raise Preempted."""
+        """Save (unless the newest checkpoint already is this state), flush uploads, raise
+        Preempted."""
         stop.saving = True
         if self.step != self.saved_step:
             folder = self._save()
@@ -353,12 +391,13 @@ class Run:
             if not left:
                 return None
             if requested and elapsed > local.grace - UPLOAD_MARGIN_S:
-                log.warning("uploads to %s still running, and the grace period is spent: stopping (the remote "
+                log.warning("uploads to %s still running, and the grace period is spent: stopping "
+                            "(the remote "
                             "keeps its previous complete checkpoint)", self.cfg.checkpoint_uri)
                 return "preempted"
             if timed_out:
-                log.warning("uploads to %s still running after %.0f s: giving up", self.cfg.checkpoint_uri,
-                            self.cfg.checkpoint_uri_timeout_seconds)
+                log.warning("uploads to %s still running after %.0f s: giving up",
+                            self.cfg.checkpoint_uri, self.cfg.checkpoint_uri_timeout_seconds)
                 return "timeout"
             if not logged:
                 log.info("waiting for the uploads to %s", self.cfg.checkpoint_uri)
@@ -394,9 +433,14 @@ def _train(cfg: Config, stop: Preemption, clock: StartupClock, callbacks) -> Pat
     try:
         check_parallel(cfg, dp)
         # rank 0 owns output_dir: only it locks, guards (and may roll back) the folder
-        guard = OutputGuard(Path(cfg.output_dir), lambda: lock is None or lock.held) if dp.is_main else None
+        guard = (
+            OutputGuard(Path(cfg.output_dir), lambda: lock is None or lock.held)
+            if dp.is_main
+            else None
+        )
         try:
-            lock = dp.on_main(lambda: RunLock(Path(cfg.output_dir), cfg.lock_stale_seconds).acquire(), share=False)
+            lock = dp.on_main(lambda: RunLock(Path(cfg.output_dir),
+                                              cfg.lock_stale_seconds).acquire(), share=False)
         except BaseException:
             if guard is not None:
                 guard.commit()  # nothing was touched: only drop the snapshot
@@ -409,7 +453,8 @@ def _train(cfg: Config, stop: Preemption, clock: StartupClock, callbacks) -> Pat
         return final
     except Preempted:
         if not stop.immediate:  # in training every rank stops at the same boundary, after one save;
-            dp.barrier()  # a signal during setup stops only its rank (the others fail at a collective)
+            # a signal during setup stops only its rank (the others fail at a collective)
+            dp.barrier()
         raise
     finally:
         if lock is not None:
@@ -422,6 +467,7 @@ def check_parallel(cfg: Config, dp: Parallel) -> None:
     if dp.world == 1:
         return
     batch = {"grpo": {"grpo.prompts_per_step": cfg.grpo.prompts_per_step},
-             "dpo": {"dpo.batch_size": cfg.dpo.batch_size}, "kto": {"kto.batch_size": cfg.kto.batch_size},
+             "dpo": {"dpo.batch_size": cfg.dpo.batch_size},
+             "kto": {"kto.batch_size": cfg.kto.batch_size},
              "sft": {"sft.batch_size": cfg.sft.batch_size}}
     dp.require_divisible(batch[cfg.algorithm])

@@ -1,4 +1,5 @@
-"""metrics.jsonl (one JSON object per logged step), a progress bar, and the trackers of log.report_to."""
+"""metrics.jsonl (one JSON object per logged step), a progress bar, and the trackers of
+log.report_to."""
 from __future__ import annotations
 
 import json
@@ -22,10 +23,15 @@ def _clean(v):
 
 
 def truncate_after(path: Path, step: int) -> None:
-    """Keep only records with step <= `step` (a resumed run rewrites what came after its checkpoint)."""
+    """Keep only records with step <= `step` (a resumed run rewrites what came after its
+    checkpoint)."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    keep = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line)["step"] <= step
+    ]
     atomic_write(path, "".join(line + "\n" for line in keep))
 
 
@@ -59,7 +65,9 @@ class Window:
 
     def take(self) -> dict:
         """The window's record (in the order the metrics first came), and a new empty window."""
-        out = {k: self.sums[k] / self.counts[k] if self.counts[k] else math.nan for k in self.counts}
+        out = {
+            k: self.sums[k] / self.counts[k] if self.counts[k] else math.nan for k in self.counts
+        }
         out |= self.last
         self.sums, self.counts, self.last = {}, {}, {}
         return out
@@ -72,7 +80,8 @@ class Window:
 class MetricsLog:
     """metrics.jsonl, the progress bar and the trackers of log.report_to (run/loggers.py)."""
 
-    def __init__(self, out_dir: Path, *, total_steps: int, start_step: int, progress: bool, trackers=()):
+    def __init__(self, out_dir: Path, *, total_steps: int, start_step: int,
+                 progress: bool, trackers=()):
         self.path = out_dir / "metrics.jsonl"
         truncate_after(self.path, start_step)
         self.file = open(self.path, "a")
@@ -80,7 +89,8 @@ class MetricsLog:
         if progress:
             from tqdm.auto import tqdm  # a widget in notebooks, text in a terminal
 
-            self.bar = tqdm(total=total_steps, initial=max(start_step, 0), desc="train", dynamic_ncols=True)
+            self.bar = tqdm(total=total_steps, initial=max(start_step, 0),
+                            desc="train", dynamic_ncols=True)
         self.trackers = list(trackers)
         self.failing: set[str] = set()
         self.closed = False
@@ -95,15 +105,16 @@ class MetricsLog:
                 tracker.log(step, metrics)
             except Exception as e:  # noqa: BLE001 -- a tracker outage must not end a training run
                 if tracker.key not in self.failing:  # metrics.jsonl keeps every record; warn once
-                    log.warning("logging to %s failed (metrics.jsonl has every record; later failures are not "
-                                "reported): %s", tracker.key, e)
+                    log.warning("logging to %s failed (metrics.jsonl has every record; later "
+                                "failures are not reported): %s", tracker.key, e)
                 self.failing.add(tracker.key)
         if self.bar is not None:
             if advance:
                 self.bar.update(1)
             show = {k: metrics[k] for k in ("reward", "loss", "kl", "eval/reward") if k in metrics}
             if show:
-                self.bar.set_postfix({k: f"{v:.3f}" for k, v in show.items() if v is not None}, refresh=False)
+                self.bar.set_postfix({k: f"{v:.3f}" for k, v in show.items() if v is not None},
+                                     refresh=False)
         return record
 
     def state_dict(self) -> dict:
@@ -111,7 +122,8 @@ class MetricsLog:
         return {t.key: t.state() for t in self.trackers if t.state() is not None}
 
     def close(self, status: str = "finished") -> None:
-        """status: finished | preempted | failed (how trackers mark the run). Closing twice is a no-op."""
+        """status: finished | preempted | failed (how trackers mark the run). Closing twice is a
+        no-op."""
         if self.closed:
             return
         self.closed = True

@@ -46,7 +46,8 @@ def bounded(fn, timeout: float, what: str):
     error = box.get("error")
     if error is None:
         return box.get("value")
-    if isinstance(error, (FileNotFoundError, PermissionError, UserError, KeyboardInterrupt, SystemExit)):
+    if isinstance(error,
+                  (FileNotFoundError, PermissionError, UserError, KeyboardInterrupt, SystemExit)):
         raise error
     raise Unavailable(f"{what}: {one_line(error, with_type=True)}") from None
 
@@ -109,7 +110,8 @@ class RemoteMirror:
 
     def _put(self, snap: Path, name: str) -> None:
         dest = f"{self.root}/{name}"
-        if self.fs.exists(f"{dest}/{MANIFEST}"):  # an older copy of this step: incomplete until re-finished
+        # an older copy of this step: incomplete until re-finished
+        if self.fs.exists(f"{dest}/{MANIFEST}"):
             self.fs.rm_file(f"{dest}/{MANIFEST}")
         files = sorted(p for p in snap.rglob("*") if p.is_file() and p.name != MANIFEST)
         if (snap / MANIFEST).is_file():
@@ -161,7 +163,8 @@ class RemoteMirror:
             names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
         except FileNotFoundError:
             return []
-        return sorted(((int(m.group(1)), n) for n in names if (m := STEP_RE.match(n))), reverse=True)
+        return sorted(((int(m.group(1)), n) for n in names if (m := STEP_RE.match(n))),
+                      reverse=True)
 
     def remote_steps(self) -> list[tuple[int, str]]:
         """step-N folders under the URL (complete or not), newest first."""
@@ -172,13 +175,14 @@ class RemoteMirror:
 
     def read_text(self, name: str, file: str) -> str:
         """URL/name/file as text (FileNotFoundError when it is not there; bounded)."""
-        return bounded(lambda: self.fs.cat_file(f"{self.root}/{name}/{file}").decode(), self.timeout,
-                       f"cannot read {self.uri}/{name}/{file}")
+        return bounded(lambda: self.fs.cat_file(f"{self.root}/{name}/{file}").decode(),
+                       self.timeout, f"cannot read {self.uri}/{name}/{file}")
 
     def clear(self) -> None:
         """Delete every remote checkpoint (resume=never with overwrite_output_dir)."""
         for _, name in self.remote_steps():
-            bounded(lambda name=name: self._rm(f"{self.root}/{name}"), self.timeout, f"cannot delete in {self.uri}")
+            bounded(lambda name=name: self._rm(f"{self.root}/{name}"), self.timeout,
+                    f"cannot delete in {self.uri}")
 
     def download_newest(self, ckpt_root: Path, required: tuple[str, ...] = ()) -> Path | None:
         """Fetch the newest remote checkpoint that has a manifest listing every file it holds and
@@ -189,10 +193,12 @@ class RemoteMirror:
                 manifest = read_manifest(self.read_text(name, MANIFEST))
             except (FileNotFoundError, ValueError, UnicodeDecodeError):
                 continue  # an upload that never finished
-            found = bounded(lambda src=src: self._remote_files(src), self.timeout, f"cannot list {src}")
+            found = bounded(lambda src=src: self._remote_files(src),
+                            self.timeout, f"cannot list {src}")
             extra = sorted(set(found) - set(manifest["files"]) - {MANIFEST})
             if extra:
-                log.warning("skipping remote checkpoint %s: %s is not listed in its manifest", src, extra[0])
+                log.warning("skipping remote checkpoint %s: %s is not listed in its manifest", src,
+                            extra[0])
                 continue
             got = self._fetch(src, name, manifest, ckpt_root, required)
             if got is not None:

@@ -1,4 +1,5 @@
-"""AdamW and the learning-rate schedule (a pure function of the step: nothing to checkpoint but the step)."""
+"""AdamW and the learning-rate schedule (a pure function of the step: nothing to checkpoint but the
+step)."""
 from __future__ import annotations
 
 import math
@@ -14,13 +15,15 @@ def build_optimizer(params, cfg: OptimConfig) -> torch.optim.AdamW:
     params = list(params)
     fused = bool(params) and all(p.dtype in (torch.float32, torch.bfloat16, torch.float16)
                                  and p.device.type in ("cpu", "cuda") for p in params)
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
+    return torch.optim.AdamW(params, lr=cfg.lr,
+                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
                              weight_decay=cfg.weight_decay, fused=fused or None)
 
 
 def lr_at(step: int, max_steps: int, cfg: OptimConfig) -> float:
-    """LR for optimiser step `step` (1-based): linear warmup from 0, then constant, linear or cosine to 0
-    (the Hugging Face schedules' shapes, so TRL users' warmup_ratio / lr_scheduler_type carry over)."""
+    """LR for optimiser step `step` (1-based): linear warmup from 0, then constant, linear or cosine
+    to 0 (the Hugging Face schedules' shapes, so TRL users' warmup_ratio / lr_scheduler_type carry
+    over)."""
     warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * max_steps)
     s = step - 1  # HF schedules evaluate at the number of steps already taken
     if warmup and s < warmup:

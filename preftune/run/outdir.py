@@ -21,7 +21,8 @@ import tempfile
 from pathlib import Path
 
 log = logging.getLogger("preftune")
-KEEP = ("checkpoints", "final")  # managed by run/checkpoint_folders.py and resume.py; never rolled back
+# managed by run/checkpoint_folders.py and resume.py; never rolled back
+KEEP = ("checkpoints", "final")
 
 
 class OutputGuard:

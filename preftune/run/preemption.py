@@ -28,9 +28,9 @@ import time
 from preftune.errors import EXIT_PREEMPTED, Preempted
 
 log = logging.getLogger("preftune")
-# SIGHUP (a hangup, a container runtime's stop) and SIGUSR1 (Slurm's --signal warning, some runtimes)
-# mean the same as SIGTERM: stop at the next safe point and save; without a handler they end the
-# process with 129 / 138 and nothing saved
+# SIGHUP (a hangup, a container runtime's stop) and SIGUSR1 (Slurm's --signal warning, some
+# runtimes) mean the same as SIGTERM: stop at the next safe point and save; without a handler they
+# end the process with 129 / 138 and nothing saved
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 
 
@@ -47,7 +47,8 @@ class Preemption:
         self.saving = False
         self.finished = False  # the run's outputs are complete: a signal changes nothing
         self.since: float | None = None
-        self.doing, self.unsaved = "setup", "nothing was trained yet"  # for the line a signal in setup prints
+        # for the line a signal in setup prints
+        self.doing, self.unsaved = "setup", "nothing was trained yet"
         self._old = {}
 
     def _handle(self, signum, frame) -> None:
@@ -55,24 +56,32 @@ class Preemption:
         if self.finished:
             log.info("received %s after the run completed: nothing to do", name)
         elif self.requested:
-            log.warning("received %s again: already stopping%s", name, " (saving)" if self.saving else "")
+            log.warning("received %s again: already stopping%s", name,
+                        " (saving)" if self.saving else "")
         else:
             self.requested, self.since = True, time.monotonic()
             if self.exit_at_once:  # raw write: no lock or buffer of the interrupted code is touched
-                os.write(2, f"preftune: {name} during start-up; nothing was written, run again to continue\n".encode())
+                os.write(2,
+                         f"preftune: {name} during start-up; nothing "
+                         "was written, run again to continue\n".encode())
                 os._exit(EXIT_PREEMPTED)
             if self.immediate:
-                log.warning("received %s during %s: stopping (nothing to save yet)", name, self.doing)
-                raise Preempted(f"{name} during {self.doing}; {self.unsaved}, run again to continue")
+                log.warning("received %s during %s: stopping (nothing to save yet)", name,
+                            self.doing)
+                raise Preempted(
+                    f"{name} during {self.doing}; {self.unsaved}, run again to continue"
+                )
             log.warning("received %s: saving a checkpoint at the next safe point", name)
 
-    def setup(self, grace_seconds: float, doing: str = "setup", unsaved: str = "nothing was trained yet") -> None:
+    def setup(self, grace_seconds: float, doing: str = "setup",
+              unsaved: str = "nothing was trained yet") -> None:
         """Setup begins (files may be touched from here on): a signal raises Preempted, whose line
         says what was being done and what is not saved."""
         self.grace, self.exit_at_once = grace_seconds, False
         self.doing, self.unsaved = doing, unsaved
         if self.requested and not self.finished:  # a notice that library code swallowed
-            raise Preempted("stopped during start-up; nothing was trained yet, run again to continue")
+            raise Preempted("stopped during start-up; nothing was "
+                            "trained yet, run again to continue")
 
     def training(self) -> None:
         """From here on a signal only sets the flag (there is progress to save)."""
@@ -90,7 +99,8 @@ class Preemption:
         return self.grace - self.elapsed()
 
     def check(self) -> None:
-        """Called between pieces of a step: abandon it when over half of the grace period is spent."""
+        """Called between pieces of a step: abandon it when over half of the grace period is
+        spent."""
         if self.requested and self.elapsed() > self.grace / 2:
             raise StepAbandoned
 
@@ -106,7 +116,8 @@ class Preemption:
         self._old.clear()
 
 
-_process: Preemption | None = None  # the `preftune` process's own handler, installed by preftune.cli
+# the `preftune` process's own handler, installed by preftune.cli
+_process: Preemption | None = None
 
 
 def install_process_handler() -> Preemption:
@@ -131,7 +142,8 @@ class SharedStop:
     def __init__(self, stop, dp):
         self.stop, self.dp = stop, dp
 
-    def __getattr__(self, name: str):  # everything local (complete, setup, grace, ...) is the handler's
+    # everything local (complete, setup, grace, ...) is the handler's
+    def __getattr__(self, name: str):
         return getattr(self.stop, name)
 
     @property

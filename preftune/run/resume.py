@@ -37,7 +37,8 @@ STEP_FILES = (*ckpt.state_files(), CONFIG_FILE)  # what every step checkpoint ho
 
 ON_RESUME = on_resume(Config)  # every key: FREE, TRAJECTORY or FIXED (declared in config/schema.py)
 _PATH_KEYS = (("model", "name_or_path"), ("data", "train"))
-HISTORY = "config_history.jsonl"  # OUTPUT_DIR: one record per resume that went on with a changed config
+# OUTPUT_DIR: one record per resume that went on with a changed config
+HISTORY = "config_history.jsonl"
 _UNSET = object()
 
 
@@ -88,25 +89,36 @@ def config_changes(saved: dict, cfg: Config) -> list[Change]:
 
 
 def refused(changes: list[Change], cfg: Config) -> list[Change]:
-    """The changes a resume may not go on with: FIXED always, TRAJECTORY without resume_with_changes."""
-    return [c for c in changes if c.kind == FIXED or (c.kind == TRAJECTORY and not cfg.resume_with_changes)]
+    """The changes a resume may not go on with: FIXED always, TRAJECTORY without
+    resume_with_changes."""
+    return [
+        c
+        for c in changes
+        if c.kind == FIXED or (c.kind == TRAJECTORY and not cfg.resume_with_changes)
+    ]
 
 
 def refusal(what: str, changes: list[Change], cfg: Config) -> UserError:
     """One line naming the refusal, one line per changed key (old -> new), then the ways forward."""
-    lines = [f"{c}{' (fixed: cannot change on a resume)' if c.kind == FIXED else ''}" for c in changes]
-    ways = ["a new output_dir", f"resume=never overwrite_output_dir=true (start over in {cfg.output_dir})"]
+    lines = [
+        f"{c}{' (fixed: cannot change on a resume)' if c.kind == FIXED else ''}" for c in changes
+    ]
+    ways = ["a new output_dir",
+            f"resume=never overwrite_output_dir=true (start over in {cfg.output_dir})"]
     if all(c.kind == TRAJECTORY for c in changes):
         ways.append(f"resume_with_changes=true (go on with the change; recorded in {HISTORY})")
-    return UserError("\n".join([f"refusing to resume {what}: the config changed in what shapes training:",
-                                 *(f"  {line}" for line in lines), "to go on: " + ", or ".join(ways)]))
+    return UserError("\n".join([f"refusing to resume {what}: the config "
+                                "changed in what shapes training:",
+                                *(f"  {line}" for line in lines),
+                                "to go on: " + ", or ".join(ways)]))
 
 
 def read_saved(folder: Path) -> dict:
     try:
         saved = yaml.safe_load((folder / CONFIG_FILE).read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise UserError(f"checkpoint has no readable {CONFIG_FILE}: {one_line(e)}", where=str(folder)) from None
+        raise UserError(f"checkpoint has no readable {CONFIG_FILE}: {one_line(e)}",
+                        where=str(folder)) from None
     return saved if isinstance(saved, dict) else {}
 
 
@@ -129,7 +141,8 @@ def check_compatible(folder: Path, cfg: Config) -> list[Change]:
 
 
 def record_changes(out: Path, folder: Path, step: int, cfg: Config) -> None:
-    """Append what this resume changed against its checkpoint's config to OUTPUT_DIR/config_history.jsonl."""
+    """Append what this resume changed against its checkpoint's config to
+    OUTPUT_DIR/config_history.jsonl."""
     changes = config_changes(read_saved(folder), cfg)
     if not changes:
         return
@@ -174,15 +187,21 @@ def _start_fresh(cfg: Config, out: Path, mirror) -> None:
     if not (_non_empty(out) or remote):
         return
     if not cfg.overwrite_output_dir:
-        where = f"output_dir {out} is not empty" if _non_empty(out) else f"{cfg.checkpoint_uri} holds checkpoints"
-        raise UserError(f"{where} and resume=never; set overwrite_output_dir=true to start over there "
-                        "(or resume=auto to continue)", where="resume")
+        where = (
+            f"output_dir {out} is not empty"
+            if _non_empty(out)
+            else f"{cfg.checkpoint_uri} holds checkpoints"
+        )
+        raise UserError(f"{where} and resume=never; set overwrite_output_dir=true to start over "
+                        "there (or resume=auto to continue)", where="resume")
     log.warning("resume=never with overwrite_output_dir: deleting %s%s", out,
                 f" and the checkpoints at {cfg.checkpoint_uri}" if remote else "")
     if not (out / LOCK).exists():
         shutil.rmtree(out, ignore_errors=True)
     for p in _contents(out):  # all but this run's lock
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(
+            missing_ok=True
+        )
     if remote:
         mirror.clear()
 

@@ -19,11 +19,13 @@ STARTUP_KEYS = ("startup_seconds", *(f"startup/{p}" for p in PHASES))
 
 
 def process_start() -> float | None:
-    """Wall-clock time (time.time()) at which this process started, from /proc (Linux), else None."""
+    """Wall-clock time (time.time()) at which this process started, from /proc (Linux), else
+    None."""
     try:
         with open("/proc/self/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time after boot, in ticks
+        # field 22: start time after boot, in ticks
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")
         return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - started)
     except (OSError, ValueError, IndexError, AttributeError):
         return None
@@ -41,9 +43,11 @@ class StartupClock:
         self.last = now
 
     def metrics(self) -> dict:
-        return {"startup_seconds": self.last - self.start, **{f"startup/{p}": v for p, v in self.parts.items()}}
+        return {"startup_seconds": self.last - self.start,
+                **{f"startup/{p}": v for p, v in self.parts.items()}}
 
     def report(self) -> dict:
         m = self.metrics()
-        log.info("startup %.2f s (%s)", m["startup_seconds"], ", ".join(f"{p} {self.parts[p]:.2f}" for p in PHASES))
+        log.info("startup %.2f s (%s)", m["startup_seconds"],
+                 ", ".join(f"{p} {self.parts[p]:.2f}" for p in PHASES))
         return m
