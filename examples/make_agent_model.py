@@ -16,12 +16,16 @@ The model
     512 positions: enough for a few turns. It is untrained: SFT on the agent traces teaches it the
     format (docs/agents.md).
 
-The traces: for each of the first PROMPTS train prompts (examples/data/train_prompts.jsonl,
-"12+7="), RESPONSES distinct scripted agent responses drawn with a fixed seed, each an assistant ->
-tool -> assistant conversation or a direct answer: a correct `add` call, a call with a wrong
-operand, a call that fails (a missing argument, or an unknown tool) and then a guess, or a guess
-without any call. `final_reward` is `arith.trace_reward` of the last assistant turn (1.0 correct, <
+The traces: for each train prompt (examples/data/train_prompts.jsonl, "12+7="), RESPONSES
+distinct scripted agent responses drawn with a fixed seed, each an assistant -> tool -> assistant
+conversation or a direct answer: a correct `add` call, a call with a wrong operand, a call that
+fails (a missing argument, or an unknown tool) and then a guess, or a guess without any call. The
+agent they imitate mostly answers from memory (weights 3:1:1:1:8, guesses last), as a production
+agent that skips its tools would; the demo's GRPO stage teaches the tool (examples/agent.yaml).
+`final_reward` is `arith.trace_reward` of the last assistant turn (1.0 correct, <
 0.29 wrong). Columns: input (messages), output (messages), tools (JSON text), final_reward, answer.
+The train and held-out prompts again as chat messages (examples/data/agent_prompts.jsonl,
+agent_eval_prompts.jsonl) for the online stage and the evaluation (examples/agent.yaml).
 
 Rerun from the repo root (deterministic, seconds):
     .venv/bin/python examples/make_agent_model.py
@@ -46,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 SEED = 1234
 MAX_POSITIONS = 512
 RESPONSES = 4  # per prompt
-PROMPTS = 100  # the first train prompts: 400 rows
+PROMPTS = 300  # every train prompt: 1200 rows
 TURN_TOKENS = ["<|im_start|>", "<|im_end|>"]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 EOS = "<|im_end|>"
@@ -120,7 +124,7 @@ def agent_response(a: int, b: int, rng: random.Random) -> list[dict]:
     guess."""
     guess = str(max(0, a + b + rng.choice([-2, -1, 0, 0, 1, 2])))
     kind = rng.choices(["correct", "wrong_operand", "missing_argument", "unknown_tool", "no_tool"],
-                       weights=[4, 2, 1, 1, 2])[0]
+                       weights=[3, 1, 1, 1, 8])[0]
     if kind == "no_tool":
         return [{"role": "assistant", "content": guess}]
     if kind == "correct":
@@ -154,6 +158,16 @@ def agent_rows(train: list[dict], seed: int = SEED) -> list[dict]:
                          "tools": json.dumps([ADD_TOOL]), "final_reward": reward,
                          "answer": src["answer"]})
     return rows
+
+
+def chat_prompts(rows: list[dict]) -> list[dict]:
+    """The demo's prompt rows as chat messages (a tool prompt must be messages), with answers."""
+    return [{"input": [{"role": "user", "content": r["input"]}], "answer": r["answer"]}
+            for r in rows]
+
+
+def write_jsonl(rows: list[dict], out: Path) -> None:
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def write_traces(rows: list[dict], out: Path) -> None:
@@ -190,6 +204,10 @@ def main() -> None:
     ]
     rows = agent_rows(train[:PROMPTS])
     write_traces(rows, args.traces)
+    held_out = [json.loads(x)
+                for x in (HERE / "data" / "eval_prompts.jsonl").read_text().splitlines() if x]
+    write_jsonl(chat_prompts(train), args.traces.parent / "agent_prompts.jsonl")
+    write_jsonl(chat_prompts(held_out), args.traces.parent / "agent_eval_prompts.jsonl")
     correct = sum(r["final_reward"] == 1.0 for r in rows)
     calls = sum(len(r["output"]) > 1 for r in rows)
     print(f"saved {args.out} ({sum(p.numel() for p in model.parameters()):,} "

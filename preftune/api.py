@@ -49,7 +49,7 @@ def train(config: Any, *, overrides: Sequence[str] | Mapping[str, Any] = (),
           train_data: Any = None, eval_data: Any = None,
           callbacks: Sequence[Any] | None = None, peft_config: Any = None, model: Any = None,
           processing_class: Any = None, tools: Sequence[str | Callable] | None = None,
-          environment_factory: str | Callable | None = None,
+          environment_factory: str | Callable | Mapping[str, str | Callable] | None = None,
           rollout_func: str | Callable | None = None
           ) -> TrainResult:
     """Train as `preftune train CONFIG KEY=VALUE...` does, and return what it produced.
@@ -66,7 +66,8 @@ def train(config: Any, *, overrides: Sequence[str] | Mapping[str, Any] = (),
     loaded from). Raises `UserError` for what the command line reports with exit 78 and `Preempted`
     after a signal-triggered checkpoint. tools / environment_factory / rollout_func (online GRPO,
     TRL's contracts, docs/agents.md): functions the policy may call, a class of which each rollout
-    gets an instance, a function that samples the completions itself; replace `grpo.tools` /
+    gets an instance (or a mapping of names to classes, picked per row by its `environment`
+    column), a function that samples the completions itself; replace `grpo.tools` /
     `grpo.environment_factory` / `grpo.rollout_func`.
     """
     # torch: imported by the call, not by `import preftune.api`
@@ -151,6 +152,10 @@ def _with_agent(data: dict, tools, environment_factory, rollout_func) -> None:
     for key in ("environment_factory", "rollout_func"):
         if callable(grpo.get(key)):
             grpo[key] = register_callables([grpo[key]])[0]
+    if isinstance(grpo.get("environment_factory"), Mapping):  # a class per `environment` value
+        grpo["environment_factory"] = {
+            name: register_callables([f])[0] if callable(f) else f
+            for name, f in grpo["environment_factory"].items()}
     if not grpo:
         del data["grpo"]
 

@@ -35,6 +35,14 @@ def test_the_agent_traces_are_the_scripts(make):
         assert (g["tools"], g["final_reward"], g["answer"]) == (w["tools"], w["final_reward"], w["answer"])
 
 
+def test_the_agent_prompt_files_are_the_scripts(make):
+    for name, source in (("agent_prompts.jsonl", "train_prompts.jsonl"),
+                         ("agent_eval_prompts.jsonl", "eval_prompts.jsonl")):
+        rows = [json.loads(x) for x in (EXAMPLES / "data" / source).read_text().splitlines() if x]
+        got = [json.loads(x) for x in (EXAMPLES / "data" / name).read_text().splitlines() if x]
+        assert got == make.chat_prompts(rows) and got[0]["input"][0]["role"] == "user"
+
+
 def test_the_agent_model_is_small_with_room_and_a_tool_template(make):
     config = AutoConfig.from_pretrained(AGENT_MODEL)
     tok = AutoTokenizer.from_pretrained(AGENT_MODEL)

@@ -34,7 +34,7 @@ from preftune.losses.advantages import (
     nanmean,
 )
 from preftune.losses.grpo import CLIP_KEYS, batch_normaliser
-from preftune.losses.sampling import importance_weights, mismatch_stats
+from preftune.losses.sampling import importance_weights, mismatch_stats, turn_mismatch
 from preftune.model.logps import Rows, completion_logps, microbatches
 from preftune.rewards.functions import RewardLog, load_callable, load_reward_funcs
 from preftune.rollout.offline import OfflineSource, group_tools
@@ -45,6 +45,7 @@ from preftune.rollout.engine import SamplerEngine, make_engine
 from preftune.rollout.scored import Scored
 
 log = logging.getLogger("preftune")
+TURN_SLOTS = 8  # per-turn mismatch metrics: turns 1..7, and the rest together in the 8th
 
 
 @dataclass
@@ -190,11 +191,20 @@ def engine_correction(model, batch: GRPOBatch, cfg: GRPOConfig, dp) -> tuple[tor
                                     st["ratio_sum"], st["ratio_count"])
     d_max, r_max, neg_r_min = dp.max(st["diff_max"], st["ratio_max"], -st["ratio_min"])
     pre = "sampling/"
-    return w, {f"{pre}sampling_logp_difference/mean": d_sum / max(d_n, 1.0),
+    metrics = {f"{pre}sampling_logp_difference/mean": d_sum / max(d_n, 1.0),
                f"{pre}sampling_logp_difference/max": d_max,
                f"{pre}importance_sampling_ratio/min": -neg_r_min if r_n else 0.0,
                f"{pre}importance_sampling_ratio/mean": r_sum / r_n if r_n else 0.0,
                f"{pre}importance_sampling_ratio/max": r_max if r_n else 0.0}
+    if ro.tool_mask is not None:  # per assistant turn: a mismatch that grows with the turn shows
+        turns = (cfg.max_tool_calling_iterations or TURN_SLOTS - 1) + 1  # a re-tokenized history
+        per = turn_mismatch(trainer, ro.sampling_logps, mask, ro.tool_mask, min(turns, TURN_SLOTS))
+        sums = dp.sum(*per.flatten().tolist())
+        for k in range(per.size(0)):
+            if sums[2 * k + 1] > 0:
+                metrics[f"{pre}sampling_logp_difference/turn_{k + 1}"] = (
+                    sums[2 * k] / sums[2 * k + 1])
+    return w, metrics
 
 
 @torch.no_grad()

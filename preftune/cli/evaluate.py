@@ -86,10 +86,9 @@ def evaluate_model(cfg, path: str, prompt_set, funcs, weights) -> tuple[dict, "o
                   truncation=PromptTruncation(cfg.data.max_prompt_length, "left"))
     # vLLM: an engine on this folder's weights (no push needed); seeds from the run's seed
     common |= {"engine": make_engine(cfg, None, model_path=path), "seed": cfg.seed}
-    # held-out tasks run through training's tools and environment, scored by its get_reward too
-    common["agent"] = (
-        build_agent(cfg.grpo, tok, cfg.config_dir) if cfg.algorithm == "grpo" else None
-    )
+    # held-out tasks run through the configured tools and environment (any algorithm: an agent
+    # trained by SFT is evaluated as it will act), scored by its get_reward too
+    common["agent"] = build_agent(cfg.grpo, tok, cfg.config_dir)
     funcs, common["weights"] = with_environment_reward(funcs, weights, common["agent"])
     greedy = generate_scored(model, tok, prompt_set, funcs, **common)
     figures = summarize(greedy, prefix="")

@@ -41,7 +41,8 @@ def make_report(run_dir: Path, out: Path) -> Path:
     eval_file = run_dir / "final" / "eval.json"
     eval_report = json.loads(eval_file.read_text()) if eval_file.is_file() else None
     page = render(run_dir, charts, status_line(records, max_steps, finished),
-                  evals[-1] if evals else None, eval_report)
+                  evals[-1] if evals else None, eval_report,
+                  eval_steps=[int(r["step"]) for r in evals])
     path = out / "report.html"
     atomic_write(path, page)
     return path

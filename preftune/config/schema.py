@@ -246,10 +246,11 @@ class GRPOConfig:
     tools: list[str] = knob(
         help="functions the policy may call (module:fn, file.py:fn); each needs type hints and a "
         "Google-style docstring (docs/agents.md)", peer="TRL tools", factory=list)
-    environment_factory: str | None = knob(
+    environment_factory: str | dict[str, str] | None = knob(
         None,
         "a class (module:Class, file.py:Class): one instance per rollout, reset(**row); its public "
-        "methods are tools, its get_reward() a reward", peer="TRL environment_factory")
+        "methods are tools, its get_reward() a reward. Or a mapping of names to classes: each row "
+        "picks one by its `environment` column", peer="TRL environment_factory")
     rollout_func: str | None = knob(
         None,
         "a function (module:fn, file.py:fn) that samples the "

@@ -15,6 +15,7 @@ from preftune.errors import UserError
 from preftune.evaluation.stats import is_binary, pass_and_mean_at_k
 from preftune.losses.advantages import nanmean
 from preftune.rewards.functions import RewardLog, RewardState, load_reward_funcs
+from preftune.rollout.agent import build_agent
 from preftune.rollout.online import act, encode_prompts, score
 from preftune.rollout.engine import SamplerEngine
 
@@ -180,10 +181,13 @@ def with_environment_reward(funcs: list, weights: list | None, agent) -> tuple[l
 def build_evaluator(cfg, tokenizer, dp=None, engine=None, agent=None):
     """A callable (model, step) -> eval metrics, or None when the config has no held-out prompts;
     with `dp`, the prompts split over the ranks (`evaluate`); with `engine`, sampled by it; with
-    `agent`, through training's tools and environment."""
+    `agent`, through training's tools and environment; without one, through grpo.tools /
+    grpo.environment_factory when the config names them (SFT, DPO and KTO of an agent)."""
     prompt_set = eval_prompt_set(cfg)
     if prompt_set is None:
         return None
+    if agent is None:
+        agent = build_agent(cfg.grpo, tokenizer, cfg.config_dir)
 
     funcs, weights = with_environment_reward(
         *eval_reward_funcs(cfg, dp.device if dp is not None else "cpu"), agent

@@ -73,3 +73,28 @@ def _compared(old_logps: torch.Tensor, sampling_logps: torch.Tensor,
               mask: torch.Tensor) -> torch.Tensor:
     """Counted tokens with both log-probs finite (B, T) bool."""
     return mask.bool() & torch.isfinite(old_logps.detach()) & ~torch.isnan(sampling_logps)
+
+
+def turn_index(tool_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) long: which assistant turn each completion token belongs to (0 = the first). A turn
+    starts at a sampled token (tool_mask 1) that follows a tool token (0); a tool turn's tokens
+    keep the index of the turn before them."""
+    starts = (tool_mask[:, 1:] > tool_mask[:, :-1]).long()  # (B, T-1)
+    return torch.cat([starts.new_zeros(starts.size(0), 1), starts.cumsum(1)], dim=1)  # (B, T)
+
+
+def turn_mismatch(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor,
+                  tool_mask: torch.Tensor, turns: int) -> torch.Tensor:
+    """(turns, 2): per assistant turn k, the summed |log pi_old - log mu| over its compared tokens
+    and their count (a caller sums over micro-batches and ranks, then divides). Turns past the
+    last slot count in it. A per-turn mean that grows with k is the signature of a rollout whose
+    later turns were re-tokenized rather than continued from the sampled ids.
+
+    old_logps, sampling_logps, mask, tool_mask: (B, T)."""
+    counted = _compared(old_logps, sampling_logps, mask)  # (B, T)
+    delta = torch.where(counted, (old_logps.detach() - sampling_logps).abs(), 0.0)  # (B, T)
+    turn = turn_index(tool_mask).clamp(max=turns - 1)  # (B, T)
+    out = delta.new_zeros(turns, 2)
+    out[:, 0].scatter_add_(0, turn.flatten(), delta.flatten())
+    out[:, 1].scatter_add_(0, turn.flatten(), counted.flatten().to(delta.dtype))
+    return out

@@ -1,5 +1,6 @@
 """The self-contained HTML report: charts embedded as base64 PNGs, the resolved config, the data
-report, the last evaluation and, when there is one, the gate verdict (`eval.json`)."""
+report, the last evaluation, the gate verdict (`eval.json`) and a few sampled trajectories per
+evaluation point (`trajectories.jsonl`), when there are."""
 from __future__ import annotations
 
 import base64
@@ -56,8 +57,54 @@ def gate_section(report: dict) -> str:
     return "".join(parts)
 
 
+TRAJECTORIES = "trajectories.jsonl"  # grpo.log_trajectories (rollout/agent.dump_trajectories)
+PER_POINT = 3  # trajectories shown per evaluation point
+
+
+def trajectory_points(rows: list[dict], eval_steps: list[int]) -> list[tuple[int, list[dict]]]:
+    """For each evaluation step, the first dumped batch at or after it (else the last batch):
+    (step, its first PER_POINT rows), each batch once, in step order."""
+    by_step: dict[int, list[dict]] = {}
+    for r in rows:
+        by_step.setdefault(int(r["step"]), []).append(r)
+    steps = sorted(by_step)
+    if not steps:
+        return []
+    picked = {next((s for s in steps if s >= e), steps[-1]) for e in eval_steps} or {steps[-1]}
+    return [(s, by_step[s][:PER_POINT]) for s in sorted(picked)]
+
+
+def _message(m: dict) -> str:
+    role = m.get("role", "?")
+    if role == "tool":
+        return (f"<div class='tool'><b>tool {html.escape(str(m.get('name', '')))}</b> "
+                f"{html.escape(str(m.get('content', '')))}</div>")
+    calls = "".join(
+        f"<div class='call'><b>call</b> {html.escape(c['function']['name'])}"
+        f"({html.escape(json.dumps(c['function'].get('arguments', {})))})</div>"
+        for c in m.get("tool_calls") or [])
+    return f"<div class='turn'><b>{html.escape(role)}</b> {html.escape(str(m.get('content', '')))}"\
+           f"</div>{calls}"
+
+
+def trajectory_section(rows: list[dict], eval_steps: list[int]) -> str:
+    """A few sampled trajectories per evaluation point: the prompt's end, each turn, the tool calls
+    and results set apart, the reward."""
+    parts = []
+    for step, batch in trajectory_points(rows, eval_steps):
+        parts.append(f"<h3>step {step}</h3>")
+        for r in batch:
+            head = (f"reward {_fmt(float(r['reward']))} · {r.get('turns', 1)} turn(s) · "
+                    f"{r.get('calls', 0)} call(s), {r.get('failures', 0)} failed"
+                    + (" · truncated" if r.get("truncated") else ""))
+            body = "".join(_message(m) for m in r.get("messages", []))
+            parts.append(f"<div class='traj'><p>{html.escape(head)}</p>"
+                         f"{_pre(str(r.get('prompt', ''))[-200:])}{body}</div>")
+    return "".join(parts)
+
+
 def render(run_dir: Path, charts: list[tuple[str, str, Path]], status: str, last_eval: dict | None,
-           eval_report: dict | None) -> str:
+           eval_report: dict | None, eval_steps: list[int] = ()) -> str:
     parts = [f"<h1>preftune run: {html.escape(str(run_dir))}</h1>", f"<p>{html.escape(status)}</p>"]
     if eval_report is not None:
         parts += ["<h2>Gate verdict</h2>", gate_section(eval_report)]
@@ -71,6 +118,10 @@ def render(run_dir: Path, charts: list[tuple[str, str, Path]], status: str, last
         parts.append(f"<figure><img alt='{html.escape(title)}' src='data:image/png;base64,{data}'>"
                      f"<figcaption>{html.escape(title)}</figcaption></figure>")
 
+    dumped = run_dir / TRAJECTORIES
+    if dumped.is_file():
+        rows = [json.loads(x) for x in dumped.read_text().splitlines() if x.strip()]
+        parts += ["<h2>Trajectories</h2>", trajectory_section(rows, list(eval_steps))]
     for title, name in (("Resolved config", "config.yaml"), ("Data report", DATA_REPORT)):
         f = run_dir / name
         if f.is_file():
@@ -83,6 +134,8 @@ def render(run_dir: Path, charts: list[tuple[str, str, Path]], status: str, last
         "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px "
         "6px;text-align:left}"
         "pre{background:#f6f6f6;padding:8px;overflow:auto}.pass{color:#060}.fail{color:#a00}"
+        ".traj{border-left:3px solid #ccc;margin:8px 0;padding-left:8px}.call{background:#eef;"
+        "margin-left:16px}.tool{background:#efe;margin-left:16px;font-family:monospace}"
     )
     return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>preftune "
             f"report</title><style>{style}</style></head><body>{''.join(parts)}</body></html>\n")

@@ -139,6 +139,10 @@ class ToolLoop:
         calls = parse_calls(t.messages[-1]["content"], self.fmt)
         if not calls:
             return False
+        # as TRL's completions show them (rewards, the dump); a malformed call has no name
+        t.messages[-1]["tool_calls"] = [
+            {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls if c.name is not None and c.error is None]
         results = []
         for call in calls:
             content, failed = run_call(call, tools, self.cfg.tool_timeout_seconds)
@@ -212,6 +216,13 @@ class Agent:
     def schemas(self) -> list[dict]:
         return [t.schema for t in self.tools] + (self.envs.schemas if self.envs is not None else [])
 
+    def row_schemas(self, env) -> list[dict] | None:
+        """The tools a row's prompt shows when they differ from `schemas` (an environment mapping:
+        the plain tools and the row's class's), else None."""
+        if env is None or self.envs.by_name is None:
+            return None
+        return [t.schema for t in self.tools] + self.envs.of(env).schemas
+
     def row_tools(self, env) -> dict[str, Tool]:
         own = {t.name: t for t in self.tools}
         return own | self.envs.tools(env) if env is not None else own
@@ -220,8 +231,9 @@ class Agent:
         try:
             out = env.reset(**row)
         except Exception as e:  # noqa: BLE001 - the user's reset
-            raise UserError(f"{self.envs.name}.reset raised: {one_line(e, with_type=True)}",
-                            where="grpo.environment_factory") from None
+            c = self.envs.of(env)
+            raise UserError(f"{c.name}.reset raised: {one_line(e, with_type=True)}",
+                            where=c.where) from None
         return out if isinstance(out, str) else None
 
 
@@ -230,9 +242,12 @@ def build_agent(cfg, tokenizer, base_dir, tools=(), environment_factory=None) ->
     objects already loaded, e.g. in tests), checked now: schemas, `reset`, the template's format
     and its prefix rule. None when the run has neither."""
     funcs = list(tools) + [load_callable(s, base_dir, "grpo.tools") for s in cfg.tools]
-    factory = environment_factory
-    if factory is None and cfg.environment_factory:
-        factory = load_callable(cfg.environment_factory, base_dir, "grpo.environment_factory")
+    factory, where = environment_factory, "grpo.environment_factory"
+    if factory is None and isinstance(cfg.environment_factory, dict):  # a class per row's name
+        factory = {name: load_callable(spec, base_dir, f"{where}.{name}")
+                   for name, spec in cfg.environment_factory.items()}
+    elif factory is None and cfg.environment_factory:
+        factory = load_callable(cfg.environment_factory, base_dir, where)
     if not funcs and factory is None:
         return None
     made = [make_tool(f, "grpo.tools") for f in funcs]

@@ -35,16 +35,18 @@ def act(agent: Agent, engine, tokenizer, reward_funcs, weights, state, prompts: 
     with its row (a returned string appended to the last user message); tools run between turns;
     the rewards see the turns and the environments. Training's rounds and evaluation share it."""
     G, n = num_generations, len(prompts) * num_generations
-    envs = agent.envs.instances(n) if agent.envs is not None else [None] * n
+    data = [{"prompt": prompts[i // G]} | {k: v[i // G] for k, v in columns.items()}
+            for i in range(n)]
+    envs = agent.envs.instances(data) if agent.envs is not None else [None] * n
     rows = []
     for i, env in enumerate(envs):
         prompt, first = prompts[i // G], ids[i // G]
-        row = {"prompt": prompt} | {k: v[i // G] for k, v in columns.items()}
-        text = None if env is None else agent.reset(env, row)
+        text = None if env is None else agent.reset(env, data[i])
+        schemas = agent.row_schemas(env)
         # then encoded again, kept to the prompt limit from the left
-        if text is not None and is_messages(prompt):
-            first = encode_prompt(tokenizer, _with_appended(prompt, text),
-                                  agent.schemas)[-max_prompt_length:]
+        if (text is not None or schemas is not None) and is_messages(prompt):
+            first = encode_prompt(tokenizer, _with_appended(prompt, text or ""),
+                                  schemas or agent.schemas)[-max_prompt_length:]
         rows.append(Trajectory(first))
     ro = agent.loop.run(engine, rows, [agent.row_tools(e) for e in envs], G, places, **opts)
     rep_prompts, rep_cols = (

@@ -48,18 +48,17 @@ def make_tool(func: Callable, where: str) -> Tool:
     return Tool(name, func, schema)
 
 
-class Environments:
-    """An environment class (`grpo.environment_factory`), checked once at start, then instances
-    handed out per rollout from a pool (constructed once, reset per rollout, as TRL does)."""
+class EnvironmentClass:
+    """One environment class, checked once at start: `reset`, its tools' schemas, whether it has
+    `get_reward`; its instances are pooled (constructed once, reset per rollout, as TRL does)."""
 
-    def __init__(self, factory: Callable, where: str = "grpo.environment_factory"):
+    def __init__(self, factory: Callable, where: str):
         self.factory, self.where = factory, where
-        probe = self._new()
+        probe = self.new()
         cls = type(probe)
         if not callable(getattr(probe, "reset", None)):
             raise UserError(f"environment {cls.__name__} has no reset "
-                            "method (reset(**row) -> str | None)",
-                            where=where)
+                            "method (reset(**row) -> str | None)", where=where)
         self.name = cls.__name__
         self.methods = [n for n, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
                         if not n.startswith("_") and n not in ("reset", "get_reward")]
@@ -69,26 +68,73 @@ class Environments:
         ]
         self.pool = [probe]
 
-    def _new(self):
+    def new(self):
         try:
             return self.factory()
         except Exception as e:  # noqa: BLE001 - the user's constructor
             raise UserError(f"the environment's constructor raised: {one_line(e, with_type=True)}",
                             where=self.where) from None
 
-    def instances(self, n: int) -> list:
-        """n instances, distinct objects (grown on demand, then reused)."""
-        while len(self.pool) < n:
-            self.pool.append(self._new())
-        return self.pool[:n]
+
+class Environments:
+    """`grpo.environment_factory`: one class, or a mapping of names to classes from which each row
+    picks by its `environment` column. Every rollout row gets an instance of its own."""
+
+    COLUMN = "environment"
+
+    def __init__(self, factory: Callable | dict[str, Callable],
+                 where: str = "grpo.environment_factory"):
+        self.where = where
+        self.by_name = None if callable(factory) else {
+            name: EnvironmentClass(f, f"{where}.{name}") for name, f in factory.items()}
+        self.classes = list(self.by_name.values()) if self.by_name else [
+            EnvironmentClass(factory, where)]
+        self.name = self.classes[0].name if self.by_name is None else self.COLUMN
+        self.has_reward = any(c.has_reward for c in self.classes)
+        # every class's tools (functions of one name shown once): the prompts' shared rendering;
+        # with a mapping each row is rendered again with its own class's (`row_schemas`)
+        seen = {}
+        for c in self.classes:
+            for schema in c.schemas:
+                seen.setdefault(schema["function"]["name"], schema)
+        self.schemas = list(seen.values())
+        self._class_of: dict[int, EnvironmentClass] = {}
+
+    def pick(self, row: dict) -> EnvironmentClass:
+        if self.by_name is None:
+            return self.classes[0]
+        name = row.get(self.COLUMN)
+        if name not in self.by_name:
+            raise UserError(f"a row's {self.COLUMN} is {name!r}, not one of "
+                            f"{', '.join(sorted(self.by_name))}", where=self.where)
+        return self.by_name[name]
+
+    def instances(self, rows: list[dict]) -> list:
+        """One distinct instance per row, of the row's class (pools grown on demand, then
+        reused)."""
+        taken: dict[str, int] = {}
+        out = []
+        for row in rows:
+            c = self.pick(row)
+            i = taken[c.where] = taken.get(c.where, -1) + 1
+            while len(c.pool) <= i:
+                c.pool.append(c.new())
+            self._class_of[id(c.pool[i])] = c
+            out.append(c.pool[i])
+        return out
+
+    def of(self, env) -> EnvironmentClass:
+        return self._class_of.get(id(env), self.classes[0])
 
     def tools(self, env) -> dict[str, Tool]:
-        return {n: Tool(n, getattr(env, n), s) for n, s in zip(self.methods, self.schemas)}
+        c = self.of(env)
+        return {n: Tool(n, getattr(env, n), s) for n, s in zip(c.methods, c.schemas)}
 
     def reward_func(self) -> Callable:
-        """`get_reward` as a reward function (TRL: named after the class, weight 1)."""
+        """`get_reward` as a reward function (TRL: named after the class, weight 1); a row whose
+        class has none scores None (not applicable)."""
         def reward(environments=None, **kwargs):
-            return [e.get_reward() for e in environments]
+            return [e.get_reward() if self.of(e).has_reward else None for e in environments]
 
         reward.__name__ = self.name
         return reward

@@ -175,3 +175,26 @@ def test_tools_with_a_template_without_tool_support_stop_at_start(tmp_path):
 
     with pytest.raises(UserError, match=rf"^{MODEL_DIR}: the rows have tools .* no tool support"):
         preftune.train(agent_config(tmp_path, "algorithm=sft", f"model.name_or_path={MODEL_DIR}"))
+
+
+def test_an_sft_run_with_tools_is_evaluated_through_them(tmp_path, agent_tok, agent_model,
+                                                         monkeypatch):
+    """grpo.tools in an SFT config: the held-out pass runs the tool loop (an agent is evaluated as
+    it will act), not a single completion."""
+    import preftune.evaluation.evaluate as ev
+
+    (tmp_path / "tools.py").write_text((EXAMPLES / "agent_tools.py").read_text())
+    cfg = agent_config(tmp_path, "algorithm=sft", f"grpo.tools=[{tmp_path / 'tools.py'}:add]",
+                       f"data.eval={EXAMPLES / 'data' / 'agent_eval_prompts.jsonl'}",
+                       "grpo.max_completion_length=8", "eval.batch_size=4")
+    seen = []
+    act = ev.act
+
+    def spy(agent, *a, **k):
+        seen.append([t.name for t in agent.tools])
+        return act(agent, *a, **k)
+
+    monkeypatch.setattr(ev, "act", spy)
+    out = ev.build_evaluator(cfg, agent_tok)(agent_model, 0)
+    assert seen and all(names == ["add"] for names in seen)
+    assert out["eval/num_prompts"] == 100

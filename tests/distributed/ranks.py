@@ -46,6 +46,9 @@ if os.environ.get("PREFTUNE_TEST_MASKED"):  # the packer's layout, as the 1-proc
 if os.environ.get("PREFTUNE_TEST_FAKE_SAMPLER"):
     from tests.distributed.ranks import install_fake_sampler
     install_fake_sampler()
+if os.environ.get("PREFTUNE_TEST_FAKE_AGENT"):
+    from tests.distributed.ranks import install_fake_agent
+    install_fake_agent(os.environ["PREFTUNE_TEST_FAKE_AGENT"])
 pause = float(os.environ.get("PREFTUNE_TEST_STEP_PAUSE", "0"))
 if pause:
     from preftune.run import loop
@@ -100,6 +103,35 @@ def install_fake_sampler() -> None:
     import preftune.rollout.engine as engine  # the own sampler behind the engine interface
 
     engine.sample = fake_sample
+
+
+ADD_CALL = '<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": 2}}}}</tool_call>'
+
+
+def install_fake_agent(later: str) -> None:
+    """Every rollout's first turn is a call to `add` (a random-init model would not write one),
+    later turns come from the own sampler (`later="real"`) or from fake_sample ("fake": the same
+    tokens for a prompt on any rank, for comparing world sizes)."""
+    import preftune.rollout.engine as engine
+    from preftune.rollout.sampler import assemble
+
+    real = engine.SamplerEngine.generate
+    if later == "fake":
+        engine.sample = fake_sample
+
+    def forced(self, prompts, positions=None, *, turn=0, **kw):
+        if turn > 0:
+            return real(self, prompts, positions, turn=turn, **kw)
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(ROOT / "examples" / "agent_model")
+        G = kw["num_generations"]  # a group's calls differ (a = 0..G-1), so do its later turns
+        ids = [tok(ADD_CALL.format(a=g), add_special_tokens=False).input_ids + [kw["eos_id"]]
+               for g in range(G)]
+        ids = torch.tensor(ids * len(prompts))  # (N, L): the group's G calls, prompt after prompt
+        return assemble(ids[:, :1], ids[:, :1], ids, kw["eos_id"])
+
+    engine.SamplerEngine.generate = forced
 
 
 def rank_env(rank: int, world: int, port: int, **extra) -> dict:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from preftune.losses import grpo_loss
-from preftune.losses.sampling import importance_weights, mismatch_stats
+from preftune.losses.sampling import importance_weights, mismatch_stats, turn_index, turn_mismatch
 
 # two rows, three tokens; row 1's last token is padding
 OLD = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -9.0]], dtype=torch.float64)
@@ -79,3 +79,17 @@ def test_a_token_the_trainers_filter_drops_keeps_weight_one():
     w = importance_weights(old, MU, MASK, mode="sequence_mask", clip_min=0.7)
     assert w[1, 0] == 1.0  # row 1's only other difference is 0: the sequence is kept, not masked
     assert mismatch_stats(old, MU, MASK, w)["diff_count"] == 4
+
+
+def test_turns_start_after_each_tool_turn():
+    tool = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 1], [1, 1, 1, 1, 1, 1, 1, 1]])
+    assert turn_index(tool).tolist() == [[0, 0, 0, 0, 1, 1, 1, 2], [0] * 8]
+    # completion: the first turn (2 tokens), a tool turn (2), the second turn (2), a tool turn, the
+    # third (1); the padding after row 1's 5 tokens is out
+    old = torch.tensor([[-1.0, -2.0, 0.0, 0.0, -1.0, -1.0, 0.0, -3.0], [-1.0] * 8])
+    mu = torch.tensor([[-1.5, -2.0, 9.0, 9.0, -1.25, -0.75, 9.0, -1.0], [-1.1] * 8])
+    mask = tool * torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
+    got = turn_mismatch(old, mu, mask.float(), tool, turns=2)
+    # turn 1: |0.5| + 0 (row 0) + 5 x 0.1 (row 1); turn 2 and on, together: 0.25 + 0.25 + 2
+    want = torch.tensor([[0.5 + 0.5, 7.0], [2.5, 3.0]])
+    torch.testing.assert_close(got, want)

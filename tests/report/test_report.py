@@ -97,3 +97,23 @@ def test_report_of_a_real_sft_run(make_config, traces_file, algorithm):
     assert main(["report", cfg.output_dir]) == 0
     page = open(f"{cfg.output_dir}/report/report.html").read()
     assert "finished: step 3 of 3" in page and "Final evaluation (step 3)" in page
+
+
+def test_trajectories_are_shown_per_eval_point_with_the_calls_set_apart(tmp_path):
+    run = _run(tmp_path, grpo_records(4))  # evaluations at steps 0 and 4
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
+    rows = [{"step": s, "row": i, "prompt": f"<user>{s}+{i}=<script>", "reward": float(i),
+             "turns": 2, "calls": 1, "failures": 0, "truncated": False,
+             "messages": [{"role": "assistant", "content": "<tool_call>...", "tool_calls": [call]},
+                          {"role": "tool", "name": "add", "content": "3"},
+                          {"role": "assistant", "content": f"answer-{s}-{i}"}]}
+            for s in (1, 2, 3, 4) for i in range(5)]
+    (run / "trajectories.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(run)]) == 0
+    page = (run / "report" / "report.html").read_text()
+    # step 0's point shows the first batch after it (step 1), step 4's its own; 3 rows each
+    assert "<h3>step 1</h3>" in page and "<h3>step 4</h3>" in page and "<h3>step 2</h3>" not in page
+    assert page.count("answer-1-") == 3 and page.count("answer-4-") == 3
+    assert page.count("<div class='call'><b>call</b> add({&quot;a&quot;: 1, &quot;b&quot;: 2})") == 6
+    assert page.count("<div class='tool'><b>tool add</b> 3</div>") == 6
+    assert "reward 2 · 2 turn(s) · 1 call(s), 0 failed" in page and "<script>" not in page

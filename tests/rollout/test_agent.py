@@ -133,6 +133,10 @@ def test_three_turns_train_exactly_the_sampled_tokens(tok):
     assert (1, 1) not in asked and int(ro.completion_mask[1].sum()) == len(enc("no tools")) + 1
     assert rows[0].turns == 3 and rows[0].calls == 2 and rows[0].failures == 0 and not rows[0].truncated
     assert [m["role"] for m in rows[0].messages] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    # the parsed calls ride on their assistant message, as TRL's completions show them
+    assert rows[0].messages[0]["tool_calls"] == [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]
+    assert "tool_calls" not in rows[0].messages[4]
     # the engine's log-probs on sampled tokens, 0 on tool tokens
     lp = ro.sampling_logps[0, :n]
     assert (lp[ro.tool_mask[0, :n] == 0] == 0).all() and (lp[ro.tool_mask[0, :n] == 1] < 0).all()
@@ -164,6 +168,30 @@ def test_the_own_sampler_continues_from_token_ids(tok, model):
         last[i, len(forced) + r.mask.count(0):len(r.completion)] = 1  # the second, sampled turn
     assert last.sum() > 0
     torch.testing.assert_close(lp[last.bool()], ro.sampling_logps[last.bool()], atol=1e-4, rtol=1e-4)
+
+
+def test_the_mismatch_is_logged_per_turn(tok, model):
+    """engine_correction's per-turn metric: an engine whose log-probs drift from the trainer's on the
+    second turn only (as a re-tokenized history would make them) shows it there and nowhere else."""
+    from preftune.algorithms.grpo import GRPOBatch, engine_correction, rollout_logps
+    from preftune.distributed import Parallel
+    from preftune.losses.sampling import turn_index
+
+    eng = Scripted(tok, [[call("add", a=1, b=2), "it is 3"], [call("add", a=2, b=2), "4"]])
+    prompt = tok("U:q\nA:", add_special_tokens=False).input_ids
+    rows = [Trajectory(list(prompt)) for _ in range(2)]
+    ro = loop(tok).run(eng, rows, [{"add": make_tool(add, "t")}] * 2, 2, [0],
+                       eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    cfg = GRPOConfig(max_completion_length=200)
+    with torch.no_grad():
+        trainer = rollout_logps(model, ro, cfg, sampling_distribution=True)  # (2, T)
+    drift = 0.25 * (turn_index(ro.tool_mask) == 1)  # (2, T)
+    ro.sampling_logps = (trainer + drift) * ro.loss_mask()
+    batch = GRPOBatch(rollout=ro, advantages=torch.zeros(2), ref_logps=None)
+    _, m = engine_correction(model, batch, cfg, Parallel())
+    assert m["sampling/sampling_logp_difference/turn_1"] < 1e-6
+    assert m["sampling/sampling_logp_difference/turn_2"] == pytest.approx(0.25, abs=1e-6)
+    assert "sampling/sampling_logp_difference/turn_3" not in m
 
 
 @pytest.mark.parametrize("text, error", [
@@ -299,12 +327,46 @@ def test_a_template_that_rewrites_history_stops_at_start(tok):
 def test_an_environment_per_row_its_tools_and_its_reward(tok):
     agent = build_agent(GRPOConfig(), tok, ".", tools=[add], environment_factory=Env)
     assert [s["function"]["name"] for s in agent.schemas] == ["add", "bump"]
-    envs = agent.envs.instances(2)
+    envs = agent.envs.instances([{}, {}])
     assert envs[0] is not envs[1]
     out, failed = run_call(Call("bump", {"by": 3}), agent.row_tools(envs[0]), 1.0)
     assert (out, failed) == ("3", False) and envs[1].total == 0
     assert agent.envs.reward_func()(environments=envs) == [3.0, 0.0]
-    assert isinstance(Environments(Env).pool[0], Env)
+    assert isinstance(Environments(Env).classes[0].pool[0], Env)
+    assert agent.row_schemas(envs[0]) is None  # one class: every prompt shows the same tools
+
+
+class Shelf:
+    """A second environment: no reward of its own."""
+
+    def reset(self, **row) -> str | None:
+        self.items = list(row.get("items", []))
+        return None
+
+    def count(self) -> int:
+        """How many items are on the shelf."""
+        return len(self.items)
+
+
+def test_a_mapping_of_environments_is_picked_per_row(tok):
+    agent = build_agent(GRPOConfig(), tok, ".", environment_factory={"counter": Env, "shelf": Shelf})
+    assert [s["function"]["name"] for s in agent.schemas] == ["bump", "count"]
+    rows = [{"environment": "shelf", "items": [1, 2]}, {"environment": "counter"},
+            {"environment": "shelf"}]
+    envs = agent.envs.instances(rows)
+    assert [type(e) for e in envs] == [Shelf, Env, Shelf] and envs[0] is not envs[2]
+    for e, row in zip(envs, rows):
+        agent.reset(e, row)
+    # each row's prompt shows its own class's tools, and only those run
+    assert [s["function"]["name"] for s in agent.row_schemas(envs[0])] == ["count"]
+    assert set(agent.row_tools(envs[1])) == {"bump"}
+    assert run_call(Call("count", {}), agent.row_tools(envs[0]), 1.0) == ("2", False)
+    assert run_call(Call("count", {}), agent.row_tools(envs[1]), 1.0)[1]  # not this row's tool
+    run_call(Call("bump", {"by": 4}), agent.row_tools(envs[1]), 1.0)
+    # get_reward where the class has one; None (not applicable) where it has not
+    assert agent.envs.reward_func()(environments=envs) == [None, 4.0, None]
+    with pytest.raises(UserError, match=r"a row's environment is 'attic', not one of counter, shelf"):
+        agent.envs.instances([{"environment": "attic"}])
 
 
 @pytest.mark.parametrize("extra, key", [
