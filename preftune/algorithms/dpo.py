@@ -20,8 +20,7 @@ from preftune.data.pipeline import columns, load_pairs
 from preftune.data.stream import IndexStream
 from preftune.data.tensors import read_once
 from preftune.data.tokenize import PromptTruncation
-from preftune.data.tools import default_tools
-from preftune.data.turns import encode_fitted
+from preftune.data.turns import encode_set
 from preftune.distributed import Parallel
 from preftune.errors import UserError
 from preftune.losses.dpo import (TOKEN_SUMS, check_dpo_options, dpo_loss_multi,
@@ -43,23 +42,14 @@ class EncodedPair:
 def encode_pairs(pairs, tokenizer, cfg: Config) -> tuple[list[EncodedPair], dict]:
     """Prompt and response form one sequence; over max_length, the response is cut (prompt kept).
     A multi-turn response counts its assistant turns only (`data/turns.py`)."""
-    trunc = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
-    tools = default_tools(tokenizer, cfg.data.tools, cfg.model.name_or_path,
-                          (p.tools for p in pairs))
-    out, cut = [], 0
-    for i, p in enumerate(pairs):
-        enc = encode_fitted(tokenizer, trunc, p.prompt, [p.chosen, p.rejected],
-                            max_length=cfg.dpo.max_length,
-                            tools=p.tools or tools, where=f"pair {i}")
-        if enc is None:
-            continue
-        prompt, (chosen, rejected), n_cut = enc
-        cut += n_cut
-        out.append(EncodedPair(prompt, chosen.completion, rejected.completion,
-                               chosen.mask, rejected.mask))
-    stats = {"pairs": len(out), "prompts_truncated": trunc.truncated,
-             "prompts_dropped": trunc.dropped, "responses_truncated": cut}
-    return out, stats
+    kept, counts = encode_set(
+        tokenizer, ((p.prompt, [p.chosen, p.rejected], p.tools) for p in pairs),
+        truncation=PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation),
+        max_length=cfg.dpo.max_length, tools_file=cfg.data.tools, model=cfg.model.name_or_path,
+        label="pair")
+    out = [EncodedPair(prompt, c.completion, r.completion, c.mask, r.mask)
+           for _, prompt, (c, r) in kept]
+    return out, {"pairs": len(out), **counts}
 
 
 def sequence_logps(model, batch: list[EncodedPair], pad_id: int,

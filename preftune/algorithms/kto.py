@@ -27,8 +27,7 @@ from preftune.data.pipeline import load_labeled
 from preftune.data.stream import IndexStream
 from preftune.data.tensors import read_once
 from preftune.data.tokenize import PromptTruncation
-from preftune.data.tools import default_tools
-from preftune.data.turns import encode_fitted
+from preftune.data.turns import encode_set
 from preftune.distributed import Parallel
 from preftune.errors import UserError
 from preftune.losses.kto import kto_loss, kto_reference_point, weight_advice
@@ -50,23 +49,16 @@ class KTOExample:
 def encode_labeled(examples, tokenizer, cfg: Config) -> tuple[list[KTOExample], dict]:
     """Prompt and response form one sequence; over kto.max_length, the response is cut (prompt
     kept). A multi-turn response counts its assistant turns only (`data/turns.py`)."""
-    trunc = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
-    tools = default_tools(tokenizer, cfg.data.tools, cfg.model.name_or_path,
-                          (e.tools for e in examples))
-    out, cut = [], 0
-    for i, e in enumerate(examples):
-        enc = encode_fitted(tokenizer, trunc, e.prompt, [e.completion],
-                            max_length=cfg.kto.max_length,
-                            tools=e.tools or tools, where=f"example {i}")
-        if enc is None:
-            continue
-        prompt, (completion,), n_cut = enc
-        cut += n_cut
-        out.append(KTOExample(prompt, completion.completion, e.desirable, completion.mask))
+    examples = list(examples)
+    kept, counts = encode_set(
+        tokenizer, ((e.prompt, [e.completion], e.tools) for e in examples),
+        truncation=PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation),
+        max_length=cfg.kto.max_length, tools_file=cfg.data.tools, model=cfg.model.name_or_path)
+    out = [KTOExample(prompt, c.completion, examples[i].desirable, c.mask)
+           for i, prompt, (c,) in kept]
     desirable = sum(e.desirable for e in out)
     return out, {"examples": len(out), "desirable": desirable, "undesirable": len(out) - desirable,
-                 "prompts_truncated": trunc.truncated, "prompts_dropped": trunc.dropped,
-                 "responses_truncated": cut}
+                 **counts}
 
 
 def fixed_batches(n: int, batch_size: int, seed: int, shuffle: bool) -> list[tuple[int, int]]:

@@ -16,9 +16,8 @@ from preftune.config import Config
 from preftune.data.pipeline import load_examples
 from preftune.data.stream import IndexStream
 from preftune.data.tokenize import PromptTruncation
-from preftune.data.tools import default_tools
 from preftune.data.traces import TraceOptions
-from preftune.data.turns import encode_fitted
+from preftune.data.turns import encode_set
 from preftune.distributed import Parallel
 from preftune.errors import UserError
 from preftune.losses.sft import sft_loss
@@ -44,22 +43,13 @@ def encode_examples(examples, tokenizer, cfg: Config) -> tuple[list[SFTExample],
     """Prompt under data.max_prompt_length's policy; the completion (+ EOS) cut to fit
     sft.max_length. A multi-turn completion trains its assistant turns only
     (`sft.assistant_only_loss`, `data/turns.py`)."""
-    trunc = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
-    tools = default_tools(tokenizer, cfg.data.tools, cfg.model.name_or_path,
-                          (e.tools for e in examples))
-    out, cut = [], 0
-    for i, e in enumerate(examples):
-        enc = encode_fitted(tokenizer, trunc, e.prompt, [e.completion],
-                            max_length=cfg.sft.max_length,
-                            tools=e.tools or tools,
-                            assistant_only=cfg.sft.assistant_only_loss, where=f"example {i}")
-        if enc is None:
-            continue
-        prompt, (completion,), n_cut = enc
-        cut += n_cut
-        out.append(SFTExample(prompt, completion.completion, completion.mask))
-    return out, {"examples": len(out), "prompts_truncated": trunc.truncated,
-                 "prompts_dropped": trunc.dropped, "completions_truncated": cut}
+    kept, counts = encode_set(
+        tokenizer, ((e.prompt, [e.completion], e.tools) for e in examples),
+        truncation=PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation),
+        max_length=cfg.sft.max_length, tools_file=cfg.data.tools, model=cfg.model.name_or_path,
+        assistant_only=cfg.sft.assistant_only_loss)
+    out = [SFTExample(prompt, c.completion, c.mask) for _, prompt, (c,) in kept]
+    return out, {"examples": len(out), **counts}
 
 
 def example_logps(model, batch: list[SFTExample], pad_id: int, device, *, pack: bool = True):

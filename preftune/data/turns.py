@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from preftune.data.messages import is_messages
 from preftune.data.tokenize import PromptTruncation, encode_prompt, encode_response, fit_prompt
+from preftune.data.tools import default_tools
 from preftune.errors import UserError, one_line
 
 
@@ -79,6 +80,28 @@ def encode_fitted(tokenizer, truncation: PromptTruncation, prompt,
         return None
     room = max_length - len(ids)
     return ids, [r.cut(room) for r in rows], sum(len(r.completion) > room for r in rows)
+
+
+def encode_set(tokenizer, rows, *, truncation: PromptTruncation, max_length: int,
+               tools_file: str | None, model: str, assistant_only: bool = True,
+               label: str = "example") -> tuple[list[tuple[int, list[int], list[Encoded]]], dict]:
+    """Every row of a set, `(prompt, responses, the row's tools or None)`, encoded by
+    `encode_fitted` (DPO's pairs, KTO's and SFT's examples), with the set's tools (`data.tools`)
+    where a row has none, the template's tool support checked once -> (kept: (row index, prompt
+    ids, encoded responses), the counts: prompts_truncated, prompts_dropped, completions_truncated:
+    responses cut to fit)."""
+    rows = list(rows)
+    tools = default_tools(tokenizer, tools_file, model, (own for _, _, own in rows))
+    kept, cut = [], 0
+    for i, (prompt, responses, own) in enumerate(rows):
+        enc = encode_fitted(tokenizer, truncation, prompt, responses, max_length=max_length,
+                            tools=own or tools, assistant_only=assistant_only,
+                            where=f"{label} {i}")
+        if enc is not None:
+            cut += enc[2]
+            kept.append((i, enc[0], enc[1]))
+    return kept, {"prompts_truncated": truncation.truncated, "prompts_dropped": truncation.dropped,
+                  "completions_truncated": cut}
 
 
 def _render(tokenizer, messages: list[dict], tools, generation: bool, where: str) -> str:

@@ -31,7 +31,6 @@ class OfflineSource:
         self.dp = dp or Parallel()  # ranks read the same global order and keep their share of it
         self.stream = IndexStream(len(groups), seed, shuffle)
         self.reward_name = reward_name
-        self.responses_truncated = 0
 
     def _encode(self, idx: int):
         g = self.groups[idx]
@@ -45,7 +44,6 @@ class OfflineSource:
             return None
         limit = self.cfg.max_completion_length
         cut = [len(r.completion) > limit for r in rows]
-        self.responses_truncated += sum(cut)
         return p, [r.cut(limit) for r in rows], cut, list(g.rewards)
 
     def _draw(self) -> list:

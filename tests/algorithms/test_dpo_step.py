@@ -255,7 +255,7 @@ def test_pairs_never_exceed_max_length(make_config, tokenizer, tmp_path):
     for e in encoded:
         assert len(e.prompt) + len(e.chosen) <= 6 and len(e.prompt) + len(e.rejected) <= 6
         assert len(e.chosen) >= 1 and len(e.rejected) >= 1
-    assert stats["prompts_truncated"] == 1 and stats["responses_truncated"] >= 2
+    assert stats["prompts_truncated"] == 1 and stats["completions_truncated"] >= 2
 
 
 def test_pairs_from_a_folder_whose_first_file_is_empty(make_config, tmp_path):
