@@ -57,3 +57,17 @@ def test_the_agent_model_is_small_with_room_and_a_tool_template(make):
                                    add_generation_prompt=True)
     assert text == "<|im_start|>system\nadd(a:integer,b:integer)\n<|im_end|>\n<|im_start|>user\n1+2=<|im_end|>\n" \
                    "<|im_start|>assistant\n"
+
+
+def test_the_agent_demo_runs_as_the_readme_says(tmp_path):
+    """examples/agent_sft.yaml, then examples/agent.yaml from its final/ (a few steps each)."""
+    import preftune
+
+    sft = preftune.train(str(EXAMPLES / "agent_sft.yaml"), overrides={
+        "max_steps": 3, "output_dir": str(tmp_path / "agent-sft"), "data.eval": None,
+        "log.progress_bar": False})
+    grpo = preftune.train(str(EXAMPLES / "agent.yaml"), overrides={
+        "max_steps": 2, "save_steps": 0, "output_dir": str(tmp_path / "agent-grpo"),
+        "model.name_or_path": str(sft.model_path), "data.eval": None,
+        "grpo.prompts_per_step": 2, "grpo.num_generations": 2, "log.progress_bar": False})
+    assert grpo.step == 2 and "tools/call_frequency" in grpo.metrics
