@@ -114,6 +114,7 @@ def run_preftune_dpo(args) -> dict:
     import preftune.algorithms.dpo as dpo
     from preftune.config import load_config
     from preftune.model.load import compute_dtype
+    from preftune.distributed import Parallel
     from preftune.run.loop import Run
 
     timer = workload.PhaseTimer()
@@ -122,7 +123,7 @@ def run_preftune_dpo(args) -> dict:
         train, pairs = dpo_data(Path(args.traces), tmp, args.prompt_prefix, args.response_len)
         out = os.path.join(tmp, "run")
         # reference log-probs cached here
-        run = Run(load_config(None, dpo_overrides(args, out, train, model)))
+        run = Run(load_config(None, dpo_overrides(args, out, train, model)), Parallel())
         timer.wrap(dpo, "sequence_logps")  # both layouts (tree-packed and bucketed)
         timer.wrap_backward()
         t0 = time.perf_counter()

@@ -378,6 +378,7 @@ def run_preftune_grpo(args) -> dict:
     import preftune.algorithms.grpo as grpo
     from preftune.config import load_config
     from preftune.model.load import compute_dtype
+    from preftune.distributed import Parallel
     from preftune.run.loop import Run
 
     evals = read_jsonl(EXAMPLES / "data" / "eval_prompts.jsonl")
@@ -387,7 +388,7 @@ def run_preftune_grpo(args) -> dict:
         train, _ = train_rows(args, out)
         cfg = load_config(EXAMPLES / "grpo.yaml",
                           grpo_overrides(args, os.path.join(out, "run"), model, train))
-        run = Run(cfg)
+        run = Run(cfg, Parallel())
         before = (
             greedy_accuracy(run.model, run.tokenizer, evals, args.max_new_tokens)
             if args.eval

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-from bench import bench_dpo, bench_grpo, suite, workload  # noqa: E402
+from bench import bench_agent, bench_dpo, bench_grpo, suite, workload  # noqa: E402
 
 
 def _check_result(record: dict, timed: int) -> None:
@@ -400,3 +400,16 @@ def test_families_bench_runs_each_family_on_both_modules(capsys):
     assert set(out) == {f"{f}/{p}" for f in bench_families.FAMILIES for p in ("log-probs fwd+bwd", "rollout")}
     assert all(r["hf"] > 0 and r["own"] > 0 for r in out.values())
     assert "HF/own" in capsys.readouterr().out
+
+
+def test_agent_bench_runs_both_tool_loops(tmp_path, capsys):
+    """Both frameworks' tool loops on the stage-1 model (a few SFT steps here), with each side's
+    tool work beside its time."""
+    record = bench_agent.main(["--steps", "2", "--warmup", "1", "--prompts", "2", "--generations",
+                               "2", "--sft-steps", "3", "--model-cache", str(tmp_path),
+                               "--in-process"])
+    assert set(record["results"]) == {"preftune", "trl"}
+    for r in record["results"].values():
+        assert r["timed_steps"] == 1 and r["median_s"] > 0
+        assert float(r["extra"]["tokens per rollout"]) > 0 and "calls per rollout" in r["extra"]
+    assert "TRL / preftune" in capsys.readouterr().out

@@ -102,7 +102,7 @@ def policy_logps(model, batch: list[EncodedPair], pad_id: int, device, *, weight
 
 @torch.no_grad()
 def reference_logps(model, encoded: list[EncodedPair], cfg: Config, pad_id: int, device, *,
-                    dp=None) -> torch.Tensor:
+                    dp: Parallel) -> torch.Tensor:
     """(n, 2) reference [chosen, rejected] log-probs, cached in the output folder
     (`cached_reference`: each rank its share of the pairs, rank 0 reads and writes the cache)."""
     def pair_logps(batch: list[EncodedPair]) -> torch.Tensor:
@@ -202,8 +202,10 @@ def evaluate_pairs(model, pairs: list[EncodedPair], ref: torch.Tensor | None,
 class DPOTask:
     """Builds everything; the loop writes `data_report` once setup has succeeded."""
 
-    def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp=None):
-        self.cfg, self.d, self.device, self.dp = cfg, cfg.dpo, device, dp or Parallel()
+    engine = agent = None  # evaluation samples with the own sampler, through grpo.tools if any
+
+    def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp: Parallel):
+        self.cfg, self.d, self.device, self.dp = cfg, cfg.dpo, device, dp
         check_dpo_options(loss_types(self.d), self.d.loss_weights, self.d.beta,
                           self.d.label_smoothing)
         pairs, report = load_pairs(cfg)

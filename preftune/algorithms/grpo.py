@@ -145,13 +145,12 @@ def global_view(s: Scored, dp) -> tuple[Scored, torch.Tensor, torch.Tensor, int]
     return whole, torch.cat([p[3] for p in parts]), torch.cat([p[4] for p in parts]), offset
 
 
-def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig, dp=None) -> GRPOBatch:
+def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig, dp: Parallel) -> GRPOBatch:
     """Advantages and reference log-probs, all on the policy's device (rewards are scored on the
     CPU; offline rollouts are built there); old log-probs are left to the batch's first step.
     `ref_model` is None without a KL term, or the policy itself for LoRA (adapters switched off).
     Advantages and reward metrics see the whole generation batch (`dp` gathers every rank's
     rewards); this rank keeps its own rows. The reference pass runs on gathered parameters."""
-    dp = dp or Parallel()
     device = next(model.parameters()).device
     ro = s.rollout.to(device)
     whole, lengths, truncated, offset = global_view(s, dp)
@@ -243,7 +242,8 @@ def trained_rows(advantages: torch.Tensor, mask: torch.Tensor, beta: float) -> t
     return None if keep.numel() == live.numel() else keep
 
 
-def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=None) -> dict:
+def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, *,
+              dp: Parallel) -> dict:
     """Forward/backward over micro-batches of one generation batch; the caller steps the optimizer.
 
     Every micro-batch's loss is divided by the whole batch's normaliser (`batch_normaliser` of its
@@ -253,7 +253,6 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, dp=N
     With data parallel, "the whole batch" is every rank's rows: the normalisers are global counts,
     so the gradients summed over ranks equal one pass over the global batch (tested 2 ranks vs 1).
     """
-    dp = dp or Parallel()
     ro = batch.rollout
     # (N, T) sampled tokens: a tool's result is out of every term and count
     mask = ro.loss_mask().float()
@@ -411,8 +410,8 @@ class GRPOTask:
     """Builds everything and writes nothing: the loop writes `data_report` once setup has
     succeeded."""
 
-    def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp=None):
-        self.cfg, self.g, self.device, self.dp = cfg, cfg.grpo, device, dp or Parallel()
+    def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp: Parallel):
+        self.cfg, self.g, self.device, self.dp = cfg, cfg.grpo, device, dp
         self.tokenizer = tokenizer
         self.truncation = PromptTruncation(cfg.data.max_prompt_length, cfg.data.prompt_truncation)
         common = dict(seed=cfg.seed, shuffle=cfg.data.shuffle, truncation=self.truncation)
@@ -425,7 +424,7 @@ class GRPOTask:
             funcs = load_reward_funcs(self.g.reward_funcs, self.g, cfg.config_dir, device=device)
             self.engine = start_engine(cfg, self.dp)
             # None without tools or an environment
-            agent = build_agent(self.g, tokenizer, cfg.config_dir)
+            self.agent = agent = build_agent(self.g, tokenizer, cfg.config_dir)
             custom = load_callable(self.g.rollout_func, cfg.config_dir, "grpo.rollout_func") \
                 if self.g.rollout_func else None
             self.source = OnlineSource(self.g, tokenizer, prompts, funcs, device=device, dp=self.dp,
@@ -437,7 +436,7 @@ class GRPOTask:
             texts = prompts.prompts
         else:
             # samples nothing: its `serving` gathers FSDP2 parameters once
-            self.engine = SamplerEngine()
+            self.engine, self.agent = SamplerEngine(), None
             groups, self.data_report = trace_items(cfg.data.train,
                                                    TraceOptions.from_config(cfg.data), "groups",
                                                    group_builder, split=cfg.eval.split)
@@ -460,6 +459,9 @@ class GRPOTask:
 
     def prepare(self, model) -> None:
         """Nothing to compute from the initial weights (the reference model, if any, is loaded)."""
+
+    def evaluator(self) -> None:
+        """The run's held-out prompts, sampled by this task's engine through its agent."""
 
     def step(self, model, step: int, stop) -> dict:
         if self.pending is None or (step - 1) % self.g.num_iterations == 0:

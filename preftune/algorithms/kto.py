@@ -87,8 +87,10 @@ def summed_logps(model, rows: list[tuple], pad_id: int, device) -> torch.Tensor:
 class KTOTask:
     """Builds everything; the loop writes `data_report` once setup has succeeded."""
 
-    def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp=None):
-        self.cfg, self.k, self.device, self.dp = cfg, cfg.kto, device, dp or Parallel()
+    engine = agent = None  # evaluation samples with the own sampler, through grpo.tools if any
+
+    def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp: Parallel):
+        self.cfg, self.k, self.device, self.dp = cfg, cfg.kto, device, dp
         self.with_kl = self.k.loss_type == "kto"  # apo_zero_unpaired has no reference point
         if self.with_kl and self.k.batch_size < 2:
             raise UserError("must be >= 2 for loss_type kto: z comes from the batch's other "
@@ -123,6 +125,9 @@ class KTOTask:
             out.append((e.prompt, partner.completion[:room],
                         None if partner.mask is None else partner.mask[:room]))
         return out
+
+    def evaluator(self) -> None:
+        """The run's held-out prompts."""
 
     def prepare(self, model) -> None:
         """The reference log-probs, with `model` still holding the initial (reference) weights,

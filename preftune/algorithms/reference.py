@@ -53,13 +53,12 @@ def read_cache(cache: Path, key: str) -> torch.Tensor | None:
 @torch.no_grad()
 def cached_reference(model, items: list, logps_of: Callable[[list], torch.Tensor], cfg: Config, *,
                      key_rows: Callable[[], Iterable[tuple]], micro_batch_size: int,
-                     what: str, width: int = 2, dp=None) -> torch.Tensor:
+                     what: str, width: int = 2, dp: Parallel) -> torch.Tensor:
     """(n, width) reference log-probs of n items, `logps_of(batch)` -> (b, width) for a micro-batch
     of them, in eval mode. Rank 0 reads the cache and hands it to every rank; without a valid one
     each rank computes its contiguous share (`dp`: distributed.py's Parallel; None: one process, all
     of them) and rank 0 writes the cache (atomically). `key_rows`: the items' token lists,
     fingerprinted."""
-    dp = dp or Parallel()
     cache = Path(cfg.output_dir) / CACHE
     # only rank 0 reads and writes the cache
     key = fingerprint(cfg, key_rows()) if dp.is_main else None

@@ -69,8 +69,10 @@ class SFTTask:
     """Builds everything and writes nothing: the loop writes `data_report` once setup has
     succeeded."""
 
-    def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp=None):
-        self.cfg, self.s, self.device, self.dp = cfg, cfg.sft, device, dp or Parallel()
+    engine = agent = None  # evaluation samples with the own sampler, through grpo.tools if any
+
+    def __init__(self, cfg: Config, model, tokenizer, device: torch.device, dp: Parallel):
+        self.cfg, self.s, self.device, self.dp = cfg, cfg.sft, device, dp
         examples, report = load_examples(cfg.data.train,
                                          TraceOptions.from_config(cfg.data), self.s.min_reward,
                                          split=cfg.eval.split)
@@ -82,6 +84,12 @@ class SFTTask:
                             f"{stats['prompts_dropped']})", where=cfg.data.train)
         self.pad_id = tokenizer.pad_token_id
         self.stream = IndexStream(len(self.encoded), cfg.seed, cfg.data.shuffle)
+
+    def prepare(self, model) -> None:
+        """Nothing to compute from the initial weights."""
+
+    def evaluator(self) -> None:
+        """The run's held-out prompts."""
 
     def logps(self, model, batch: list[SFTExample]):
         return example_logps(model, batch, self.pad_id, self.device, pack=self.s.packing)

@@ -23,12 +23,12 @@ from preftune.rollout.scored import Scored
 
 class OfflineSource:
     def __init__(self, cfg: GRPOConfig, tokenizer, groups: list, *, seed: int, shuffle: bool,
-                 truncation: PromptTruncation, reward_name: str, dp=None,
+                 truncation: PromptTruncation, reward_name: str, dp: Parallel,
                  tools: list[dict] | None = None):
         """`tools`: the set's tool schemas (`data.tools`), for groups whose rows have none."""
         self.cfg, self.tok, self.groups, self.truncation = cfg, tokenizer, groups, truncation
         self.tools = tools
-        self.dp = dp or Parallel()  # ranks read the same global order and keep their share of it
+        self.dp = dp  # ranks read the same global order and keep their share of it
         self.stream = IndexStream(len(groups), seed, shuffle)
         self.reward_name = reward_name
 

@@ -115,7 +115,7 @@ def empty_scored(n_funcs: int, with_logps: bool = False) -> Scored:
 class OnlineSource:
     def __init__(self, cfg: GRPOConfig, tokenizer, prompt_set, reward_funcs, *,
                  seed: int, shuffle: bool,
-                 truncation: PromptTruncation, device: torch.device, dp=None, engine=None,
+                 truncation: PromptTruncation, device: torch.device, dp: Parallel, engine=None,
                  agent: Agent | None = None, rollout_func=None):
         self.cfg, self.tok, self.prompt_set, self.reward_funcs = (
             cfg,
@@ -135,7 +135,7 @@ class OnlineSource:
         self.engine = engine if engine is not None else SamplerEngine()  # `rollout/engine.py`
         self.seed, self.step, self.rounds = seed, 0, 0
         # ranks draw the same global order and sample their own share of it
-        self.dp = dp or Parallel()
+        self.dp = dp
         self.stream = IndexStream(len(prompt_set), seed, shuffle)
         self.truncation = truncation
         self.generator = torch.Generator(device=device).manual_seed(seed + 1_000_003 * self.dp.rank)

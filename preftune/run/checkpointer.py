@@ -68,14 +68,6 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def prepare_task(task, model) -> None:
-    """What a task computes from the initial weights (DPO's reference log-probs); SFT has
-    nothing."""
-    prepare = getattr(task, "prepare", None)
-    if prepare is not None:
-        prepare(model)
-
-
 def is_lora(model) -> bool:
     return hasattr(model, "peft_config")
 
@@ -201,7 +193,7 @@ class Checkpointer:
         # the task state first: what it lacks, `prepare` computes from the base weights (DPO's
         # reference log-probs of an older checkpoint), before the checkpoint's weights replace them
         self.task.load_state_dict(own["task"])
-        prepare_task(self.task, self.model)
+        self.task.prepare(self.model)
         if (folder / SHARDS).is_dir():
             dist.load_sharded(self.model, self.optimizer, folder / SHARDS,
                               trainable_only=is_lora(self.model))

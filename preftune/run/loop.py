@@ -14,6 +14,7 @@ import contextlib
 import logging
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,11 +28,12 @@ from preftune.data.data_report import write_data_report
 from preftune.errors import Preempted, Unavailable
 from preftune.model.load import check_model_path, import_model_libraries, load_tokenizer
 from preftune.run import checkpoint_folders as ckpt, optim
-from preftune.run.checkpointer import METRICS, Checkpointer, prepare_task, rng_state, set_rng_state
+from preftune.run.checkpointer import METRICS, Checkpointer, rng_state, set_rng_state
 from preftune.algorithms.dpo import DPOTask
 from preftune.algorithms.grpo import GRPOTask
 from preftune.algorithms.kto import KTOTask
 from preftune.algorithms.sft import SFTTask
+from preftune.algorithms.task import Task
 from preftune.distributed import Parallel
 from preftune.evaluation.evaluate import build_evaluator
 from preftune.run.callbacks import Callbacks
@@ -58,16 +60,21 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_task(cfg: Config, model, tokenizer, device, dp: Parallel | None = None):
-    dp = dp or Parallel()
-    if cfg.algorithm == "grpo":
-        return GRPOTask(cfg, model, tokenizer, device, dp)
-    if cfg.algorithm == "sft":
-        return SFTTask(cfg, model, tokenizer, device, dp)
-    if cfg.algorithm == "kto":
-        return KTOTask(cfg, model, tokenizer, device, dp)
+@dataclass(frozen=True)
+class Algorithm:
+    task: type  # a `Task` (algorithms/task.py)
+    batch_key: str  # the global batch, which splits evenly over the ranks
 
-    return DPOTask(cfg, model, tokenizer, device, dp)
+
+# the one table of algorithms: config.algorithm's choices
+ALGORITHMS = {"grpo": Algorithm(GRPOTask, "grpo.prompts_per_step"),
+              "dpo": Algorithm(DPOTask, "dpo.batch_size"),
+              "kto": Algorithm(KTOTask, "kto.batch_size"),
+              "sft": Algorithm(SFTTask, "sft.batch_size")}
+
+
+def build_task(cfg: Config, model, tokenizer, device, dp: Parallel) -> Task:
+    return ALGORITHMS[cfg.algorithm].task(cfg, model, tokenizer, device, dp)
 
 
 class Run:
@@ -77,11 +84,11 @@ class Run:
     on_first_step = None  # called once the first optimizer step has been taken
     startup: dict = {}  # startup_seconds by phase, until the first training record carries them
 
-    def __init__(self, cfg: Config, dp: Parallel | None = None, *, callbacks=(),
+    def __init__(self, cfg: Config, dp: Parallel, *, callbacks=(),
                  clock: StartupClock | None = None, lock: RunLock | None = None):
         # lock: rank 0's hold on output_dir (run/lock.py), else None
         self.cfg, self.lock = cfg, lock
-        self.dp = dp = dp or Parallel()
+        self.dp = dp
         self.clock = clock = clock or StartupClock()
         # functions cb(step, record) and TrainerCallbacks (run/callbacks.py), on rank 0
         self.callbacks = (
@@ -113,14 +120,8 @@ class Run:
                              reshard_after_forward=cfg.distributed.reshard_after_forward)
         clock.mark("model")
         self.task = build_task(cfg, self.model, self.tokenizer, self.device, dp)
-        own = getattr(self.task, "evaluator", lambda: None)()  # DPO's held-out pairs
-        self.evaluator = own or build_evaluator(
-            cfg,
-            self.tokenizer,
-            dp,
-            engine=getattr(self.task, "engine", None),
-            agent=getattr(getattr(self.task, "source", None), "agent", None),
-        )
+        self.evaluator = self.task.evaluator() or build_evaluator(
+            cfg, self.tokenizer, dp, engine=self.task.engine, agent=self.task.agent)
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad],
                                          cfg.optim)
         self.callbacks.bind(model=self.model, processing_class=self.tokenizer,
@@ -137,7 +138,7 @@ class Run:
         if self.resumed_from is not None:
             self._restore(self.resumed_from)
         else:
-            prepare_task(self.task, self.model)
+            self.task.prepare(self.model)
         clock.mark("data")
         self.saved_step = self.step  # the newest state that a resume would reproduce
         self.metrics = None
@@ -466,8 +467,6 @@ def check_parallel(cfg: Config, dp: Parallel) -> None:
     """The global batch splits evenly over the ranks (exit 78 naming the key otherwise)."""
     if dp.world == 1:
         return
-    batch = {"grpo": {"grpo.prompts_per_step": cfg.grpo.prompts_per_step},
-             "dpo": {"dpo.batch_size": cfg.dpo.batch_size},
-             "kto": {"kto.batch_size": cfg.kto.batch_size},
-             "sft": {"sft.batch_size": cfg.sft.batch_size}}
-    dp.require_divisible(batch[cfg.algorithm])
+    key = ALGORITHMS[cfg.algorithm].batch_key
+    section, name = key.split(".")
+    dp.require_divisible({key: getattr(getattr(cfg, section), name)})

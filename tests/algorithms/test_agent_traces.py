@@ -16,6 +16,7 @@ from preftune.algorithms.sft import SFTTask
 from preftune.config import load_config
 from preftune.data.turns import encode_row
 from preftune.model.logps import list_logps
+from preftune.distributed import Parallel
 from tests.conftest import EXAMPLES, flat_grads, write_jsonl
 
 AGENT_MODEL = EXAMPLES / "agent_model"
@@ -102,30 +103,30 @@ def test_sft_trains_every_assistant_turn_of_a_messages_row(tmp_path, agent_tok, 
             {"role": "assistant", "content": "3"}]
     tools = json.dumps([{"type": "function", "function": {"name": "add"}}])
     path = write_jsonl(tmp_path / "m.jsonl", [{"messages": conv, "tools": tools}])
-    task = SFTTask(agent_config(tmp_path, f"data.train={path}", "sft.max_length=256"), agent_model, agent_tok, CPU)
+    task = SFTTask(agent_config(tmp_path, f"data.train={path}", "sft.max_length=256"), agent_model, agent_tok, CPU, dp=Parallel())
     (ex,) = task.encoded
     want = encode_row(agent_tok, conv[:1], conv[1:], tools=json.loads(tools))
     assert ex.prompt == want.prompt and ex.completion == want.completion and ex.mask == want.mask
     eos = agent_tok.eos_token_id
     assert [m for t, m in zip(ex.completion, ex.mask) if t == eos] == [1, 0, 1, 0, 1]  # 3 assistant turns' stops
     full = SFTTask(agent_config(tmp_path, f"data.train={path}", "sft.max_length=256", "sft.assistant_only_loss=false"),
-                   agent_model, agent_tok, CPU)
+                   agent_model, agent_tok, CPU, dp=Parallel())
     assert full.encoded[0].mask is None and full.encoded[0].trained == len(ex.completion) > ex.trained
 
 
 def test_offline_grpo_leaves_tool_tokens_out_of_the_loss(tmp_path, agent_tok, agent_model):
     cfg = agent_config(tmp_path, "algorithm=grpo", "grpo.rollout=offline", "grpo.prompts_per_step=3",
                        "grpo.max_completion_length=128", "grpo.beta=0.1", "grpo.micro_batch_size=64")
-    task = GRPOTask(cfg, agent_model, agent_tok, CPU)
+    task = GRPOTask(cfg, agent_model, agent_tok, CPU, dp=Parallel())
     s = task.source.make_batch(agent_model, 1)
     ro = s.rollout
     assert ro.tool_mask is not None and ((ro.tool_mask == 0) & (ro.completion_mask == 1)).any()
     assert (ro.tool_mask[ro.completion_mask == 0] == 1).all()  # padding is left to the completion mask
-    batch = new_batch(s, agent_model, copy.deepcopy(agent_model), cfg.grpo)  # a reference: beta > 0
+    batch = new_batch(s, agent_model, copy.deepcopy(agent_model), cfg.grpo, dp=Parallel())  # a reference: beta > 0
 
     def grads(b):
         agent_model.zero_grad()
-        grpo_step(agent_model, b, cfg.grpo)
+        grpo_step(agent_model, b, cfg.grpo, dp=Parallel())
         return flat_grads(agent_model).clone()
 
     ro = batch.rollout
@@ -162,9 +163,9 @@ def test_a_pairs_file_keeps_the_tools_and_the_masks(tmp_path, agent_tok, agent_m
     cfg = agent_config(tmp_path, "algorithm=dpo", "dpo.max_length=256")
     pairs, _ = load_pairs(cfg)
     write_pairs(pairs, str(tmp_path / "pairs.parquet"))
-    from_traces = DPOTask(cfg, agent_model, agent_tok, CPU).encoded
+    from_traces = DPOTask(cfg, agent_model, agent_tok, CPU, dp=Parallel()).encoded
     from_file = DPOTask(agent_config(tmp_path, "algorithm=dpo", "dpo.max_length=256",
-                                     f"data.train={tmp_path / 'pairs.parquet'}"), agent_model, agent_tok, CPU).encoded
+                                     f"data.train={tmp_path / 'pairs.parquet'}"), agent_model, agent_tok, CPU, dp=Parallel()).encoded
     assert from_file == from_traces and any(e.chosen_mask is not None and 0 in e.chosen_mask for e in from_file)
 
 

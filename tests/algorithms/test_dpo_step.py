@@ -11,6 +11,7 @@ import torch
 from preftune.algorithms.dpo import DPOTask, sequence_logps
 from preftune.data.pairs import build_pairs, write_pairs
 from preftune.data.traces import load_traces
+from preftune.distributed import Parallel
 import preftune.algorithms.dpo as dpo_mod
 from tests.conftest import flat_grads, write_parquet
 
@@ -24,7 +25,7 @@ class _Stop:
 
 def make_task(cfg, model, tokenizer) -> DPOTask:
     """A DPO task with its reference log-probs computed (what Run does on a fresh start)."""
-    task = DPOTask(cfg, model, tokenizer, CPU)
+    task = DPOTask(cfg, model, tokenizer, CPU, dp=Parallel())
     task.prepare(model)
     return task
 
@@ -151,9 +152,9 @@ def test_reference_pass_splits_the_pairs_over_the_ranks(make_config, traces_file
     """Each rank computes the reference log-probs of its share of the pairs only (world 32: most
     ranks have none); the gathered shares equal one process's pass, and only rank 0 writes the cache."""
     cfg = _cfg(make_config, traces_file)
-    encoded = DPOTask(cfg, model, tokenizer, CPU).encoded
+    encoded = DPOTask(cfg, model, tokenizer, CPU, dp=Parallel()).encoded
     pad = tokenizer.pad_token_id
-    whole = dpo_mod.reference_logps(model, encoded, cfg, pad, CPU)  # one process (writes the cache)
+    whole = dpo_mod.reference_logps(model, encoded, cfg, pad, CPU, dp=Parallel())  # one process (writes the cache)
     cache = Path(cfg.output_dir) / "ref_logps.pt"
     cache.unlink()
     seen = []
@@ -334,7 +335,7 @@ def test_held_out_pairs_are_evaluated_as_trl_does(make_config, traces_file, tmp_
         {"prompt": "1+2=", "chosen": "3", "rejected": "4"}, {"prompt": "5+5=", "chosen": "10", "rejected": "11"},
         {"prompt": "7+1=", "chosen": "8", "rejected": "9"}])
     cfg = _cfg(make_config, traces_file, f"data.eval={held_out}", "max_steps=3", "optim.lr=1e-2")
-    Run(cfg).run()
+    Run(cfg, dp=Parallel()).run()
     records = [json.loads(x) for x in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval/loss" in r]
     assert [r["step"] for r in evals] == [0, 3] and all(r["eval/num_pairs"] == 3 for r in evals)

@@ -18,6 +18,7 @@ from preftune.model.logps import completion_logps
 from preftune.rollout.online import OnlineSource
 from preftune.rollout.sampler import Rollout
 from preftune.rollout.scored import Scored
+from preftune.distributed import Parallel
 from tests.conftest import HostReads, flat_grads
 
 PROMPTS = ["12+7=", "3+4=", "19+19=", "0+0="]
@@ -59,7 +60,7 @@ def perturbed(model, scale: float, seed: int):
 
 def run_step(model, batch, cfg):
     model.zero_grad(set_to_none=True)
-    m = grpo_step(model, batch, cfg)
+    m = grpo_step(model, batch, cfg, dp=Parallel())
     grads = flat_grads(model).clone()
     model.zero_grad(set_to_none=True)
     return grads, m
@@ -176,14 +177,14 @@ def test_old_logps_are_recorded_by_the_first_step_of_a_reused_batch(model, token
     ro = synthetic_rollout(tokenizer)
     rewards = torch.rand(N, generator=torch.Generator().manual_seed(0)).tolist()
     cfg = GRPOConfig(num_iterations=1, beta=0.0, micro_batch_size=5, max_completion_length=T)
-    b1 = new_batch(_scored(ro, rewards, [G] * 4), model, None, cfg)
+    b1 = new_batch(_scored(ro, rewards, [G] * 4), model, None, cfg, dp=Parallel())
     assert b1.rollout.old_logps is None and b1.ref_logps is None
     run_step(model, b1, cfg)
     assert b1.rollout.old_logps is None  # used once: nothing to record
     ro2 = synthetic_rollout(tokenizer)
     cfg2 = dataclasses.replace(cfg, num_iterations=2, beta=0.1)
     ref_model = perturbed(model, 0.02, seed=5)
-    b2 = new_batch(_scored(ro2, rewards, [G] * 4), model, ref_model, cfg2)
+    b2 = new_batch(_scored(ro2, rewards, [G] * 4), model, ref_model, cfg2, dp=Parallel())
     assert b2.rollout.old_logps is None  # no pass of its own
     assert b2.ref_logps.shape == (N, ro2.completion_ids.size(1))
     with torch.no_grad():
@@ -265,7 +266,7 @@ def test_the_task_uses_grpo_advantage_estimator(make_config, model, tokenizer, t
 
     extra = [f"data.train={traces_file}", "grpo.rollout=offline"] if rollout == "offline" else ["grpo.reward_funcs=[length]"]
     cfg = make_config(f"grpo.advantage_estimator={estimator}", *extra)
-    task = GRPOTask(cfg, model, tokenizer, torch.device("cpu"))
+    task = GRPOTask(cfg, model, tokenizer, torch.device("cpu"), dp=Parallel())
     seen = []
     make = task.source.make_batch
     task.source.make_batch = lambda m, step: seen.append(make(m, step)) or seen[-1]
@@ -298,7 +299,7 @@ def _online(tokenizer, flat: list[bool], **cfg_kw) -> OnlineSource:
     prompts = [f"{i}+{i}=" for i in range(len(flat))]
     cfg = GRPOConfig(num_generations=2, max_completion_length=2, dynamic_sampling=True, **cfg_kw)
     return OnlineSource(cfg, tokenizer, PromptSet(prompts, {"flat": flat}), [controlled_reward], seed=0,
-                        shuffle=False, truncation=PromptTruncation(16), device=torch.device("cpu"))
+                        shuffle=False, truncation=PromptTruncation(16), device=torch.device("cpu"), dp=Parallel())
 
 
 def test_dynamic_sampling_drops_flat_groups_and_fills(model, tokenizer):
@@ -340,7 +341,7 @@ def test_task_reuses_generation_batch_for_num_iterations(make_config, model, tok
     from preftune.algorithms.grpo import GRPOTask
 
     cfg = make_config("grpo.num_iterations=2", "grpo.beta=0.05")
-    task = GRPOTask(cfg, model, tokenizer, torch.device("cpu"))
+    task = GRPOTask(cfg, model, tokenizer, torch.device("cpu"), dp=Parallel())
     calls = []
     make = task.source.make_batch
     task.source.make_batch = lambda m, step: calls.append(step) or make(m, step)
@@ -409,7 +410,7 @@ def test_reused_batch_old_logps_come_from_its_first_step(tokenizer):
     before = _logps_now(model, ro, cfg.temperature)  # the weights that "sampled" the batch
 
     model.zero_grad(set_to_none=True)
-    m1 = grpo_step(model, batch, cfg)
+    m1 = grpo_step(model, batch, cfg, dp=Parallel())
     g1 = flat_grads(model).clone()
     m = ro.completion_mask.bool()
     assert ro.old_logps is not None and ro.old_logps.shape == ro.completion_ids.shape
@@ -480,7 +481,7 @@ def test_abandoned_first_step_records_nothing(tokenizer):
         if len(calls) == 2:
             raise KeyboardInterrupt  # stands for the preemption notice
     with pytest.raises(KeyboardInterrupt):
-        grpo_step(model, batch, cfg, check=check)
+        grpo_step(model, batch, cfg, check=check, dp=Parallel())
     model.zero_grad(set_to_none=True)
     assert ro.old_logps is None
     run_step(model, batch, cfg)
@@ -504,7 +505,7 @@ def test_the_step_reads_metrics_once_not_per_micro_batch(shared, monkeypatch, lo
     counts = []
     for mb in (N, 2):
         reads.count = 0
-        m = grpo_step(model, batch, dataclasses.replace(cfg, micro_batch_size=mb))
+        m = grpo_step(model, batch, dataclasses.replace(cfg, micro_batch_size=mb), dp=Parallel())
         model.zero_grad(set_to_none=True)
         counts.append(reads.count)
         assert m["loss"] != 0 and m["entropy"] > 0
@@ -518,5 +519,5 @@ def test_a_rank_without_rows_steps_idle(model):
 
     ro = empty_scored(1).rollout
     m = grpo_step(model, GRPOBatch(rollout=ro, advantages=torch.zeros(0), ref_logps=None),
-                  GRPOConfig(beta=0.0, micro_batch_size=2))
+                  GRPOConfig(beta=0.0, micro_batch_size=2), dp=Parallel())
     assert m == {"entropy": 0.0, "rows_skipped": 0.0}

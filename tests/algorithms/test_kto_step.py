@@ -12,6 +12,7 @@ import preftune.algorithms.kto as kto_mod
 from preftune.algorithms.kto import KTOTask, fixed_batches, summed_logps
 from preftune.errors import UserError
 from preftune.losses import kto_loss
+from preftune.distributed import Parallel
 from tests.conftest import flat_grads, write_parquet
 
 CPU = torch.device("cpu")
@@ -23,7 +24,7 @@ class _Stop:
 
 
 def make_task(cfg, model, tokenizer) -> KTOTask:
-    task = KTOTask(cfg, model, tokenizer, CPU)
+    task = KTOTask(cfg, model, tokenizer, CPU, dp=Parallel())
     task.prepare(model)
     return task
 
@@ -56,14 +57,14 @@ def _step(task, model, micro: int):
 def test_labels_and_data_report_count_every_trace(make_config, traces_file, model, tokenizer):
     # arith_traces: per prompt 1.0 and three wrong answers 0.4 e^{-d/3}, d = 1, 3, 10: 0.287, 0.147, 0.014.
     # rejected_max 0.3: all wrong ones undesirable; 0.15: the d = 1 one (0.287) is between the thresholds.
-    task = KTOTask(_cfg(make_config, traces_file, "data.rejected_max=0.15"), model, tokenizer, CPU)
+    task = KTOTask(_cfg(make_config, traces_file, "data.rejected_max=0.15"), model, tokenizer, CPU, dp=Parallel())
     r = task.data_report
     assert r["traces"]["kept"] == 24
     assert r["kto"] == {"examples": 18, "desirable": 6, "undesirable": 12, "between_thresholds": 6}
     assert r["encoded"]["examples"] == 18 and r["encoded"]["desirable"] == 6
     assert sorted(e.desirable for e in task.encoded) == [False] * 12 + [True] * 6
     with pytest.raises(UserError, match="no KTO example to train on: all 24 rows"):
-        KTOTask(_cfg(make_config, traces_file, "data.chosen_min=2", "data.rejected_max=0.0"), model, tokenizer, CPU)
+        KTOTask(_cfg(make_config, traces_file, "data.chosen_min=2", "data.rejected_max=0.0"), model, tokenizer, CPU, dp=Parallel())
 
 
 def test_fixed_batches_rotate_completions_like_trl():
@@ -79,18 +80,18 @@ def test_fixed_batches_rotate_completions_like_trl():
 
 def test_batch_size_one_is_refused_for_kto(make_config, traces_file, model, tokenizer):
     with pytest.raises(UserError, match="kto.batch_size"):
-        KTOTask(_cfg(make_config, traces_file, "kto.batch_size=1"), model, tokenizer, CPU)
+        KTOTask(_cfg(make_config, traces_file, "kto.batch_size=1"), model, tokenizer, CPU, dp=Parallel())
     KTOTask(_cfg(make_config, traces_file, "kto.batch_size=1", "kto.loss_type=apo_zero_unpaired"), model,
-            tokenizer, CPU)
+            tokenizer, CPU, dp=Parallel())
 
 
 def test_trl_weight_advice_is_logged(make_config, traces_file, model, tokenizer, caplog):
     with caplog.at_level(logging.WARNING, logger="preftune"):
-        KTOTask(_cfg(make_config, traces_file), model, tokenizer, CPU)  # 6 desirable, 18 undesirable
+        KTOTask(_cfg(make_config, traces_file), model, tokenizer, CPU, dp=Parallel())  # 6 desirable, 18 undesirable
     assert "kto.desirable_weight in [3.0, 3.99]" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="preftune"):
-        KTOTask(_cfg(make_config, traces_file, "kto.desirable_weight=3.5"), model, tokenizer, CPU)
+        KTOTask(_cfg(make_config, traces_file, "kto.desirable_weight=3.5"), model, tokenizer, CPU, dp=Parallel())
     assert "weighted ratio" not in caplog.text
 
 
@@ -155,7 +156,7 @@ def test_reference_logps_cached_and_reused(make_config, traces_file, model, toke
     assert calls and not torch.equal(other.ref, task.ref)
     state = other.state_dict()  # a checkpoint carries them: a resumed task runs no reference pass
     calls.clear()
-    resumed = KTOTask(_cfg(make_config, traces_file, "seed=1"), model, tokenizer, CPU)
+    resumed = KTOTask(_cfg(make_config, traces_file, "seed=1"), model, tokenizer, CPU, dp=Parallel())
     resumed.load_state_dict(state)
     resumed.prepare(model)
     assert calls == [] and torch.equal(resumed.ref, other.ref)

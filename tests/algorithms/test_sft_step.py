@@ -12,6 +12,7 @@ from preftune.algorithms.sft import SFTExample, SFTTask, example_logps
 from preftune.model import logps as L
 from preftune.config import load_config
 from preftune.run import loop
+from preftune.distributed import Parallel
 from tests.conftest import arith_traces, flat_grads, write_parquet
 from tests.run.test_resume import assert_same_run, overrides, train_until_preempted
 
@@ -91,7 +92,7 @@ def _step(task, model, micro: int, packing: bool):
 @pytest.mark.parametrize("packing", [False, True])
 def test_micro_batch_invariance(sft_cfg, model, tokenizer, packing, monkeypatch):
     monkeypatch.setattr(L, "MASKED", 0.0 if packing else 1e9)
-    task = SFTTask(sft_cfg(), model, tokenizer, CPU)
+    task = SFTTask(sft_cfg(), model, tokenizer, CPU, dp=Parallel())
     assert len(task.encoded) == 48  # min_reward 0: every trace row is an example
     full, m_full = _step(task, model, 12, False)
     assert full.abs().max() > 0
@@ -105,7 +106,7 @@ def test_micro_batch_invariance(sft_cfg, model, tokenizer, packing, monkeypatch)
 
 def test_data_report_and_min_reward(sft_cfg, model, tokenizer):
     cfg = sft_cfg("sft.min_reward=0.7")
-    task = SFTTask(cfg, model, tokenizer, CPU)
+    task = SFTTask(cfg, model, tokenizer, CPU, dp=Parallel())
     assert len(task.encoded) == 12  # only the right answers
     report = task.data_report  # the loop writes it to data_report.json once setup has succeeded
     assert not os.path.exists(cfg.output_dir)  # the task itself writes nothing

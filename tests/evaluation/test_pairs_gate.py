@@ -12,6 +12,7 @@ from preftune.cli.command import main
 from preftune.config import GateConfig
 from preftune.errors import EXIT_GATE_FAILED, EXIT_USER
 from preftune.evaluation.gate import compare, decide
+from preftune.distributed import Parallel
 from tests.conftest import EVAL_PROMPTS, MODEL_DIR, write_parquet
 
 PAIRS = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
@@ -34,7 +35,7 @@ def trained(tmp_path_factory):
     pairs = write_parquet(tmp_path / "pairs.parquet", PAIRS)
     cfg = tmp_path / "dpo.yaml"
     cfg.write_text("{}\n")
-    Run(load_config(str(cfg), _overrides(tmp_path, pairs, "max_steps=6", "optim.lr=1e-2"))).run()
+    Run(load_config(str(cfg), _overrides(tmp_path, pairs, "max_steps=6", "optim.lr=1e-2")), dp=Parallel()).run()
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     last_eval = [r for r in records if "eval/loss" in r][-1]
     return tmp_path, pairs, cfg, last_eval

@@ -11,6 +11,7 @@ import torch
 from preftune.algorithms.grpo import GRPOBatch, grpo_step, rollout_logps, trained_rows
 from preftune.config import GRPOConfig
 from preftune.model import llama as D, logps as L, ops
+from preftune.distributed import Parallel
 from tests.conftest import MODEL_DIR
 from tests.model.test_logps import LAYOUTS
 from tests.algorithms.test_grpo_step import N, T, perturbed, run_step, synthetic_rollout
@@ -149,7 +150,7 @@ def test_all_rows_skipped_still_gives_zero_gradients(setup):
     model, batch = setup
     batch = dataclasses.replace(batch, advantages=torch.zeros(N, dtype=torch.float64), ref_logps=None)
     model.zero_grad(set_to_none=True)
-    m = grpo_step(model, batch, _cfg("dapo"))
+    m = grpo_step(model, batch, _cfg("dapo"), dp=Parallel())
     assert m["rows_skipped"] == N and m["loss"] == 0.0 and m["clip_ratio/region_mean"] == 0.0
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
     model.zero_grad(set_to_none=True)

@@ -12,6 +12,7 @@ import torch
 
 from preftune.errors import EXIT_USER, UserError
 from preftune.rewards.functions import compute_rewards, load_reward_function, load_reward_funcs
+from preftune.distributed import Parallel
 from tests.conftest import MODEL_DIR
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -149,7 +150,7 @@ def test_online_grpo_and_eval_log_the_reward_model(make_config, rm_dir, model, t
     from tests.conftest import EVAL_PROMPTS
 
     cfg = make_config(f"grpo.reward_funcs=[{rm_dir}, length]", f"data.eval={EVAL_PROMPTS}", "eval.batch_size=8")
-    task = GRPOTask(cfg, model, tokenizer, torch.device("cpu"))
+    task = GRPOTask(cfg, model, tokenizer, torch.device("cpu"), dp=Parallel())
 
     class _Stop:
         def check(self):

@@ -11,6 +11,7 @@ from preftune.data.prompts import PromptSet
 from preftune.data.tokenize import PromptTruncation
 from preftune.errors import UserError
 from preftune.rollout.online import OnlineSource
+from preftune.distributed import Parallel
 
 INSERT = [70, 71, 72]  # tokens the function adds between two sampled turns (an observation)
 
@@ -34,7 +35,7 @@ def seen_reward(prompts, completions, completion_ids, turns_seen, **kw):
 def source(tokenizer, func) -> OnlineSource:
     cfg = GRPOConfig(num_generations=2, max_completion_length=8, prompts_per_step=2)
     return OnlineSource(cfg, tokenizer, PromptSet(["1+1=", "2+2="]), [seen_reward], seed=0, shuffle=False,
-                        truncation=PromptTruncation(16), device=torch.device("cpu"), rollout_func=func)
+                        truncation=PromptTruncation(16), device=torch.device("cpu"), rollout_func=func, dp=Parallel())
 
 
 def test_a_rollout_func_samples_through_the_engine(model, tokenizer):

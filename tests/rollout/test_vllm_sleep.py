@@ -15,6 +15,7 @@ from preftune.data.tensors import left_pad
 from preftune.rollout.sampler import sample
 from preftune.rollout.vllm import EngineError, VLLMEngine
 from preftune.run import loop
+from preftune.distributed import Parallel
 from tests.conftest import EVAL_PROMPTS, MODEL_DIR, TRAIN_PROMPTS
 from tests.run.test_resume import data_dir, overrides  # noqa: F401 - fixture used by name
 
@@ -114,7 +115,7 @@ def test_the_loop_samples_awake_and_trains_asleep(data_dir, tmp_path, monkeypatc
     cfg = load_config(None, overrides("online", tmp_path / "run", data_dir, max_steps=3, save_steps=0,
                                       **{"grpo.use_vllm": "true", "grpo.vllm_enable_sleep_mode": "true",
                                          "data.eval": EVAL_PROMPTS, "eval.eval_steps": 2}))
-    run = loop.Run(cfg)
+    run = loop.Run(cfg, dp=Parallel())
     run.model.register_forward_pre_hook(on_forward)
     run.run()
     cycles = " ".join(events).replace("push", "|push").split("|")[1:]  # one per generation batch or eval

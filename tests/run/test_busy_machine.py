@@ -154,3 +154,17 @@ def test_full_determinism_sets_the_deterministic_kernels_and_trains(data_dir, tm
     finally:
         torch.use_deterministic_algorithms(False)
         torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def test_two_ranks_twice_give_the_same_weights(neighbour, data_dir, tmp_path):
+    """2 torchrun ranks (FSDP2, gloo), two threads each beside the neighbour: four busy processes
+    on two cores. The same config twice gives bitwise-equal weights and metrics."""
+    from tests.distributed.ranks import Ranks
+
+    for name in ("a", "b"):
+        ranks = Ranks(tmp_path / f"ranks-{name}", 2,
+                      [write_config(tmp_path / "run.yaml"),
+                       *overrides("online", tmp_path / name, data_dir, **ONLINE)],
+                      OMP_NUM_THREADS=2)
+        assert ranks.wait() == [0, 0], ranks.text(0)[-3000:] + ranks.text(1)[-3000:]
+    assert_same_run(tmp_path / "a", tmp_path / "b")

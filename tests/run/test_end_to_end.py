@@ -14,6 +14,7 @@ from preftune.config import load_config, to_dict
 from preftune.model.load import base_module
 from preftune.errors import UserError
 from preftune.run.loop import Run, train
+from preftune.distributed import Parallel
 from tests.conftest import EVAL_PROMPTS, MODEL_DIR, write_jsonl
 
 TRAIN_KEYS = ("step", "loss", "reward", "reward_std", "rewards/accuracy/mean", "kl", "completions/mean_length",
@@ -49,7 +50,7 @@ def test_online_grpo_run(make_config, small_eval):
     cfg = make_config("max_steps=4", "save_steps=2", "eval.eval_steps=2", f"data.eval={small_eval}",
                       "grpo.beta=0.04", "log.report_to=[tensorboard]", "grpo.loss_type=grpo",
                       "optim.lr_scheduler=constant")
-    run = Run(cfg)
+    run = Run(cfg, dp=Parallel())
     final = run.run()
     out = Path(cfg.output_dir)
     assert final == out / "final"
@@ -86,7 +87,7 @@ def test_online_grpo_run(make_config, small_eval):
 def test_lora_run_saves_a_merged_model(make_config, tokenizer):
     pytest.importorskip("peft")
     cfg = make_config("model.lora.enabled=true", "model.lora.r=4", "optim.lr=2e-2", "save_steps=2")
-    run = Run(cfg)
+    run = Run(cfg, dp=Parallel())
     final = run.run()
     assert hasattr(run.model, "peft_config")
     trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
@@ -108,7 +109,7 @@ def test_lora_kl_uses_the_base_under_the_adapters(make_config):
     """With LoRA, beta > 0 needs no second model: the reference is the policy with adapters off."""
     pytest.importorskip("peft")
     cfg = make_config("model.lora.enabled=true", "model.lora.r=4", "optim.lr=5e-2", "grpo.beta=0.1", "max_steps=3")
-    run = Run(cfg)
+    run = Run(cfg, dp=Parallel())
     assert run.task.ref_model is run.model
     run.run()
     steps = train_records(Path(cfg.output_dir))
@@ -128,7 +129,7 @@ def test_bfloat16_run(make_config):
 def test_bfloat16_full_finetune_keeps_small_updates(make_config):
     """Pure bf16 AdamW would round a 1e-6 step away; float32 master weights under autocast keep it."""
     cfg = make_config("model.dtype=bfloat16", "max_steps=1", "optim.lr=1e-6", "optim.lr_scheduler=constant")
-    run = Run(cfg)
+    run = Run(cfg, dp=Parallel())
     assert next(run.model.parameters()).dtype == torch.float32
     run.run()
     base = weights(AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32))
@@ -192,19 +193,19 @@ def test_prompt_truncation_drop_and_error(make_config, mixed_prompts, model, tok
 
     cfg = make_config(f"data.train={mixed_prompts}", "data.max_prompt_length=5", "grpo.prompts_per_step=4",
                       "data.prompt_truncation=drop", "grpo.num_generations=2")
-    task = GRPOTask(cfg, model, tokenizer, torch.device("cpu"))
+    task = GRPOTask(cfg, model, tokenizer, torch.device("cpu"), dp=Parallel())
     m = task.step(model, 1, _Stop())
     assert m["prompts_dropped"] == 2 and m["prompts_truncated"] == 0
     assert len(task.pending.advantages) == 2 * 2  # two prompts survive, G=2 each
     err = make_config(f"data.train={mixed_prompts}", "data.max_prompt_length=5", "grpo.prompts_per_step=4",
                       "data.prompt_truncation=error", "grpo.num_generations=2")
     with pytest.raises(UserError, match=r"prompt \d+ has 6 tokens > data.max_prompt_length=5"):
-        GRPOTask(err, model, tokenizer, torch.device("cpu"))  # at start-up, before any step
+        GRPOTask(err, model, tokenizer, torch.device("cpu"), dp=Parallel())  # at start-up, before any step
     # when no prompt fits at all, drop is a clear config error, not a crash
     none_fit = make_config(f"data.train={mixed_prompts}", "data.max_prompt_length=3", "grpo.prompts_per_step=2",
                            "data.prompt_truncation=drop", "grpo.num_generations=2")
     with pytest.raises(UserError, match="data.max_prompt_length"):
-        GRPOTask(none_fit, model, tokenizer, torch.device("cpu")).step(model, 1, _Stop())
+        GRPOTask(none_fit, model, tokenizer, torch.device("cpu"), dp=Parallel()).step(model, 1, _Stop())
 
 
 # ---------------------------------------------------------------- offline GRPO and DPO

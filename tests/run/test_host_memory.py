@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from preftune.distributed import Parallel
 from preftune.run import host_memory
 
 # Training-like steps: forward and backward of a small MLP over micro-batches of three sizes, 14
@@ -66,5 +67,5 @@ def test_a_cpu_run_keeps_freed_memory(make_config, monkeypatch):
 
     calls = []
     monkeypatch.setattr(loop, "keep_freed_memory", lambda: calls.append(1))
-    loop.Run(make_config())
+    loop.Run(make_config(), dp=Parallel())
     assert calls == [1]

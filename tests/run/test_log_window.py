@@ -10,6 +10,7 @@ import pytest
 
 from preftune.run.loop import Run
 from preftune.run.metrics import Window
+from preftune.distributed import Parallel
 
 
 def test_window_means_and_last_values():
@@ -33,7 +34,7 @@ def test_a_window_of_nan_only_is_nan():
 def _train(make_config, name: str, *overrides) -> list[dict]:
     cfg = make_config("max_steps=4", *overrides)
     cfg.output_dir = str(Path(cfg.output_dir).parent / name)
-    Run(cfg).run()
+    Run(cfg, dp=Parallel()).run()
     lines = (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if "loss" in r]
 
