@@ -71,7 +71,7 @@ def work(tokens: list[float], calls: list[float]) -> dict:
 
 def run_preftune(args) -> dict:
     from preftune.config import load_config
-    from preftune.distributed import Parallel
+    from preftune.distributed.group import Parallel
     from preftune.run.loop import Run
 
     with tempfile.TemporaryDirectory() as out:

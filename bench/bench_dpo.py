@@ -114,7 +114,7 @@ def run_preftune_dpo(args) -> dict:
     import preftune.algorithms.dpo as dpo
     from preftune.config import load_config
     from preftune.model.load import compute_dtype
-    from preftune.distributed import Parallel
+    from preftune.distributed.group import Parallel
     from preftune.run.loop import Run
 
     timer = workload.PhaseTimer()

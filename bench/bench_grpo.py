@@ -378,7 +378,7 @@ def run_preftune_grpo(args) -> dict:
     import preftune.algorithms.grpo as grpo
     from preftune.config import load_config
     from preftune.model.load import compute_dtype
-    from preftune.distributed import Parallel
+    from preftune.distributed.group import Parallel
     from preftune.run.loop import Run
 
     evals = read_jsonl(EXAMPLES / "data" / "eval_prompts.jsonl")

@@ -222,3 +222,27 @@ if __name__ == "__main__":
     a, b, cells = _doc_table(doc)
     ARCHITECTURE.write_text(doc[:a] + layer_table(cells) + doc[b:])
     print(f"wrote the layer table of {ARCHITECTURE}")
+
+
+# the only modules that call torch.distributed: the process group, FSDP2 applied from outside, and
+# the checkpointer's sharded state dicts
+TORCH_DISTRIBUTED = {"preftune.distributed.group", "preftune.distributed.fsdp", "preftune.run.shards"}
+
+
+def _uses_torch_distributed(tree: ast.Module) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
+            return True
+        if isinstance(node, ast.Import) and any(a.name.startswith("torch.distributed")
+                                                for a in node.names):
+            return True
+        if isinstance(node, ast.Attribute) and node.attr == "distributed" \
+                and isinstance(node.value, ast.Name) and node.value.id == "torch":
+            return True
+    return False
+
+
+def test_only_the_distributed_modules_call_torch_distributed():
+    users = {name for name, tree in MODULES.items() if _uses_torch_distributed(tree)}
+    assert users <= TORCH_DISTRIBUTED, f"torch.distributed outside its modules: {users - TORCH_DISTRIBUTED}"
+    assert users == TORCH_DISTRIBUTED  # the set says which modules these are

@@ -21,12 +21,13 @@ from preftune.data.stream import IndexStream
 from preftune.data.tensors import read_once
 from preftune.data.tokenize import PromptTruncation
 from preftune.data.turns import encode_set
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 from preftune.errors import UserError
 from preftune.losses.dpo import (TOKEN_SUMS, check_dpo_options, dpo_loss_multi,
                                  implicit_rewards, token_metrics, token_sums, wpo_weights)
 from preftune.model.load import to_device
 from preftune.model.logps import list_logps, microbatches
+from preftune.distributed import fsdp
 
 
 @dataclass
@@ -178,7 +179,7 @@ def evaluate_pairs(model, pairs: list[EncodedPair], ref: torch.Tensor | None,
     share of the pairs, in eval mode. `ref` (n, 2) reference log-probs, or None with
     `live_ref(batch) -> (2b,)` (a reference model run on each micro-batch) or neither
     (reference-free)."""
-    share = dp.share(len(pairs))
+    share = dp.balanced_share(len(pairs))
     mine, parts, right = pairs[share], [], []
     was_training = model.training
     model.eval()
@@ -220,8 +221,8 @@ class DPOTask:
         self.ref, self.ref_model = None, None
         if not self.d.reference_free and not self.d.precompute_ref_logps:
             # run on each batch: the base under LoRA, else a frozen copy, sharded like the policy
-            self.ref_model = model if cfg.model.lora.enabled else self.dp.load(
-                cfg.model, cfg.model.name_or_path, trainable=False)
+            self.ref_model = model if cfg.model.lora.enabled else fsdp.load(
+                self.dp, cfg.model, cfg.model.name_or_path, trainable=False)
         self.stream = IndexStream(len(self.encoded), cfg.seed, cfg.data.shuffle)
         # TRL's eval_dataset of pairs
         self.held_out, self.eval_ref = held_out_pairs(cfg, tokenizer), None
@@ -232,7 +233,7 @@ class DPOTask:
         if self.ref is None and not self.d.reference_free and self.d.precompute_ref_logps:
             # each rank computes its share of the pairs on gathered parameters (no collective per
             # pass); the shares are gathered and rank 0 writes the cache
-            with self.dp.gathered(model):
+            with fsdp.gathered(self.dp, model):
                 ref = reference_logps(model, self.encoded + self.held_out, self.cfg,
                                       self.pad_id, self.device,
                                       dp=self.dp)  # (n + n_eval, 2): one cache
@@ -241,7 +242,7 @@ class DPOTask:
     def step(self, model, step: int, stop) -> dict:
         idx = self.stream.take(self.d.batch_size)
         B, tokens, parts = len(idx), 0, []  # B: the global batch; this rank trains on its share
-        idx = idx[self.dp.split(B, "dpo.batch_size")]
+        idx = idx[self.dp.even_share(B, "dpo.batch_size")]
         for sl in microbatches(len(idx), self.d.micro_batch_size):
             stop.check()
             part = idx[sl]

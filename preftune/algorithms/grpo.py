@@ -23,7 +23,7 @@ from preftune.data.tensors import read_once
 from preftune.data.tokenize import PromptTruncation, encode_prompt
 from preftune.data.tools import default_tools
 from preftune.data.traces import TraceOptions
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 from preftune.errors import UserError
 from preftune.losses import grpo_loss
 from preftune.losses.advantages import (
@@ -43,6 +43,7 @@ from preftune.rollout.sampler import Rollout
 from preftune.rollout.agent import build_agent, dump_trajectories
 from preftune.rollout.engine import SamplerEngine, make_engine
 from preftune.rollout.scored import Scored
+from preftune.distributed import fsdp
 
 log = logging.getLogger("preftune")
 TURN_SLOTS = 8  # per-turn mismatch metrics: turns 1..7, and the rest together in the 8th
@@ -163,7 +164,7 @@ def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig, dp: Parallel) -> GRP
     batch = GRPOBatch(rollout=ro, advantages=adv.to(device), ref_logps=None,
                       metrics=reward_metrics(whole, lengths, truncated))
     if cfg.beta > 0:
-        with dp.gathered(ref_model):
+        with fsdp.gathered(dp, ref_model):
             batch.ref_logps = rollout_logps(ref_model, ro, cfg, without_adapter=ref_model is model,
                                             rows=batch.sizes())
     # an engine's behaviour log-probs
@@ -178,7 +179,7 @@ def engine_correction(model, batch: GRPOBatch, cfg: GRPOConfig, dp) -> tuple[tor
     trainer's log-probs of the distribution that drew them (temperature, top-k, top-p, at the
     weights that sampled), against the engine's. Metrics over every rank's tokens, TRL's names."""
     ro = batch.rollout
-    with dp.gathered(model):
+    with fsdp.gathered(dp, model):
         # (N, T)
         trainer = rollout_logps(model, ro, cfg, rows=batch.sizes(), sampling_distribution=True)
     mask = ro.loss_mask().float()  # tool tokens were not sampled: no ratio
@@ -454,7 +455,7 @@ class GRPOTask:
         if self.g.beta > 0 and cfg.model.lora.enabled:
             self.ref_model = model
         elif self.g.beta > 0:  # the reference is only needed for the KL term
-            self.ref_model = self.dp.load(cfg.model, cfg.model.name_or_path, trainable=False)
+            self.ref_model = fsdp.load(self.dp, cfg.model, cfg.model.name_or_path, trainable=False)
         self.pending: GRPOBatch | None = None
 
     def prepare(self, model) -> None:

@@ -28,11 +28,12 @@ from preftune.data.stream import IndexStream
 from preftune.data.tensors import read_once
 from preftune.data.tokenize import PromptTruncation
 from preftune.data.turns import encode_set
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 from preftune.errors import UserError
 from preftune.losses.kto import kto_loss, kto_reference_point, weight_advice
 from preftune.model.load import to_device
 from preftune.model.logps import list_logps, microbatches
+from preftune.distributed import fsdp
 
 log = logging.getLogger("preftune")
 
@@ -155,7 +156,8 @@ class KTOTask:
             return ((p, c, k) + (() if m is None and km is None else (m, km))
                     for (p, c, m), (_, k, km) in zip(self.rows(every), kl))
 
-        with self.dp.gathered(model):  # each rank its share of the slots, on gathered parameters
+        # each rank its share of the slots, on gathered parameters
+        with fsdp.gathered(self.dp, model):
             self.ref = cached_reference(model, every, slot_logps, self.cfg,
                                         key_rows=key_rows, micro_batch_size=self.k.micro_batch_size,
                                         what="KTO examples",
@@ -180,7 +182,7 @@ class KTOTask:
         # the global batch's slots; this rank trains on its share
         batch = list(range(first, first + B))
         desirable = sum(self.encoded[self.slots[s][0]].desirable for s in batch)
-        mine = batch[self.dp.split(B, "kto.batch_size")]
+        mine = batch[self.dp.even_share(B, "kto.batch_size")]
         z = self.reference_point(model, mine, B, stop)
         kw = dict(beta=self.k.beta, desirable_weight=self.k.desirable_weight,
                   undesirable_weight=self.k.undesirable_weight, loss_type=self.k.loss_type)

@@ -16,7 +16,7 @@ import torch
 
 from preftune.atomic import atomic_path
 from preftune.config import Config
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 from preftune.model.load import weights_signature
 from preftune.model.logps import microbatches
 
@@ -56,9 +56,8 @@ def cached_reference(model, items: list, logps_of: Callable[[list], torch.Tensor
                      what: str, width: int = 2, dp: Parallel) -> torch.Tensor:
     """(n, width) reference log-probs of n items, `logps_of(batch)` -> (b, width) for a micro-batch
     of them, in eval mode. Rank 0 reads the cache and hands it to every rank; without a valid one
-    each rank computes its contiguous share (`dp`: distributed.py's Parallel; None: one process, all
-    of them) and rank 0 writes the cache (atomically). `key_rows`: the items' token lists,
-    fingerprinted."""
+    each rank computes its contiguous share (`dp`: distributed/group.py's Parallel) and rank 0
+    writes the cache (atomically). `key_rows`: the items' token lists, fingerprinted."""
     cache = Path(cfg.output_dir) / CACHE
     # only rank 0 reads and writes the cache
     key = fingerprint(cfg, key_rows()) if dp.is_main else None
@@ -68,7 +67,7 @@ def cached_reference(model, items: list, logps_of: Callable[[list], torch.Tensor
         return cached
     was_training = model.training
     model.eval()
-    mine = items[dp.share(len(items))]
+    mine = items[dp.balanced_share(len(items))]
     out = [torch.zeros(0, width)]  # a rank can hold no items when there are fewer than ranks
     for sl in microbatches(len(mine), micro_batch_size):
         out.append(logps_of(mine[sl]).cpu())

@@ -18,7 +18,7 @@ from preftune.data.stream import IndexStream
 from preftune.data.tokenize import PromptTruncation
 from preftune.data.traces import TraceOptions
 from preftune.data.turns import encode_set
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 from preftune.errors import UserError
 from preftune.losses.sft import sft_loss
 from preftune.model.logps import list_logps, microbatches
@@ -100,7 +100,7 @@ class SFTTask:
         # tokens)
         B, n_items = len(batch), max(sum(e.trained for e in batch), 1)
         # this rank's share (all of it in one process)
-        mine = batch[self.dp.split(B, "sft.batch_size")]
+        mine = batch[self.dp.even_share(B, "sft.batch_size")]
         loss_sum = entropy_sum = 0.0
         for sl in microbatches(len(mine), self.s.micro_batch_size):
             stop.check()

@@ -37,7 +37,7 @@ def run(args) -> int:
 def export(folder: Path, out: Path, *, trust_remote_code: bool = False) -> Path:
     from preftune.config import load_config
     from preftune.model.load import load_model, load_tokenizer, save_pretrained
-    from preftune import distributed as dist
+    from preftune.run import shards
     from preftune.run.checkpointer import SHARDS, is_lora, load_weights
     from preftune.run.resume import CONFIG_FILE, STEP_FILES
     from preftune.tensorfile import TensorFileError
@@ -52,7 +52,7 @@ def export(folder: Path, out: Path, *, trust_remote_code: bool = False) -> Path:
     model = load_model(cfg.model, cfg.model.name_or_path)
     try:
         if (folder / SHARDS).is_dir():
-            dist.load_sharded(model, None, folder / SHARDS,
+            shards.load_sharded(model, None, folder / SHARDS,
                               trainable_only=is_lora(model), weights_only=True)
         else:
             load_weights(model, folder)

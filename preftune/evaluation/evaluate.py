@@ -119,8 +119,9 @@ def evaluate(model, tokenizer, prompt_set, reward_funcs, *, weights,
              max_new_tokens: int, batch_size: int,
              truncation: PromptTruncation, state=None, dp=None, engine=None, agent=None) -> dict:
     """`eval/reward` = mean over held-out prompts of the (weighted) summed reward of the greedy
-    completion. With `dp` (`distributed.Parallel`), each rank generates and scores its contiguous
-    share of the prompts and every rank summarises all of them (a gather of the per-prompt scores).
+    completion. With `dp` (distributed/group.py's `Parallel`), each rank generates and scores its
+    contiguous share of the prompts and every rank summarises all of them (a gather of the
+    per-prompt scores).
     `engine`: sample with the rollout engine, after pushing the model's current weights to it (and
     put it back to sleep after, under grpo.vllm_enable_sleep_mode)."""
     if engine is not None:  # vLLM: the current weights; the own sampler reads the module itself
@@ -137,13 +138,13 @@ def evaluate(model, tokenizer, prompt_set, reward_funcs, *, weights,
         result = scored()
     # a tensor-parallel engine's ranks sample the group's prompts together; the first keeps them
     elif tp > 1:
-        part = dp.together(lambda: scored(dp.group_share(len(prompt_set), tp)))
+        part = dp.together(lambda: scored(dp.engine_group_share(len(prompt_set), tp)))
         result = EvalResult.merge(
             dp.gather(part if dp.rank % tp == 0 else EvalResult.empty(part.total.size(1)))
         )
     else:
         # a reward's UserError stops every rank
-        part = dp.together(lambda: scored(dp.share(len(prompt_set))))
+        part = dp.together(lambda: scored(dp.balanced_share(len(prompt_set))))
         result = EvalResult.merge(dp.gather(part))
     if engine is not None:
         engine.sleep()

@@ -9,7 +9,7 @@ import torch
 
 from preftune.algorithms.dpo import EncodedPair, evaluate_pairs, held_out_pairs, sequence_logps
 from preftune.data.pipeline import columns
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 from preftune.model.logps import microbatches
 
 

@@ -25,6 +25,7 @@ import torch
 from preftune.data.tensors import left_pad
 from preftune.rollout.sampler import Rollout, sample
 from preftune.rollout.vllm import VLLMEngine
+from preftune.distributed import fsdp
 
 
 class SamplerEngine:
@@ -58,7 +59,7 @@ class SamplerEngine:
     @contextlib.contextmanager
     def serving(self, model, dp):
         """A generation batch: whole parameters once per rollout under FSDP2, not once per token."""
-        with dp.gathered(model):
+        with fsdp.gathered(dp, model):
             yield {}
 
 

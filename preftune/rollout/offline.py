@@ -15,7 +15,7 @@ from preftune.data.tensors import left_pad, right_pad
 from preftune.data.tokenize import PromptTruncation
 from preftune.data.tools import TOOLS_COLUMN
 from preftune.data.turns import encode_row
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 from preftune.errors import UserError
 from preftune.rollout.sampler import Rollout
 from preftune.rollout.scored import Scored
@@ -52,7 +52,7 @@ class OfflineSource:
         drawn = 0
         while drawn < 2 * len(self.groups):
             n = self.cfg.prompts_per_step
-            mine = self.stream.take(n)[self.dp.share(n)]
+            mine = self.stream.take(n)[self.dp.balanced_share(n)]
             encoded = [e for e in map(self._encode, mine) if e is not None]
             if self.dp.sum(len(encoded))[0]:
                 return encoded

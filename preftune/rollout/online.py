@@ -9,7 +9,7 @@ from preftune.config import GRPOConfig
 from preftune.data.messages import is_messages
 from preftune.data.stream import IndexStream
 from preftune.data.tokenize import PromptTruncation, encode_prompt
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 from preftune.errors import UserError
 from preftune.losses.advantages import group_spread
 from preftune.rewards.functions import RewardLog, RewardState, as_completions, compute_rewards
@@ -149,12 +149,12 @@ class OnlineSource:
         cover a whole epoch, so after that no prompt fits and the run cannot go on."""
         drawn, tp = 0, self.engine.tp
         while drawn < 2 * len(self.prompt_set):
-            order, mine = self.stream.take(n_prompts), self.dp.share(n_prompts)
+            order, mine = self.stream.take(n_prompts), self.dp.balanced_share(n_prompts)
             prompts, columns, ids, places = self._encode(order, mine, self.truncation)
             partners = ([], [], [], [])
             if tp > 1:  # the partners' prompts, counted where they are the partner's own
                 group, scratch = (
-                    self.dp.group_share(n_prompts, tp),
+                    self.dp.engine_group_share(n_prompts, tp),
                     dataclasses.replace(self.truncation, seen=set()),
                 )
                 before = self._encode(order, slice(group.start, mine.start), scratch)
@@ -285,7 +285,7 @@ class OnlineSource:
             kept = [last]  # every group was flat: train on the last round (all advantages are 0)
         mine = sum(len(k.group_sizes) for k in kept)
         # the global batch is the first `want` groups in rank order
-        before, _ = self.dp.offset(mine)
+        before, _ = self.dp.row_offset(mine)
         n = max(0, min(mine, want - before)) * G if n_groups else mine * G
         kept = kept or [last]
         ro = select(concat([k.rollout for k in kept], self.tok.pad_token_id), list(range(n)))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from preftune.data.tensors import positions_from_mask
-from preftune.distributed import whole
+from preftune.distributed.fsdp import whole
 from preftune.model.head import filter_logits
 from preftune.model.core import CausalLM
 from preftune.model.load import autocast, base_module, cache_kwarg

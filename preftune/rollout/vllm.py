@@ -3,7 +3,7 @@
 sampled token.
 
 - **Weights**: `push` streams the policy's weights to the engine in Hugging Face names, one
-  tensor at a time (`distributed.hf_weights`: FSDP2 shards gathered in module order on every rank,
+  tensor at a time (`weights.hf_weights`: FSDP2 shards gathered in module order on every rank,
   LoRA merged), through `collective_rpc("reload_weights")`.
 - **Log-probs**: the engine runs with `logprobs_mode="processed_logprobs"`, so each token's
   log-prob is under the distribution that drew it: temperature applied, top-k/top-p renormalised.
@@ -30,7 +30,7 @@ import torch
 
 from preftune.data.tensors import left_pad
 from preftune.errors import UserError, one_line
-from preftune.distributed import hf_weights
+from preftune.rollout.weights import hf_weights
 from preftune.rollout.sampler import Rollout, assemble
 
 log = logging.getLogger("preftune")

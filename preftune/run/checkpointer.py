@@ -9,7 +9,7 @@ full     (one process, or ddp where every rank holds the same weights; rank 0 wr
          full fine-tuning: the model in Hugging Face format (loadable by from_pretrained);
          LoRA: only `adapter/` (peft format) - no merged copy per save.
 sharded  (fsdp) `shards/rank-R.json` + `.safetensors`: each rank writes its pieces of the weights
-         (LoRA: the adapter only) and of the optimizer state (distributed.save_sharded).
+         (LoRA: the adapter only) and of the optimizer state (`shards.save_sharded`).
 Both: `trainer_state.json` + `.safetensors` (rank 0: step, optimizer state keyed by parameter name
 in the full layout, the task's state, RNGs), `rank-R.*` for each other rank (its task state and
 RNGs), the tokenizer,
@@ -31,13 +31,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from preftune import distributed as dist
 from preftune.errors import CheckpointDamaged, Unavailable, UserError, one_line
 from preftune.tensorfile import TensorFileError
 from preftune.model.core import weight_files
 from preftune.model.load import load_model, save_generation_config, save_pretrained
 from preftune.run import checkpoint_folders as ckpt
 from preftune.run.resume import CONFIG_FILE, checkpoint_config
+from preftune.distributed.group import Parallel
+from preftune.run import shards
 
 log = logging.getLogger("preftune")
 METRICS = "metrics.jsonl"
@@ -77,7 +78,7 @@ def rank_file(rank: int) -> str:
 
 
 class Checkpointer:
-    def __init__(self, cfg, dp: dist.Parallel, *, model, tokenizer, optimizer, task,
+    def __init__(self, cfg, dp: Parallel, *, model, tokenizer, optimizer, task,
                  mirror=None, lock=None):
         self.cfg, self.dp, self.mirror, self.lock = cfg, dp, mirror, lock
         self.model, self.tokenizer, self.optimizer, self.task = model, tokenizer, optimizer, task
@@ -139,7 +140,7 @@ class Checkpointer:
     def _write(self, tmp: Path, step: int, metrics_path: Path | None, extra: dict | None) -> None:
         dp, model = self.dp, self.model
         if dp.sharded:
-            dist.save_sharded(model, self.optimizer, tmp / SHARDS, dp.rank,
+            shards.save_sharded(model, self.optimizer, tmp / SHARDS, dp.rank,
                               trainable_only=is_lora(model))
         own = {"task": self.task.state_dict(), "rng": rng_state()}
         if not dp.is_main:
@@ -150,7 +151,7 @@ class Checkpointer:
                 model.save_pretrained(str(tmp / ADAPTER))
             else:
                 save_pretrained(model, self.tokenizer, tmp)
-            own["optimizer"] = dist.optimizer_state(model, self.optimizer)
+            own["optimizer"] = shards.optimizer_state(model, self.optimizer)
         self.tokenizer.save_pretrained(str(tmp))
         model.config.save_pretrained(str(tmp))
         save_generation_config(model, tmp)
@@ -195,7 +196,7 @@ class Checkpointer:
         self.task.load_state_dict(own["task"])
         self.task.prepare(self.model)
         if (folder / SHARDS).is_dir():
-            dist.load_sharded(self.model, self.optimizer, folder / SHARDS,
+            shards.load_sharded(self.model, self.optimizer, folder / SHARDS,
                               trainable_only=is_lora(self.model))
         else:
             load_weights(self.model, folder, self.optimizer, state.get("optimizer"))
@@ -207,7 +208,7 @@ class Checkpointer:
     def write_final(self, step: int) -> Path:
         """final/: one consolidated Hugging Face model in model.dtype (LoRA merged), by rank 0."""
         final = self.out / "final"
-        full = dist.model_state(self.model, full=True) if self.dp.sharded else None  # collective
+        full = shards.model_state(self.model, full=True) if self.dp.sharded else None  # collective
 
         def write() -> str:
             tmp = self.out / ".tmp-final"
@@ -292,7 +293,7 @@ def read_weights(model, folder: Path) -> dict:
 
 def load_weights(model, folder: Path, optimizer=None, optim_state: dict | None = None) -> None:
     """Weights of a full-layout checkpoint (and optimizer state) into a model of any strategy."""
-    missing, unexpected = dist.load_full_state(model, optimizer,
+    missing, unexpected = shards.load_full_state(model, optimizer,
                                                read_weights(model, folder), optim_state)
     if not is_lora(model):
         check_fit(model, missing, unexpected, where=str(folder))

@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from preftune import distributed
 from preftune.atomic import atomic_write, copy_atomic
 from preftune.config import Config, to_dict, to_yaml
 from preftune.config.redact import redact
@@ -34,7 +33,7 @@ from preftune.algorithms.grpo import GRPOTask
 from preftune.algorithms.kto import KTOTask
 from preftune.algorithms.sft import SFTTask
 from preftune.algorithms.task import Task
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel, init as init_group
 from preftune.evaluation.evaluate import build_evaluator
 from preftune.run.callbacks import Callbacks
 from preftune.run.completion import completed
@@ -49,6 +48,7 @@ from preftune.run.outdir import OutputGuard
 from preftune.run.preemption import Preemption, SharedStop, StepAbandoned, process_handler
 from preftune.run.resume import find_resume_point, record_changes
 from preftune.run.startup import StartupClock, process_start
+from preftune.distributed import fsdp
 
 log = logging.getLogger("preftune")
 UPLOAD_MARGIN_S = 5.0  # of the grace period, kept for exiting after the last upload wait
@@ -116,7 +116,7 @@ class Run:
             enable_full_determinism(self.device)
         base_path = check_model_path(cfg.model.name_or_path)
         self.tokenizer = load_tokenizer(base_path, cfg.model.trust_remote_code)
-        self.model = dp.load(cfg.model, base_path,
+        self.model = fsdp.load(dp, cfg.model, base_path,
                              reshard_after_forward=cfg.distributed.reshard_after_forward)
         clock.mark("model")
         self.task = build_task(cfg, self.model, self.tokenizer, self.device, dp)
@@ -186,7 +186,7 @@ class Run:
         # an early stop may follow an eval
         if self.evaluator is not None and self.evaluated != self.step:
             # each rank evaluates its share of the prompts; rank 0 logs
-            with self.dp.gathered(self.model):
+            with fsdp.gathered(self.dp, self.model):
                 m = self.evaluator(self.model, self.step)
             self._log(m)
             self.evaluated = self.step
@@ -207,8 +207,8 @@ class Run:
         set_lr(self.optimizer, lr)
         t0 = time.perf_counter()
         m = self.task.step(self.model, self.step, stop)
-        self.dp.sync_grads(self.model)
-        m["grad_norm"] = self.dp.clip_grads(self.model, self.cfg.optim.max_grad_norm)
+        fsdp.sync_grads(self.dp, self.model)
+        m["grad_norm"] = fsdp.clip_grads(self.dp, self.model, self.cfg.optim.max_grad_norm)
         optim.step(self.optimizer)
         m["learning_rate"] = lr
         m["step_time"] = time.perf_counter() - t0
@@ -429,7 +429,7 @@ def _train(cfg: Config, stop: Preemption, clock: StartupClock, callbacks) -> Pat
     import_model_libraries(cfg.model)  # start-up still: a signal here ends the process at once
     clock.mark("imports")
     stop.setup(cfg.preemption_grace_seconds)
-    dp = distributed.init(cfg.distributed)  # one plain process without torchrun's environment
+    dp = init_group(cfg.distributed)  # one plain process without torchrun's environment
     lock = None
     try:
         check_parallel(cfg, dp)

@@ -16,7 +16,7 @@ from preftune.algorithms.sft import SFTTask
 from preftune.config import load_config
 from preftune.data.turns import encode_row
 from preftune.model.logps import list_logps
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 from tests.conftest import EXAMPLES, flat_grads, write_jsonl
 
 AGENT_MODEL = EXAMPLES / "agent_model"

@@ -11,7 +11,7 @@ import torch
 from preftune.algorithms.dpo import DPOTask, sequence_logps
 from preftune.data.pairs import build_pairs, write_pairs
 from preftune.data.traces import load_traces
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 import preftune.algorithms.dpo as dpo_mod
 from tests.conftest import flat_grads, write_parquet
 
@@ -131,13 +131,13 @@ class _Rank:
     place); rank 0's cache read is this rank's own when it is rank 0, else `main`'s answer."""
 
     def __init__(self, rank: int, world: int, parts: list | None = None, main=None):
-        from preftune.distributed import Parallel
+        from preftune.distributed.group import Parallel
 
         self.parallel, self.parts, self.main = Parallel(rank=rank, world=world), parts, main
         self.is_main = rank == 0
 
-    def share(self, n: int) -> slice:
-        return self.parallel.share(n)
+    def balanced_share(self, n: int) -> slice:
+        return self.parallel.balanced_share(n)
 
     def on_main(self, fn):
         return fn() if self.is_main else self.main
@@ -160,7 +160,7 @@ def test_reference_pass_splits_the_pairs_over_the_ranks(make_config, traces_file
     seen = []
     real = dpo_mod.sequence_logps
     monkeypatch.setattr(dpo_mod, "sequence_logps", lambda m, batch, *a: seen.append(len(batch)) or real(m, batch, *a))
-    shares = [_Rank(r, world).share(len(encoded)) for r in range(world)]
+    shares = [_Rank(r, world).balanced_share(len(encoded)) for r in range(world)]
     parts = [whole[s] for s in shares]
     for rank in reversed(range(world)):  # rank 0 last: it writes the cache
         seen.clear()

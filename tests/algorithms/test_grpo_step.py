@@ -18,7 +18,7 @@ from preftune.model.logps import completion_logps
 from preftune.rollout.online import OnlineSource
 from preftune.rollout.sampler import Rollout
 from preftune.rollout.scored import Scored
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 from tests.conftest import HostReads, flat_grads
 
 PROMPTS = ["12+7=", "3+4=", "19+19=", "0+0="]

@@ -12,7 +12,7 @@ import preftune.algorithms.kto as kto_mod
 from preftune.algorithms.kto import KTOTask, fixed_batches, summed_logps
 from preftune.errors import UserError
 from preftune.losses import kto_loss
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 from tests.conftest import flat_grads, write_parquet
 
 CPU = torch.device("cpu")
@@ -174,7 +174,7 @@ def test_traces_with_chat_prompts(make_config, tmp_path, model, tokenizer):
 
 
 def test_a_batch_that_does_not_split_over_the_ranks_is_refused(make_config, traces_file):
-    from preftune.distributed import Parallel
+    from preftune.distributed.group import Parallel
     from preftune.run.loop import check_parallel
 
     with pytest.raises(UserError, match="kto.batch_size"):

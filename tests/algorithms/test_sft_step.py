@@ -12,7 +12,7 @@ from preftune.algorithms.sft import SFTExample, SFTTask, example_logps
 from preftune.model import logps as L
 from preftune.config import load_config
 from preftune.run import loop
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 from tests.conftest import arith_traces, flat_grads, write_parquet
 from tests.run.test_resume import assert_same_run, overrides, train_until_preempted
 

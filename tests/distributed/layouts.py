@@ -10,7 +10,8 @@ import torch
 
 from preftune.algorithms.grpo import idle_pass
 from preftune.data.tensors import left_pad, right_pad
-from preftune.distributed import Parallel, init
+from preftune.distributed import fsdp
+from preftune.distributed.group import Parallel, init
 from preftune.config import DistributedConfig
 from preftune.model import logps as L
 from preftune.model import ops, qwen3_moe
@@ -82,8 +83,8 @@ def main(out: Path, which: str, n_rows: int) -> None:
     make = (lambda: tiny("qwen2")) if which == "hf" else (lambda: own_class(hf.config).of(hf))
     global ROWS
     ROWS = ROWS[:n_rows]
-    model = Parallel(dp.rank, dp.world, 0, "fsdp", dp.device).wrap(make().train())
-    share = dp.share(len(ROWS))
+    model = fsdp.wrap(Parallel(dp.rank, dp.world, 0, "fsdp", dp.device), make().train())
+    share = dp.balanced_share(len(ROWS))
     results = {}
     for name, (masked, pack) in (LAYOUTS.items() if which != "hf" else [("hf", (1.0, True))]):
         logps = loss_and_logps(model, share, masked, pack)

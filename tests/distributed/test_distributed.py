@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from preftune.config import load_config
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 from preftune.errors import EXIT_OK, EXIT_USER
 from preftune.run import loop
 from preftune.run.metrics import read_records

@@ -1,4 +1,4 @@
-"""train/distributed.py in one process: torchrun's environment detection, the single-process
+"""distributed/group.py and fsdp.py in one process: torchrun's environment detection, the single-process
 identities, the batch split, metric reduction, and that FSDP2 generation gathers the parameters
 once per rollout, not once per token (a world of one gloo rank, all-gathers counted)."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from preftune import distributed as dist
+from preftune.distributed import fsdp, group
 from preftune.config import DistributedConfig
 from preftune.errors import Unavailable, UserError
 from tests.distributed.ranks import free_port
@@ -14,31 +14,31 @@ from tests.distributed.ranks import free_port
 
 def test_torchrun_environment_is_detected():
     env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
-    assert dist.torchrun_env(env)
-    assert not dist.torchrun_env({k: v for k, v in env.items() if k != "LOCAL_RANK"})  # a Volcano pod
-    assert not dist.init(DistributedConfig(), {}).active
+    assert group.torchrun_env(env)
+    assert not group.torchrun_env({k: v for k, v in env.items() if k != "LOCAL_RANK"})  # a Volcano pod
+    assert not group.init(DistributedConfig(), {}).active
 
 
 def test_one_process_collectives_are_identities():
-    dp = dist.Parallel()
+    dp = group.Parallel()
     assert dp.sum(1, 2.5) == [1, 2.5] and dp.max(3) == [3] and dp.gather("x") == ["x"] and dp.broadcast(4) == 4
-    assert dp.split(6, "k") == slice(0, 6) and dp.share(5) == slice(0, 5) and dp.offset(7) == (0, 7)
+    assert dp.even_share(6, "k") == slice(0, 6) and dp.balanced_share(5) == slice(0, 5) and dp.row_offset(7) == (0, 7)
     assert dp.reduce_metrics({"a": 1.0}) == {"a": 1.0}
     assert dp.on_main(lambda: 5) == 5
 
 
 def test_uneven_share_and_divisibility():
-    shares = [dist.Parallel(rank=r, world=3).share(7) for r in range(3)]
+    shares = [group.Parallel(rank=r, world=3).balanced_share(7) for r in range(3)]
     assert [(s.start, s.stop) for s in shares] == [(0, 3), (3, 5), (5, 7)]
     with pytest.raises(UserError, match="grpo.prompts_per_step=6 not divisible by the world size 4"):
-        dist.Parallel(rank=0, world=4).require_divisible({"grpo.prompts_per_step": 6})
-    dist.Parallel(rank=0, world=3).require_divisible({"dpo.batch_size": 6})
+        group.Parallel(rank=0, world=4).require_divisible({"grpo.prompts_per_step": 6})
+    group.Parallel(rank=0, world=3).require_divisible({"dpo.batch_size": 6})
 
 
 @pytest.fixture
 def one_rank_group():
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield dist.Parallel(0, 1, 0, "fsdp", torch.device("cpu"))
+    yield group.Parallel(0, 1, 0, "fsdp", torch.device("cpu"))
     torch.distributed.destroy_process_group()
 
 
@@ -86,8 +86,8 @@ def test_generation_gathers_parameters_once_per_rollout(one_rank_group, model, t
         return real(self, *a, **k)
 
     monkeypatch.setattr(group.FSDPParamGroup, "unshard", counted)
-    wrapped = one_rank_group.wrap(model)
-    blocks = len(dist.fsdp_modules(wrapped))
+    wrapped = fsdp.wrap(one_rank_group, model)
+    blocks = len(fsdp.fsdp_modules(wrapped))
     assert blocks == model.config.num_hidden_layers + 1  # each decoder block, then the root
     ids, mask = left_pad([tokenizer.encode("1+2="), tokenizer.encode("3+4=")], tokenizer.pad_token_id)
 
@@ -96,7 +96,7 @@ def test_generation_gathers_parameters_once_per_rollout(one_rank_group, model, t
                       pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(0))
 
     calls.clear()
-    with one_rank_group.gathered(wrapped):
+    with fsdp.gathered(one_rank_group, wrapped):
         a = rollout()
     assert len(calls) == blocks  # one all-gather per sharded module for the whole rollout
     calls.clear()

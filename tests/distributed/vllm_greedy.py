@@ -12,7 +12,8 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from preftune.config import load_config
-from preftune.distributed import init
+from preftune.distributed import fsdp
+from preftune.distributed.group import init
 from preftune.rollout.vllm import VLLMEngine
 from tests.conftest import MODEL_DIR, TRAIN_PROMPTS
 from tests.rollout.test_vllm import _completions, _engine_greedy, _own_greedy, _train
@@ -22,7 +23,7 @@ def main(out: Path) -> None:
     cfg = load_config(None, [f"model.name_or_path={MODEL_DIR}", f"data.train={TRAIN_PROMPTS}", "grpo.use_vllm=true",
                              "distributed.strategy=fsdp"])
     dp = init(cfg.distributed)
-    model, tok = dp.load(cfg.model, cfg.model.name_or_path), AutoTokenizer.from_pretrained(MODEL_DIR)
+    model, tok = fsdp.load(dp, cfg.model, cfg.model.name_or_path), AutoTokenizer.from_pretrained(MODEL_DIR)
     engine = VLLMEngine(cfg.grpo, cfg.model, max_model_len=64, seed=0, dp=dp)
     engine.push(model)
     seen = {"before_engine": _completions(_engine_greedy(engine, tok)),

@@ -7,7 +7,7 @@ import pytest
 
 from preftune.data.prompts import load_prompts
 from preftune.data.tokenize import PromptTruncation
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 import preftune.evaluation.evaluate as ev
 import preftune.rollout.engine as rollout_engine
 from tests.conftest import EXAMPLES
@@ -43,8 +43,8 @@ class Gathered:
     def __init__(self, rank: int, world: int, parts: list):
         self.parallel, self.parts = Parallel(rank=rank, world=world), parts
 
-    def share(self, n: int) -> slice:
-        return self.parallel.share(n)
+    def balanced_share(self, n: int) -> slice:
+        return self.parallel.balanced_share(n)
 
     def together(self, fn):  # Parallel.together's error sharing is tested in test_distributed_unit.py
         return fn()
@@ -63,7 +63,7 @@ def prompt_set():
 @pytest.mark.parametrize("world", [2, 3, 8])
 def test_each_rank_scores_its_share_and_every_rank_summarises_all(world, model, tokenizer, prompt_set, monkeypatch):
     whole = evaluated(model, tokenizer, prompt_set)
-    shares = [Parallel(rank=r, world=world).share(len(prompt_set)) for r in range(world)]
+    shares = [Parallel(rank=r, world=world).balanced_share(len(prompt_set)) for r in range(world)]
     parts = [scored(model, tokenizer, prompt_set, s) for s in shares]
     assert [p.total.size(0) for p in parts] == [s.stop - s.start for s in shares]  # world 8: one rank has none
     seen = []

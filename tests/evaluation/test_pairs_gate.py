@@ -12,7 +12,7 @@ from preftune.cli.command import main
 from preftune.config import GateConfig
 from preftune.errors import EXIT_GATE_FAILED, EXIT_USER
 from preftune.evaluation.gate import compare, decide
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 from tests.conftest import EVAL_PROMPTS, MODEL_DIR, write_parquet
 
 PAIRS = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}

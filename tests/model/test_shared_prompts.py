@@ -11,7 +11,7 @@ import torch
 from preftune.algorithms.grpo import GRPOBatch, grpo_step, rollout_logps, trained_rows
 from preftune.config import GRPOConfig
 from preftune.model import llama as D, logps as L, ops
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 from tests.conftest import MODEL_DIR
 from tests.model.test_logps import LAYOUTS
 from tests.algorithms.test_grpo_step import N, T, perturbed, run_step, synthetic_rollout

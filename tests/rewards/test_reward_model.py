@@ -12,7 +12,7 @@ import torch
 
 from preftune.errors import EXIT_USER, UserError
 from preftune.rewards.functions import compute_rewards, load_reward_function, load_reward_funcs
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 from tests.conftest import MODEL_DIR
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -167,7 +167,7 @@ def test_each_rank_scores_only_its_own_rows(rm_dir, model, tokenizer):
     from preftune.config import GRPOConfig
     from preftune.data.prompts import PromptSet
     from preftune.data.tokenize import PromptTruncation
-    from preftune.distributed import Parallel
+    from preftune.distributed.group import Parallel
     from preftune.rollout.online import OnlineSource
 
     func = load_reward_function(str(rm_dir))

@@ -174,7 +174,7 @@ def test_the_mismatch_is_logged_per_turn(tok, model):
     """engine_correction's per-turn metric: an engine whose log-probs drift from the trainer's on the
     second turn only (as a re-tokenized history would make them) shows it there and nowhere else."""
     from preftune.algorithms.grpo import GRPOBatch, engine_correction, rollout_logps
-    from preftune.distributed import Parallel
+    from preftune.distributed.group import Parallel
     from preftune.losses.sampling import turn_index
 
     eng = Scripted(tok, [[call("add", a=1, b=2), "it is 3"], [call("add", a=2, b=2), "4"]])

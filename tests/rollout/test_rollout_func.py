@@ -11,7 +11,7 @@ from preftune.data.prompts import PromptSet
 from preftune.data.tokenize import PromptTruncation
 from preftune.errors import UserError
 from preftune.rollout.online import OnlineSource
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 
 INSERT = [70, 71, 72]  # tokens the function adds between two sampled turns (an observation)
 

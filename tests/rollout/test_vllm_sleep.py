@@ -15,7 +15,7 @@ from preftune.data.tensors import left_pad
 from preftune.rollout.sampler import sample
 from preftune.rollout.vllm import EngineError, VLLMEngine
 from preftune.run import loop
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 from tests.conftest import EVAL_PROMPTS, MODEL_DIR, TRAIN_PROMPTS
 from tests.run.test_resume import data_dir, overrides  # noqa: F401 - fixture used by name
 

@@ -50,7 +50,7 @@ def payload(marker: Path) -> bytes:
 def sharded_copy(folder: Path, dest: Path, cfg) -> Path:
     """`folder` (full layout) rewritten in the sharded layout (shards/ of one rank, no model files),
     as a 2 -> 1 resume or an export reads it."""
-    from preftune import distributed as dist
+    from preftune.run import shards
     from preftune.model.load import load_model
     from preftune.run.checkpointer import load_weights
     from preftune.run.optim import build_optimizer
@@ -60,7 +60,7 @@ def sharded_copy(folder: Path, dest: Path, cfg) -> Path:
     optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optim)
     state = ckpt.load_state(dest)
     load_weights(model, dest, optimizer, state.pop("optimizer"))
-    dist.save_sharded(model, optimizer, dest / "shards", 0)
+    shards.save_sharded(model, optimizer, dest / "shards", 0)
     for name in ("model.safetensors", "trainer_state.json", "trainer_state.safetensors"):
         (dest / name).unlink()
     ckpt.save_state(dest, state)
@@ -122,7 +122,7 @@ def test_code_planted_in_any_file_never_runs_on_resume_or_export(checkpoints, da
 def test_the_readers_themselves_never_unpickle(checkpoints, tmp_path):
     """Past `verify` (a file that passed it, then changed): each reader of a checkpoint file
     refuses a planted pickle without unpickling it."""
-    from preftune import distributed as dist
+    from preftune.run import shards
     from preftune.config import ModelConfig
     from preftune.model.load import load_model
     from preftune.run.checkpointer import read_weights
@@ -134,8 +134,8 @@ def test_the_readers_themselves_never_unpickle(checkpoints, tmp_path):
     model = load_model(ModelConfig(), str(MODEL_DIR))
     readers = {"trainer_state.json": lambda f: ckpt.load_state(f), "trainer_state.safetensors": ckpt.load_state,
                "model.safetensors": lambda f: read_weights(model, f),
-               "shards/rank-0.json": lambda f: dist.load_sharded(model, None, f / "shards", weights_only=True),
-               "shards/rank-0.safetensors": lambda f: dist.load_sharded(model, None, f / "shards", weights_only=True)}
+               "shards/rank-0.json": lambda f: shards.load_sharded(model, None, f / "shards", weights_only=True),
+               "shards/rank-0.safetensors": lambda f: shards.load_sharded(model, None, f / "shards", weights_only=True)}
     for i, (name, read) in enumerate(readers.items()):
         src = checkpoints["sharded" if name.startswith("shards") else "full"]
         folder = plant(src, tmp_path / str(i) / "step-2", name, data, listed=True)

@@ -14,7 +14,7 @@ from preftune.config import load_config, to_dict
 from preftune.model.load import base_module
 from preftune.errors import UserError
 from preftune.run.loop import Run, train
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 from tests.conftest import EVAL_PROMPTS, MODEL_DIR, write_jsonl
 
 TRAIN_KEYS = ("step", "loss", "reward", "reward_std", "rewards/accuracy/mean", "kl", "completions/mean_length",

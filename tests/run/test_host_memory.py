@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 from preftune.run import host_memory
 
 # Training-like steps: forward and backward of a small MLP over micro-batches of three sizes, 14

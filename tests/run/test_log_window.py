@@ -10,7 +10,7 @@ import pytest
 
 from preftune.run.loop import Run
 from preftune.run.metrics import Window
-from preftune.distributed import Parallel
+from preftune.distributed.group import Parallel
 
 
 def test_window_means_and_last_values():

@@ -1,0 +1,184 @@
+"""FSDP2 and DDP applied from outside the model: loading a policy or reference for a strategy
+(`load`), sharding it (`wrap`), summing (`sync_grads`) and clipping (`clip_grads`) gradients over
+the ranks, and the whole parameters of a sharded model for generation (`whole`). Free functions
+of a `Parallel` (distributed/group.py), as torchtitan applies its parallelisms."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+
+import torch
+
+from preftune.distributed.group import Parallel
+from preftune.model import load as loader
+
+log = logging.getLogger("preftune")
+
+
+
+def load(dp: Parallel, cfg, path: str, *, trainable: bool = True,
+         reshard_after_forward: bool = True):
+    """`load.load_model` for this strategy, on this rank's device (the policy, or with
+    `trainable` False the frozen reference). Under FSDP2 without LoRA only rank 0 reads the
+    weights, into host memory: every rank builds the module on the meta device and shards it,
+    then rank 0 sends each rank its shards and the buffers outside the state dict (rotary
+    tables). So no other rank ever holds a whole weight, and no device the whole model (the
+    32B sizing in docs/distributed.md: 131 GB of fp32 weights per rank otherwise)."""
+    # bf16 mixed precision where load_model chose float32 masters under bf16 autocast
+    def shard(model):
+        return wrap(dp, model, mixed_bf16=loader.compute_dtype(model) is not None,
+                    reshard_after_forward=reshard_after_forward)
+
+    if not dp.sharded or cfg.lora.enabled:  # LoRA: peft wraps the loaded module first
+        return shard(loader.load_model(cfg, path, trainable=trainable))
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    # rank 0, host
+    full = dp.on_main(lambda: loader.load_model(cfg, path, trainable=trainable), share=False)
+    # meta shards
+    model = shard(loader.load_model(cfg, path, trainable=trainable, weights=False))
+    model.to_empty(device=dp.device)
+    set_model_state_dict(model, full.state_dict() if full is not None else {},
+                         options=StateDictOptions(full_state_dict=True,
+                                                  broadcast_from_rank0=True))
+    sources = dict(full.named_buffers()) if full is not None else {}
+    for name, buf in model.named_buffers():
+        if full is not None:
+            buf.copy_(sources[name])
+        torch.distributed.broadcast(buf, src=0)
+    log.info("model built on the meta device and sharded; weights sent by rank 0")
+    return model
+
+def wrap(dp: Parallel, model, *, mixed_bf16: bool = False, reshard_after_forward: bool = True):
+    """The policy (or the frozen reference) for this strategy, on this rank's device (a module
+    on the meta device stays there: `load` gives it storage once it is sharded)."""
+    if not next(model.parameters()).is_meta:
+        model = model.to(dp.device)
+    if not dp.active or dp.strategy != "fsdp":
+        return model
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_bf16
+        else MixedPrecisionPolicy()
+    )
+    for block in decoder_blocks(model):
+        fully_shard(block, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # every log-prob pass is one forward of the root (whatever its layout), so all ranks, idle
+    # ones included, issue the same all-gathers and reduce-scatters in order
+    if any(p.requires_grad for p in model.parameters()):
+        for mod in fsdp_modules(model):  # each block reduces its own gradients
+            mod.set_gradient_divide_factor(1.0)  # sum over ranks, see the module docstring
+            mod.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+    return model
+
+def sync_grads(dp: Parallel, model) -> None:
+    """ddp: sum every gradient over the ranks (one flat all-reduce). fsdp reduce-scatters in
+    backward."""
+    if not dp.active or dp.strategy != "ddp":
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:  # a parameter unused on this rank must still join the all-reduce
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    torch.distributed.all_reduce(flat)
+    offset = 0
+    for p in params:
+        n = p.grad.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        offset += n
+
+def clip_grads(dp: Parallel, model, max_grad_norm: float) -> float:
+    """Clip the gradients to `max_grad_norm` (when > 0, torch's clip_grad_norm_ rule) and return
+    their global norm before clipping; under FSDP the sharded gradients' squares are summed over
+    the ranks by one all-reduce."""
+    if not dp.sharded:
+        params = [p for p in model.parameters() if p.grad is not None]
+        if max_grad_norm > 0:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+        return (
+            float(
+                torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params]))
+            )
+            if params
+            else 0.0
+        )
+    local = [p.grad.to_local() for p in model.parameters() if p.grad is not None]
+    sq = (
+        torch.stack([g.detach().float().pow(2).sum() for g in local]).sum()
+        if local
+        else torch.zeros(())
+    )
+    sq = sq.to(dp.comm_device())
+    torch.distributed.all_reduce(sq)
+    norm = sq.sqrt()
+    if max_grad_norm > 0:  # torch's clip_grad_norm_ rule
+        coef = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in local:
+            g.mul_(coef.to(g.device, g.dtype))
+    return float(norm)
+
+
+@contextlib.contextmanager
+def gathered(dp: Parallel, model):
+    """Whole parameters on every rank for generation: one all-gather per rollout (not one per
+    token), sampling with no collective at all, then back to shards."""
+    with whole(model) if dp.sharded else contextlib.nullcontext():
+        yield model
+
+
+def decoder_blocks(model) -> list:
+    """The repeated transformer layers (a ModuleList of the same block class, the longest one)."""
+    best: list = []
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) > len(best) \
+                and len({type(m) for m in mod}) == 1:
+            best = list(mod)
+    return best
+
+
+# models inside `whole`, and how deep
+_WHOLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def whole(model):
+    """The whole parameters of an FSDP2-sharded model inside the block: each sharded module
+    gathers once and keeps its parameters until the block ends (reads outside the modules'
+    forwards, such as the decode step, see them whole). Nested blocks gather once; a model that
+    is not sharded is left as it is."""
+    depth = _WHOLE.get(model, 0)
+    mods = (
+        []
+        if depth or not any(hasattr(m, "reshard") for m in model.modules())
+        else fsdp_modules(model)
+    )
+    _WHOLE[model] = depth + 1
+    for m in mods:
+        m.set_reshard_after_forward(False)
+        m.unshard()
+    try:
+        yield model
+    finally:
+        _WHOLE[model] = depth
+        for m in mods:
+            m.reshard()
+            m.set_reshard_after_forward(True)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A parameter whole: an FSDP2 shard (a DTensor) all-gathered, a collective every rank runs in
+    the same order; any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def fsdp_modules(model) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
