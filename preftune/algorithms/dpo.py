@@ -233,7 +233,7 @@ class DPOTask:
         if self.ref is None and not self.d.reference_free and self.d.precompute_ref_logps:
             # each rank computes its share of the pairs on gathered parameters (no collective per
             # pass); the shares are gathered and rank 0 writes the cache
-            with fsdp.gathered(self.dp, model):
+            with fsdp.whole(model):
                 ref = reference_logps(model, self.encoded + self.held_out, self.cfg,
                                       self.pad_id, self.device,
                                       dp=self.dp)  # (n + n_eval, 2): one cache

@@ -33,7 +33,7 @@ from preftune.losses.advantages import (
     nan_mean_std,
     nanmean,
 )
-from preftune.losses.grpo import CLIP_KEYS, batch_normaliser
+from preftune.losses.grpo import CLIP_KEYS, EXTREMES, ROW_MEANS, batch_normaliser
 from preftune.losses.sampling import importance_weights, mismatch_stats, turn_mismatch
 from preftune.model.logps import Rows, completion_logps, microbatches
 from preftune.rewards.functions import RewardLog, load_callable, load_reward_funcs
@@ -164,7 +164,7 @@ def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig, dp: Parallel) -> GRP
     batch = GRPOBatch(rollout=ro, advantages=adv.to(device), ref_logps=None,
                       metrics=reward_metrics(whole, lengths, truncated))
     if cfg.beta > 0:
-        with fsdp.gathered(dp, ref_model):
+        with fsdp.whole(ref_model):
             batch.ref_logps = rollout_logps(ref_model, ro, cfg, without_adapter=ref_model is model,
                                             rows=batch.sizes())
     # an engine's behaviour log-probs
@@ -179,7 +179,7 @@ def engine_correction(model, batch: GRPOBatch, cfg: GRPOConfig, dp) -> tuple[tor
     trainer's log-probs of the distribution that drew them (temperature, top-k, top-p, at the
     weights that sampled), against the engine's. Metrics over every rank's tokens, TRL's names."""
     ro = batch.rollout
-    with fsdp.gathered(dp, model):
+    with fsdp.whole(model):
         # (N, T)
         trainer = rollout_logps(model, ro, cfg, rows=batch.sizes(), sampling_distribution=True)
     mask = ro.loss_mask().float()  # tool tokens were not sampled: no ratio
@@ -243,90 +243,115 @@ def trained_rows(advantages: torch.Tensor, mask: torch.Tensor, beta: float) -> t
     return None if keep.numel() == live.numel() else keep
 
 
-def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, *,
-              dp: Parallel) -> dict:
-    """Forward/backward over micro-batches of one generation batch; the caller steps the optimizer.
+@dataclass
+class StepRows:
+    """The rows of a generation batch that a step runs (`trained_rows`), cut from it once, and the
+    whole batch's counts. Every micro-batch divides by the whole batch's normaliser, so the summed
+    gradient is one pass over the whole batch whatever rows are left out; with data parallel the
+    counts are global (every rank's rows)."""
 
-    Every micro-batch's loss is divided by the whole batch's normaliser (`batch_normaliser` of its
-    sequences and tokens, whatever rows are skipped), so the summed gradient equals one pass over
-    the whole batch. Rows that cannot move the policy
-    are left out (`trained_rows`); `rows_skipped` counts them and `entropy` is over the rows run.
-    With data parallel, "the whole batch" is every rank's rows: the normalisers are global counts,
-    so the gradients summed over ranks equal one pass over the global batch (tested 2 ranks vs 1).
-    """
+    prompt_ids: torch.Tensor  # (n, P)
+    prompt_mask: torch.Tensor  # (n, P)
+    completion_ids: torch.Tensor  # (n, T)
+    completion_mask: torch.Tensor  # (n, T)
+    mask: torch.Tensor  # (n, T) the counted tokens: sampled, and not cut when that is masked
+    advantages: torch.Tensor  # (n,)
+    old_logps: torch.Tensor | None  # (n, T)
+    ref_logps: torch.Tensor | None  # (n, T)
+    is_weights: torch.Tensor | None  # (n, T) or (n, 1)
+    rows: Rows
+    tokens: list[float]  # each row's counted tokens
+    keep: torch.Tensor | None  # the rows' places in the batch (None: every row)
+    skipped: int  # rows left out
+    skipped_with_tokens: bool  # a left-out row has counted tokens (advantage 0, beta 0)
+    batch_seqs: int
+    batch_tokens: float
+    run_tokens: float  # the counted tokens of the rows run
+    normaliser: float  # `batch_normaliser` of the whole batch
+
+
+def step_rows(batch: GRPOBatch, cfg: GRPOConfig, dp: Parallel) -> StepRows:
+    """`StepRows` of a batch: one host read of each row's tokens, one of the kept rows."""
     ro = batch.rollout
-    # (N, T) sampled tokens: a tool's result is out of every term and count
-    mask = ro.loss_mask().float()
+    mask = ro.loss_mask().float()  # (N, T) a tool's result is out of every term and count
     if cfg.mask_truncated_completions:
         mask = mask * (~ro.truncated).float()[:, None]
-    # one host sync: each row's tokens (normalisers, metric shares)
-    all_tokens = mask.sum(1).tolist()
-    # global sequences and tokens
-    batch_seqs, batch_tokens = dp.sum(len(all_tokens), sum(all_tokens))
-    batch_seqs = int(batch_seqs)
+    tokens = mask.sum(1).tolist()
+    seqs, total = dp.sum(len(tokens), sum(tokens))
     keep = trained_rows(batch.advantages, mask, cfg.beta)
-    kept = None if keep is None else keep.tolist()
-    row_tokens = all_tokens if kept is None else [all_tokens[i] for i in kept]
-    # sizes every pass: no read per pass
-    rows = batch.sizes() if kept is None else batch.sizes()[kept]
-    pick = (lambda t: t) if keep is None else (lambda t: t.index_select(0, keep))  # noqa: E731
-    ro_ids, ro_pmask, ro_cids, ro_cmask = (pick(t) for t in (ro.prompt_ids,
-                                                             ro.prompt_mask, ro.completion_ids,
-                                                             ro.completion_mask))
-    mask, adv = pick(mask), pick(batch.advantages)
-    old_all = None if ro.old_logps is None else pick(ro.old_logps)
+    kept = list(range(len(tokens))) if keep is None else keep.tolist()
+
+    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t if t is None or keep is None else t.index_select(0, keep)
+
+    row_tokens = [tokens[i] for i in kept]
+    skipped = len(tokens) - len(kept)
+    return StepRows(
+        *(pick(t) for t in (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask,
+                            mask, batch.advantages, ro.old_logps, batch.ref_logps,
+                            batch.is_weights)),
+        rows=batch.sizes() if keep is None else batch.sizes()[kept], tokens=row_tokens,
+        keep=keep, skipped=skipped, skipped_with_tokens=skipped > tokens.count(0.0),
+        batch_seqs=int(seqs), batch_tokens=total, run_tokens=dp.sum(sum(row_tokens))[0],
+        normaliser=batch_normaliser(cfg.loss_type, batch_seqs=int(seqs), batch_tokens=total,
+                                    max_completion_length=cfg.max_completion_length))
+
+
+def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, *,
+              dp: Parallel) -> dict:
+    """Forward/backward over micro-batches of the rows that can move the policy (`step_rows`);
+    the caller steps the optimizer. `rows_skipped` counts the rows left out and `entropy` is over
+    the rows run. Tested: 2 ranks equal 1 process, micro-batch splits equal one pass, skipping
+    equals not skipping."""
+    s = step_rows(batch, cfg, dp)
+    ro = batch.rollout
     record = cfg.num_iterations > 1 and ro.old_logps is None  # the first of the batch's steps
-    recorded = []
-    ref_all = None if batch.ref_logps is None else pick(batch.ref_logps)
-    is_all = None if batch.is_weights is None else pick(batch.is_weights)
-    run_tokens = dp.sum(sum(row_tokens))[0]
-    norm = batch_normaliser(cfg.loss_type, batch_seqs=batch_seqs, batch_tokens=batch_tokens,
-                            max_completion_length=cfg.max_completion_length)
-    parts = []  # per micro-batch (slice, metric tensors), read once after the loop
-    slices = list(microbatches(mask.size(0), cfg.micro_batch_size))
-    # FSDP: every rank runs as many passes
-    for _ in range(int(dp.max(len(slices))[0]) - len(slices)):
+    parts, recorded = [], []  # per micro-batch (slice, metric tensors), read once after the loop
+    slices = list(microbatches(s.mask.size(0), cfg.micro_batch_size))
+    for _ in range(int(dp.max(len(slices))[0]) - len(slices)):  # FSDP: as many passes per rank
         check()
         idle_pass(model, ro)
     for sl in slices:
         check()  # preemption: may abandon the step between micro-batches
-        logps, entropy = completion_logps(model, ro_ids[sl], ro_pmask[sl],
-                                          ro_cids[sl], ro_cmask[sl],
-                                          temperature=cfg.temperature,
-                                          with_entropy=True, rows=rows[sl])
+        logps, entropy = completion_logps(model, s.prompt_ids[sl], s.prompt_mask[sl],
+                                          s.completion_ids[sl], s.completion_mask[sl],
+                                          temperature=cfg.temperature, with_entropy=True,
+                                          rows=s.rows[sl])  # (b, T) each
         if record:  # the policy that sampled this batch, as its later steps' old log-probs
             recorded.append(logps.detach())
-        old = None if record or old_all is None else old_all[sl]
-        loss, m = grpo_loss(logps, old, None if ref_all is None else ref_all[sl],
-                            adv[sl], mask[sl], loss_type=cfg.loss_type,
+        old = None if record or s.old_logps is None else s.old_logps[sl]
+        loss, m = grpo_loss(logps, old, None if s.ref_logps is None else s.ref_logps[sl],
+                            s.advantages[sl], s.mask[sl], loss_type=cfg.loss_type,
                             beta=cfg.beta, epsilon=cfg.epsilon,
                             epsilon_high=cfg.epsilon_high, delta=cfg.delta,
                             importance_sampling_level=cfg.importance_sampling_level,
-                            normaliser=norm,
+                            normaliser=s.normaliser,
                             kl_ratio_correction=cfg.use_bias_correction_kl, sync_metrics=False,
-                            importance_weights=None if is_all is None else is_all[sl],
+                            importance_weights=None if s.is_weights is None else s.is_weights[sl],
                             vespo=vespo_options(cfg))
         loss.backward()
-        parts.append((sl,
-                      m | {"loss": loss.detach(),
-                           "entropy_sum": (entropy.detach() * mask[sl]).sum()}))
-    totals, ent_sum = _fold(parts, row_tokens, batch_tokens, batch_seqs,
+        parts.append((sl, m | {"loss": loss.detach(),
+                               "entropy_sum": (entropy.detach() * s.mask[sl]).sum()}))
+    totals, ent_sum = _fold(parts, s.tokens, s.batch_tokens, s.batch_seqs,
                             by_rows=cfg.importance_sampling_level == "sequence")
     if record:  # only once the step is whole: an abandoned step leaves the batch as it was
-        ro.old_logps = _scatter_rows(recorded, keep, ro.completion_mask)
-    skipped = len(all_tokens) - len(row_tokens)
-    if skipped:
-        # every row skipped: the optimiser still steps on zeros, as without skipping
-        _zero_missing_grads(model)
-        # nothing ran: zero loss, no clipping
-        for k in ("loss", "kl", *(f"clip_ratio/{c}" for c in CLIP_KEYS)):
-            totals.setdefault(k, 0.0)
-        if cfg.beta == 0 and skipped > all_tokens.count(0.0):
-            # some skipped row has tokens, and is never clipped: its per-row fraction is 0
-            totals["clip_ratio/low_min"] = min(totals["clip_ratio/low_min"], 0.0)
-    totals["entropy"] = ent_sum / max(run_tokens, 1.0)
-    totals["rows_skipped"] = float(skipped)
-    return dp.reduce_metrics(totals)
+        ro.old_logps = _scatter_rows(recorded, s.keep, ro.completion_mask)
+    if s.skipped:
+        _skipped_rows(model, totals, s, cfg)
+    totals["entropy"] = ent_sum / max(s.run_tokens, 1.0)
+    totals["rows_skipped"] = float(s.skipped)
+    return dp.reduce_metrics(totals, EXTREMES)
+
+
+def _skipped_rows(model, totals: dict, s: StepRows, cfg: GRPOConfig) -> None:
+    """What the rows left out add, as if they had run: zero gradients (every row skipped: the
+    optimiser still steps on zeros), zero loss and clip fractions, and a per-row clip fraction of 0
+    for a left-out row with tokens (it is never clipped)."""
+    _zero_missing_grads(model)
+    for k in ("loss", "kl", *(f"clip_ratio/{c}" for c in CLIP_KEYS)):
+        totals.setdefault(k, 0.0)
+    if cfg.beta == 0 and s.skipped_with_tokens:
+        totals["clip_ratio/low_min"] = min(totals["clip_ratio/low_min"], 0.0)
 
 
 def _scatter_rows(parts: list[torch.Tensor], keep: torch.Tensor | None,
@@ -371,13 +396,10 @@ def _accumulate(totals: dict, m: dict, loss: float, *, token_share: float, row_s
     for k, v in m.items():
         if isinstance(v, float) and math.isnan(v):
             continue
-        # extremes combine by min/max, not by averaging
-        if k.endswith("_min") or k.endswith("_max"):
-            pick = min if k.endswith("_min") else max
-            totals[k] = pick(totals[k], v) if k in totals else v
+        if k in EXTREMES:  # combine by min/max, not by averaging
+            totals[k] = EXTREMES[k](totals[k], v) if k in totals else v
         else:
-            # a mean over rows
-            rows = by_rows and k.startswith("clip_ratio/") or k == "vespo/phi_seq_mean"
+            rows = by_rows and k.startswith("clip_ratio/") or k in ROW_MEANS
             totals[k] = totals.get(k, 0.0) + v * (row_share if rows else token_share)
 
 

@@ -157,7 +157,7 @@ class KTOTask:
                     for (p, c, m), (_, k, km) in zip(self.rows(every), kl))
 
         # each rank its share of the slots, on gathered parameters
-        with fsdp.gathered(self.dp, model):
+        with fsdp.whole(model):
             self.ref = cached_reference(model, every, slot_logps, self.cfg,
                                         key_rows=key_rows, micro_batch_size=self.k.micro_batch_size,
                                         what="KTO examples",

@@ -1,6 +1,7 @@
 """FSDP2 and DDP applied from outside the model: loading a policy or reference for a strategy
 (`load`), sharding it (`wrap`), summing (`sync_grads`) and clipping (`clip_grads`) gradients over
-the ranks, and the whole parameters of a sharded model for generation (`whole`). Free functions
+the ranks, and the whole parameters of a sharded model for generation (`whole`, a no-op on a
+model that is not sharded). Free functions
 of a `Parallel` (distributed/group.py), as torchtitan applies its parallelisms."""
 from __future__ import annotations
 
@@ -121,14 +122,6 @@ def clip_grads(dp: Parallel, model, max_grad_norm: float) -> float:
         for g in local:
             g.mul_(coef.to(g.device, g.dtype))
     return float(norm)
-
-
-@contextlib.contextmanager
-def gathered(dp: Parallel, model):
-    """Whole parameters on every rank for generation: one all-gather per rollout (not one per
-    token), sampling with no collective at all, then back to shards."""
-    with whole(model) if dp.sharded else contextlib.nullcontext():
-        yield model
 
 
 def decoder_blocks(model) -> list:

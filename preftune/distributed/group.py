@@ -165,23 +165,20 @@ class Parallel:
                             "global batch "
                             "is split evenly over the ranks)", where=", ".join(k for k in values))
 
-    def reduce_metrics(self, m: dict) -> dict:
-        """Per-rank partial metrics -> global: keys ending _min/_max combine by min/max, the rest
-        are partial sums (each rank pre-weights by its share of the global batch). A key missing on
-        a rank (a NaN it skipped) is combined over the ranks that have it."""
+    def reduce_metrics(self, m: dict, extremes: dict | None = None) -> dict:
+        """Per-rank partial metrics -> global: the keys of `extremes` combine by its function (min,
+        max), the rest are partial sums (each rank pre-weights by its share of the global batch). A
+        key missing on a rank (a NaN it skipped) is combined over the ranks that have it."""
         if not self.active:
             return m
         out: dict = {}
         for part in self.gather(m):
             for k, v in part.items():
+                combine = (extremes or {}).get(k)
                 if k not in out:
                     out[k] = v
-                elif k.endswith("_min"):
-                    out[k] = min(out[k], v)
-                elif k.endswith("_max"):
-                    out[k] = max(out[k], v)
                 else:
-                    out[k] = out[k] + v
+                    out[k] = combine(out[k], v) if combine else out[k] + v
         return out
 
     def close(self) -> None:

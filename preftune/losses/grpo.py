@@ -201,6 +201,11 @@ def _nan_extreme(x: torch.Tensor, largest: bool) -> torch.Tensor:
 
 
 CLIP_KEYS = ("low_mean", "high_mean", "region_mean", "low_min", "high_max")
+# How each metric of `grpo_loss` combines over micro-batches and ranks: these by their extreme;
+# those in ROW_MEANS (and GSPO's clip fractions) as means over sequences; every other one as a
+# mean over tokens (each part weighted by its share of the whole batch, then summed)
+EXTREMES = {"clip_ratio/low_min": min, "clip_ratio/high_max": max}
+ROW_MEANS = {"vespo/phi_seq_mean"}
 
 
 @torch.no_grad()

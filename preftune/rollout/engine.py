@@ -59,7 +59,7 @@ class SamplerEngine:
     @contextlib.contextmanager
     def serving(self, model, dp):
         """A generation batch: whole parameters once per rollout under FSDP2, not once per token."""
-        with fsdp.gathered(dp, model):
+        with fsdp.whole(model):
             yield {}
 
 

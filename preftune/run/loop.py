@@ -186,7 +186,7 @@ class Run:
         # an early stop may follow an eval
         if self.evaluator is not None and self.evaluated != self.step:
             # each rank evaluates its share of the prompts; rank 0 logs
-            with fsdp.gathered(self.dp, self.model):
+            with fsdp.whole(self.model):
                 m = self.evaluator(self.model, self.step)
             self._log(m)
             self.evaluated = self.step

@@ -45,8 +45,11 @@ def one_rank_group():
 def test_metric_reduction_sums_partials_and_keeps_extremes(one_rank_group, monkeypatch):
     dp = one_rank_group
     monkeypatch.setattr(dp, "gather", lambda m: [m, {"loss": 0.5, "ratio_min": -1.0, "ratio_max": 0.0, "only": 3}])
-    out = dp.reduce_metrics({"loss": 0.25, "ratio_min": 0.0, "ratio_max": 2.0})
+    out = dp.reduce_metrics({"loss": 0.25, "ratio_min": 0.0, "ratio_max": 2.0},
+                            {"ratio_min": min, "ratio_max": max})  # the metrics declare theirs
     assert out == {"loss": 0.75, "ratio_min": -1.0, "ratio_max": 2.0, "only": 3}
+    # without a declaration a key is a partial sum, whatever its name says
+    assert dp.reduce_metrics({"ratio_min": 0.0})["ratio_min"] == -1.0
 
 
 def test_a_user_error_on_one_rank_stops_every_rank(one_rank_group, monkeypatch):
@@ -96,7 +99,7 @@ def test_generation_gathers_parameters_once_per_rollout(one_rank_group, model, t
                       pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(0))
 
     calls.clear()
-    with fsdp.gathered(one_rank_group, wrapped):
+    with fsdp.whole(wrapped):
         a = rollout()
     assert len(calls) == blocks  # one all-gather per sharded module for the whole rollout
     calls.clear()
