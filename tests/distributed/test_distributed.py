@@ -195,6 +195,6 @@ def test_dpo_reference_pass_is_split_and_its_cache_shared_by_rank_0(one_rank, da
                 assert "read from" in text and "computed (" not in text
             else:
                 n = int(text.split("reference log-probs of ")[1].split()[0])
-                share = Parallel(rank=r, world=2).share(n)
+                share = Parallel(rank=r, world=2).balanced_share(n)
                 assert f"reference log-probs of {n} pairs computed ({share.stop - share.start} on this rank)" in text
         assert_same_training(one_rank("dpo"), out)
