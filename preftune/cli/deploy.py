@@ -11,6 +11,7 @@ from preftune.atomic import atomic_write
 from preftune.config import CHOICES, DeployConfig, apply_override, load_config, read_source
 from preftune.deploy import cost
 from preftune.deploy import plan as planner
+from preftune.deploy.plan_text import format_plan
 from preftune.deploy.nodes import instance_type
 from preftune.deploy.cost import format_estimate
 from preftune.deploy.render import render_objects
@@ -195,7 +196,7 @@ def _render_plan(args, cfg) -> tuple[dict | None, list[str]]:
     plan = _plan(args, cfg)
     if plan["verdict"] == "does not fit" and not args.force:
         raise UserError("the job does not fit its node type (--force renders it anyway):\n"
-                        + planner.format_plan(plan))
+                        + format_plan(plan))
     return plan, [f"plan: {plan['verdict']}; GPU peak {plan['gpu']['peak_gb']:.1f} of "
                   f"{plan['gpu']['capacity_gb']:.0f} GB, host peak {plan['host']['peak_gb']:.0f} "
                   "GB (`preftune plan` for the terms)"]
@@ -243,7 +244,7 @@ def _host_gb() -> float:
 def plan_command(args) -> int:
     cfg = _load(args.config, args.overrides)[0]
     plan = _plan(args, cfg)
-    print(json.dumps(plan, indent=1) if args.json else planner.format_plan(plan))
+    print(json.dumps(plan, indent=1) if args.json else format_plan(plan))
     return EXIT_OK
 
 

@@ -26,6 +26,7 @@ import contextlib
 import logging
 import random
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,7 @@ from preftune.distributed.group import Parallel
 from preftune.run import shards
 
 log = logging.getLogger("preftune")
+UPLOAD_MARGIN_S = 5.0  # of the grace period, kept for exiting after the last upload wait
 METRICS = "metrics.jsonl"
 SHARDS = "shards"
 ADAPTER = "adapter"
@@ -228,6 +230,72 @@ class Checkpointer:
             return str(final)
 
         return Path(self.dp.on_main(write))
+
+    # ---------------------------------------------------------------- the remote mirror
+
+    def upload_if_missing(self, step: int) -> None:
+        """Rank 0: the end checkpoint, saved by an earlier process, sent again if the remote lacks
+        it."""
+        folder = self.root / f"step-{step}"
+        if (
+            self.mirror is None
+            or not folder.is_dir()
+            or self.mirror.reached(folder.name) != "never uploaded"
+        ):
+            return
+        try:
+            there = self.mirror.has(folder.name)
+        except Unavailable as e:  # the end of the run says what did not reach the remote
+            log.warning("%s", e)
+            there = False
+        if there:
+            self.mirror.mark_uploaded(folder.name)  # already there: nothing to send
+        else:
+            log.info("%s is not at %s: uploading it again", folder.name, self.cfg.checkpoint_uri)
+            self.mirror.upload(folder)
+
+    def not_uploaded(self, step: int, problem: str | None) -> str | None:
+        """Rank 0: what of the end checkpoint and final/ did not reach checkpoint_uri, or None."""
+        if self.mirror is None:
+            return None
+        if problem is not None:
+            bound = self.cfg.checkpoint_uri_timeout_seconds
+            return f"the uploads to {self.cfg.checkpoint_uri} did not finish in {bound:.0f} s"
+        for name in (f"step-{step}", "final"):
+            why = self.mirror.reached(name)
+            if why is not None:
+                return f"{name} did not reach {self.cfg.checkpoint_uri} ({why})"
+        return None
+
+    def wait_uploads(self, stop) -> str | None:
+        """Wait for rank 0's uploads, every rank in step (one small all-reduce a second): None when
+        done; "preempted" when a signal came (to any rank) and the grace leaves no more time;
+        "timeout" after checkpoint_uri_timeout_seconds. No wait is unbounded."""
+        if not self.cfg.checkpoint_uri:
+            return None
+        local = getattr(stop, "stop", stop)  # this rank's handler (under SharedStop: its inner one)
+        start = time.monotonic()
+        logged = False
+        while True:
+            done = self.mirror.wait(1.0) if self.mirror is not None else True
+            timed_out = time.monotonic() - start > self.cfg.checkpoint_uri_timeout_seconds
+            flags = [float(not done), float(local.requested), local.elapsed(), float(timed_out)]
+            left, requested, elapsed, timed_out = self.dp.max(*flags) if self.dp.active else flags
+            if not left:
+                return None
+            if requested and elapsed > local.grace - UPLOAD_MARGIN_S:
+                log.warning("uploads to %s still running, and the grace period is spent: stopping "
+                            "(the remote keeps its previous complete checkpoint)",
+                            self.cfg.checkpoint_uri)
+                return "preempted"
+            if timed_out:
+                log.warning("uploads to %s still running after %.0f s: giving up",
+                            self.cfg.checkpoint_uri, self.cfg.checkpoint_uri_timeout_seconds)
+                return "timeout"
+            if not logged:
+                log.info("waiting for the uploads to %s", self.cfg.checkpoint_uri)
+                logged = True
+
 
 
 @contextlib.contextmanager

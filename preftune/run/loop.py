@@ -51,7 +51,6 @@ from preftune.run.startup import StartupClock, process_start
 from preftune.distributed import fsdp
 
 log = logging.getLogger("preftune")
-UPLOAD_MARGIN_S = 5.0  # of the grace period, kept for exiting after the last upload wait
 
 
 def seed_everything(seed: int) -> None:
@@ -303,18 +302,19 @@ class Run:
         if self.step != self.saved_step:
             self._save()
         else:
-            self.dp.on_main(self._upload_if_missing)  # a rerun after a failed upload: send it again
+            # a rerun after a failed upload: send it again
+            self.dp.on_main(lambda: self.checkpointer.upload_if_missing(self.step))
         # while the end checkpoint uploads; final/ must not supersede it in the mirror's queue
         self._eval()
-        problem = self._wait_uploads(stop)
+        problem = self.checkpointer.wait_uploads(stop)
         final = self._write_final() if problem != "preempted" else None
         if problem is None:
-            problem = self._wait_uploads(stop)
+            problem = self.checkpointer.wait_uploads(stop)
         if problem == "preempted":
             self._close_metrics("preempted")
             raise Preempted(f"preempted at step {self.step} while uploading to "
                             f"{self.cfg.checkpoint_uri}; run again to finish")
-        missing = self.dp.on_main(lambda: self._not_uploaded(problem))
+        missing = self.dp.on_main(lambda: self.checkpointer.not_uploaded(self.step, problem))
         if missing:
             self._close_metrics("failed")
             raise Unavailable(f"the run finished at step {self.step} (model in "
@@ -325,40 +325,6 @@ class Run:
         self._close_metrics()
         return final
 
-    def _upload_if_missing(self) -> None:
-        """Rank 0: the end checkpoint, saved by an earlier process, sent again if the remote lacks
-        it."""
-        folder = self.ckpt_root / f"step-{self.step}"
-        if (
-            self.mirror is None
-            or not folder.is_dir()
-            or self.mirror.reached(folder.name) != "never uploaded"
-        ):
-            return
-        try:
-            there = self.mirror.has(folder.name)
-        except Unavailable as e:  # the end of the run says what did not reach the remote
-            log.warning("%s", e)
-            there = False
-        if there:
-            self.mirror.outcome[folder.name] = None  # already there: nothing to send
-        else:
-            log.info("%s is not at %s: uploading it again", folder.name, self.cfg.checkpoint_uri)
-            self.mirror.upload(folder)
-
-    def _not_uploaded(self, problem: str | None) -> str | None:
-        """Rank 0: what of the end checkpoint and final/ did not reach checkpoint_uri, or None."""
-        if self.mirror is None:
-            return None
-        if problem is not None:
-            bound = self.cfg.checkpoint_uri_timeout_seconds
-            return f"the uploads to {self.cfg.checkpoint_uri} did not finish in {bound:.0f} s"
-        for name in (f"step-{self.step}", "final"):
-            why = self.mirror.reached(name)
-            if why is not None:
-                return f"{name} did not reach {self.cfg.checkpoint_uri} ({why})"
-        return None
-
     def _stop(self, stop: Preemption) -> None:
         """Save (unless the newest checkpoint already is this state), flush uploads, raise
         Preempted."""
@@ -368,41 +334,12 @@ class Run:
             what = f"checkpoint {folder.name} saved"
         else:
             what = "nothing new since the last checkpoint" if self.step else "nothing trained yet"
-        self._wait_uploads(stop)
+        self.checkpointer.wait_uploads(stop)
         self._close_metrics("preempted")
         raise Preempted(f"preempted at step {self.step}; {what}; resume to continue")
 
     def _write_final(self) -> Path:
         return self.checkpointer.write_final(self.step)
-
-    def _wait_uploads(self, stop: Preemption) -> str | None:
-        """Wait for rank 0's uploads, every rank in step (one small all-reduce a second): None when
-        done; "preempted" when a signal came (to any rank) and the grace leaves no more time;
-        "timeout" after checkpoint_uri_timeout_seconds. No wait is unbounded."""
-        if not self.cfg.checkpoint_uri:
-            return None
-        local = getattr(stop, "stop", stop)  # this rank's handler (under SharedStop: its inner one)
-        start = time.monotonic()
-        logged = False
-        while True:
-            done = self.mirror.wait(1.0) if self.mirror is not None else True
-            timed_out = time.monotonic() - start > self.cfg.checkpoint_uri_timeout_seconds
-            flags = [float(not done), float(local.requested), local.elapsed(), float(timed_out)]
-            left, requested, elapsed, timed_out = self.dp.max(*flags) if self.dp.active else flags
-            if not left:
-                return None
-            if requested and elapsed > local.grace - UPLOAD_MARGIN_S:
-                log.warning("uploads to %s still running, and the grace period is spent: stopping "
-                            "(the remote "
-                            "keeps its previous complete checkpoint)", self.cfg.checkpoint_uri)
-                return "preempted"
-            if timed_out:
-                log.warning("uploads to %s still running after %.0f s: giving up",
-                            self.cfg.checkpoint_uri, self.cfg.checkpoint_uri_timeout_seconds)
-                return "timeout"
-            if not logged:
-                log.info("waiting for the uploads to %s", self.cfg.checkpoint_uri)
-                logged = True
 
 
 def train(cfg: Config, *, callbacks=()) -> Path:

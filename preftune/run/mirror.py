@@ -146,6 +146,10 @@ class RemoteMirror:
         with self._cond:
             return self._cond.wait_for(lambda: not self._running, timeout)
 
+    def mark_uploaded(self, name: str) -> None:
+        """`name` is at the remote already (a rerun found it there): nothing to send."""
+        self.outcome[name] = None
+
     def reached(self, name: str) -> str | None:
         """None when `name` was uploaded by this process, else why not."""
         return self.outcome.get(name, "never uploaded")
