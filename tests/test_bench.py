@@ -291,6 +291,15 @@ def test_draw_bench_times_three_draws(capsys):
     assert all(ms > 0 for ms in result.values()) and "4 rows x 300 scores" in capsys.readouterr().out
 
 
+def test_turns_bench_times_both_ways(capsys):
+    from bench import bench_turns
+
+    result = bench_turns.main(["--rows", "2", "--prompt-tokens", "8", "--tool-tokens", "2",
+                               "--new-tokens", "3", "--repeats", "1"])
+    assert set(result) == {"kept prefixes", "full prefill"} and all(v > 0 for v in result.values())
+    assert "ratio" in capsys.readouterr().out
+
+
 def test_passes_bench_measures_old_and_new_ways(capsys):
     """bench_passes.py runs each pair of ways (the page-fault pair in fresh processes) and leaves the
     sampler as it found it."""

@@ -252,17 +252,18 @@ class CausalLM(nn.Module):
                 x = block(x, cos, sin, mask, kv, i, start)
         return x
 
-    def forward(self, ids, positions, mask=None, *, kv=None, index=None, targets=None,
+    def forward(self, ids, positions, mask=None, *, kv=None, start: int = 0, index=None,
+                targets=None,
                 temperature: float = 1.0,
                 with_entropy: bool = False, top_k: int = 0,
                 top_p: float = 1.0, stats: bool = False):
         """Log-probs (K,) of `targets` (K,) predicted at flat positions `index` (K,) of the rows
         (R, L), and optionally the entropy; the final norm and the (chunked) vocabulary projection
         run here, inside the root module, so a sharded head is whole for them. Without `index`, the
-        hidden states (a prefill writing `kv`). Every pass enters here: FSDP2 runs the root's
-        hooks."""
+        hidden states (a prefill writing `kv` from column `start`, attending the columns before it).
+        Every pass enters here: FSDP2 runs the root's hooks."""
         if index is None:
-            return self.hidden(ids, positions, mask, kv=kv)  # (R, L, H)
+            return self.hidden(ids, positions, mask, kv=kv, start=start)  # (R, L, H)
         # index_select, not h[index]: a trunk's last token predicts every branch's first token, so
         # `index` repeats positions, and the backward of h[index] adds the repeats with racing
         # atomics on CPU (run-to-run differences on a busy machine); index_add_ adds them in order

@@ -92,6 +92,11 @@ class ToolLoop:
             G: int, positions: list[int], **kw) -> Rollout:
         """rows: N = B * G trajectories (group-contiguous) holding their prompts; positions: each
         prompt's place in the draw. `kw`: the engine's sampling options (eos_id, pad_id, ...)."""
+        with engine.conversation():  # later turns continue from the engine's cached prefixes
+            self._turns(engine, rows, tools, G, positions, kw)
+        return assemble(rows, kw["pad_id"], with_logps=engine.with_logps)
+
+    def _turns(self, engine, rows, tools, G: int, positions: list[int], kw: dict) -> None:
         budget, firsts = self.cfg.max_completion_length, [t.prompt for t in rows]
         # each row's place (vLLM seeds)
         at = [positions[i // G] * G + i % G for i in range(len(rows))]
@@ -112,7 +117,6 @@ class ToolLoop:
             ro = engine.generate([rows[i].prompt + rows[i].completion for i in active],
                                  [at[i] for i in active],
                                  num_generations=1, max_new_tokens=room, turn=turn + 1, **kw)
-        return assemble(rows, kw["pad_id"], with_logps=engine.with_logps)
 
     def _take(self, ro: Rollout, rows: list[Trajectory], budget: int) -> None:
         """Each row's sampled turn (up to and including its stop token), cut to the budget left."""

@@ -9,11 +9,13 @@ vLLM engine dropped its weights). Everything above it (online GRPO, the tool loo
              top_p, top_k, greedy, seed, step, round_, turn, generator, model) -> Rollout
     push(model) -> seconds          serving(model, dp) -> context yielding the round's metrics
     sleep()                         tp (ranks that send the same requests), with_logps
+    conversation() -> context: the calls inside are turns of the same rows (the tool loop)
 
 `positions`, `seed`, `step`, `round_` and `turn` name each completion's place in the run (vLLM's
 per-request seeds); `generator` and `model` are the own sampler's (its random stream, and the
 live policy it samples). Each engine ignores what is not its own, so a caller never asks which
-engine it holds.
+engine it holds. A later turn's prompt extends an earlier call's row: both engines prefill only
+the new tokens (vLLM by its prefix cache, the own sampler by the caches kept in `conversation`).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import dataclasses
 import torch
 
 from preftune.data.tensors import left_pad
-from preftune.rollout.sampler import Rollout, sample
+from preftune.rollout.sampler import PrefixCache, Rollout, sample
 from preftune.rollout.vllm import VLLMEngine
 from preftune.distributed import fsdp
 
@@ -37,6 +39,7 @@ class SamplerEngine:
     def __init__(self, with_logps: bool = False):
         # off for training: on-policy, the trainer's log-probs are the sampler's
         self.with_logps = with_logps
+        self.prefixes: PrefixCache | None = None  # inside `conversation`
 
     def generate(self, prompts: list[list[int]], positions: list[int] | None = None, *, model,
                  num_generations: int, max_new_tokens: int, eos_id: int, pad_id: int,
@@ -48,7 +51,19 @@ class SamplerEngine:
         return sample(model, p_ids, p_mask, num_generations=num_generations,
                       max_new_tokens=max_new_tokens,
                       eos_id=eos_id, pad_id=pad_id, temperature=temperature, top_p=top_p,
-                      top_k=top_k, greedy=greedy, generator=generator, with_logps=self.with_logps)
+                      top_k=top_k, greedy=greedy, generator=generator, with_logps=self.with_logps,
+                      prefixes=self.prefixes)
+
+    @contextlib.contextmanager
+    def conversation(self):
+        """Calls inside are turns of the same rows: each call keeps its rows' keys/values until the
+        next, so a later turn prefills only its new tokens. Dropped on exit: the weights change
+        between rollouts. Yields the cache (its `reused` counts the tokens not prefilled again)."""
+        self.prefixes = PrefixCache()
+        try:
+            yield self.prefixes
+        finally:
+            self.prefixes = None
 
     def push(self, model) -> float:
         return 0.0

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from preftune.data.tensors import positions_from_mask
+from preftune.data.tensors import left_pad, positions_from_mask
 from preftune.distributed.fsdp import whole
 from preftune.model.head import filter_logits
 from preftune.model.core import CausalLM
@@ -69,38 +69,42 @@ def sample(
     greedy: bool = False,
     generator: torch.Generator | None = None,
     with_logps: bool = False,
+    prefixes: PrefixCache | None = None,
 ) -> Rollout:
     """Sample `num_generations` completions for each of B prompts -> Rollout with N = B * G rows;
-    `with_logps` records each token's behaviour log-prob (`draw`) as `sampling_logps`."""
+    `with_logps` records each token's behaviour log-prob (`draw`) as `sampling_logps`. With
+    `prefixes` (the own module), a prompt that extends a row of the previous call continues
+    from its keys/values, and this call's rows are kept for the next (`PrefixCache`)."""
     was_training = model.training
     model.eval()  # dropout off, and HF keeps the cache on even with gradient checkpointing
     try:  # FSDP2: one all-gather per rollout, the decode step reads whole parameters
         with whole(model), autocast(model):
             return _sample(model, prompt_ids, prompt_mask, num_generations,
                            max_new_tokens, eos_id, pad_id,
-                           temperature, top_p, top_k, greedy, generator, with_logps)
+                           temperature, top_p, top_k, greedy, generator, with_logps, prefixes)
     finally:
         model.train(was_training)
 
 
 def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id,
-            temperature, top_p, top_k, greedy, generator, with_logps=False) -> Rollout:
+            temperature, top_p, top_k, greedy, generator, with_logps=False,
+            prefixes=None) -> Rollout:
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-    P = prompt_ids.size(1)
     # (N,) prompt of each row
     copies = torch.arange(prompt_ids.size(0), device=device).repeat_interleave(G)
-    decoder = _decoder(model, P + max_new_tokens - 1)
+    decoder = _decoder(model, max_new_tokens, prefixes)
     # inference mode skips autograd's per-op bookkeeping (version counters, view tracking; measured
     # in bench/bench_passes.py). Not where hooks (FSDP2's, the HF module's) may keep tensors made
     # here for the training pass: those stay in `sample`'s no_grad (`inference_mode(False)` would
     # turn grad back on)
     with torch.inference_mode() if decoder.inference else contextlib.nullcontext():
-        logits = decoder.prefill(prompt_ids, prompt_mask, copies)  # (N, V)
-        N = logits.size(0)
+        # (N, V) and (N, P) the prompt's cache columns (P: the prompt's width, or cached + new)
+        logits, prompt_cols = decoder.prefill(prompt_ids, prompt_mask, copies)
+        N, P = prompt_cols.shape
         # (N, P+T) filled as we go
         attn = torch.zeros(N, P + max_new_tokens, dtype=prompt_mask.dtype, device=device)
-        attn[:, :P] = prompt_mask[copies]
+        attn[:, :P] = prompt_cols
         next_pos = attn.sum(-1, keepdim=True)  # (N, 1)
         tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)  # (N, T)
         logps = torch.zeros(N, max_new_tokens, device=device) if with_logps else None  # (N, T)
@@ -123,6 +127,7 @@ def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id,
                 break
             if finished * 8 >= done.numel():  # finished rows leave the batch (and the cache)
                 keep = (~done).nonzero().squeeze(1)  # (n',)
+                decoder.keep(rows, attn[:, :P + t], tokens, keep)
                 rows, done, tok, attn, next_pos = (
                     rows[keep],
                     done[keep],
@@ -130,9 +135,9 @@ def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id,
                     attn[keep],
                     next_pos[keep],
                 )
-                decoder.select(keep)
             logits = decoder.step(tok, attn[:, :P + t + 1], next_pos)  # (n, V)
             next_pos = next_pos + 1
+        decoder.keep(rows, attn[:, :decoder.filled], tokens, None)
     # a normal tensor again
     out = assemble(prompt_ids[copies], prompt_mask[copies], tokens.clone(), eos_id)
     if logps is not None:
@@ -140,13 +145,13 @@ def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id,
     return out
 
 
-def _decoder(model, capacity: int):
-    """preftune's own model decodes with its `step`; any other module with its forward and a
-    cache."""
+def _decoder(model, max_new_tokens: int, prefixes: PrefixCache | None):
+    """preftune's own model decodes with its `step` (and keeps caches across turns); any other
+    module with its forward and a cache."""
     base = base_module(model)
-    return (
-        _OwnDecoder(base, capacity) if isinstance(base, CausalLM) else _HFDecoder(model, capacity)
-    )
+    if isinstance(base, CausalLM):
+        return _OwnDecoder(base, max_new_tokens, prefixes)
+    return _HFDecoder(model, max_new_tokens)
 
 
 class _HFDecoder:
@@ -154,73 +159,131 @@ class _HFDecoder:
 
     inference = False  # hooks (LoRA, FSDP2) may keep tensors made here
 
-    def __init__(self, model, capacity: int):
+    def __init__(self, model, max_new_tokens: int):
         from transformers import DynamicCache
 
-        self.model, self.capacity, self.cache, self.kw = (
+        self.model, self.new, self.cache, self.kw = (
             model,
-            capacity,
+            max_new_tokens,
             DynamicCache(),
             cache_kwarg(model),
         )
+        self.filled = 0
 
-    def prefill(self, prompt_ids, prompt_mask, copies) -> torch.Tensor:
+    def prefill(self, prompt_ids, prompt_mask, copies) -> tuple[torch.Tensor, torch.Tensor]:
         """Each distinct prompt once, its keys/values copied to its G rows -> last-position logits
-        (N, V)."""
+        (N, V) and the prompt's columns (N, P)."""
         pos = positions_from_mask(prompt_mask)
         out = self.model(input_ids=prompt_ids, attention_mask=prompt_mask,
                          position_ids=pos, use_cache=True,
                          logits_to_keep=1, **{self.kw: self.cache})
+        capacity = prompt_ids.size(1) + self.new - 1
         self.cache.layers = [preallocated_layer()(layer.keys[copies],
-                                                  layer.values[copies], self.capacity)
+                                                  layer.values[copies], capacity)
                              for layer in self.cache.layers]
-        return out.logits[:, -1].float()[copies]
+        self.filled = prompt_ids.size(1)
+        return out.logits[:, -1].float()[copies], prompt_mask[copies]
 
-    def select(self, keep: torch.Tensor) -> None:
-        self.cache.batch_select_indices(keep)
+    def keep(self, rows, cols, tokens, keep: torch.Tensor | None) -> None:
+        if keep is not None:
+            self.cache.batch_select_indices(keep)
 
     def step(self, tok, attn, pos) -> torch.Tensor:
         out = self.model(input_ids=tok[:, None], attention_mask=attn,
                          position_ids=pos, use_cache=True, **{self.kw: self.cache})
+        self.filled += 1
         return out.logits[:, -1].float()  # (n, V)
+
+
+class PrefixCache:
+    """The keys/values of one call's rows, kept for the next call of a multi-turn rollout
+    (`SamplerEngine.conversation`): a later turn's prompt is an earlier row's tokens + its new
+    ones (its stop token, the tool turn), so only the new ones are prefilled. Keyed by token ids,
+    as vLLM's prefix cache is: the tool loop needs to say nothing about which row is which."""
+
+    def __init__(self):
+        self.rows: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.reused = 0  # prompt tokens not prefilled again, over the conversation
+
+    def longest(self, ids: list[int]) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+        """The longest kept row that `ids` extends by at least one token -> (its length, keys,
+        values (layers, kv_heads, c, d)); (0, None, None) when none."""
+        for c in sorted({len(k) for k in self.rows}, reverse=True):
+            hit = self.rows.get(tuple(ids[:c])) if c < len(ids) else None
+            if hit is not None:
+                return c, *hit
+        return 0, None, None
 
 
 class _OwnDecoder:
     """Prefill by the model's forward, then `CausalLM.step` on weights fused once for the rollout, a
     rotary table built once, keys/values written in place into buffers of the final length."""
 
-    def __init__(self, model: CausalLM, capacity: int):
+    def __init__(self, model: CausalLM, max_new_tokens: int, prefixes: PrefixCache | None):
         self.inference = not hasattr(model, "unshard")  # an FSDP2 module's hooks run in the prefill
         device = model.model.embed_tokens.weight.device
         on = torch.is_autocast_enabled(device.type)
         self.dtype = (
             torch.get_autocast_dtype(device.type) if on else model.model.embed_tokens.weight.dtype
         )
-        self.model, self.capacity, self.filled = model, capacity, 0
+        self.model, self.new, self.prefixes, self.filled = model, max_new_tokens, prefixes, 0
         self.weights = model.decoding(self.dtype)
-        cos, sin = model.rope(torch.arange(capacity + 1, device=device)[None])  # (1, cap, 1, d)
-        self.cos, self.sin = cos[0, :, 0], sin[0, :, 0]  # (cap, d)
 
-    def prefill(self, prompt_ids, prompt_mask, copies) -> torch.Tensor:
-        B, P = prompt_ids.shape
-        pos = positions_from_mask(prompt_mask)  # (B, P)
-        keys = prompt_mask.bool()[:, None, None, :]  # (B, 1, 1, P)
-        causal = torch.ones(P, P, dtype=torch.bool, device=pos.device).tril()
+    def prefill(self, prompt_ids, prompt_mask, copies) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each distinct prompt once -> last-position logits (N, V) and the prompt's cache columns
+        (N, C + L): C columns of kept keys/values (left-padded), then L of new tokens."""
+        prompts = [r[m.bool()].tolist() for r, m in zip(prompt_ids, prompt_mask)]
+        kept = [self.prefixes.longest(p) if self.prefixes is not None else (0, None, None)
+                for p in prompts]
+        if self.prefixes is not None:  # this call's rows replace the last call's
+            self.prefixes.rows = {}
+            self.prefixes.reused += sum(c for c, _, _ in kept)
+        lengths = torch.tensor([c for c, _, _ in kept], device=prompt_ids.device)  # (B,)
+        new_ids, new_mask = left_pad([p[c:] for p, (c, _, _) in zip(prompts, kept)], 0)  # (B, L)
+        new_ids, new_mask = new_ids.to(prompt_ids.device), new_mask.to(prompt_ids.device)
+        (B, L), C = new_ids.shape, int(lengths.max())
+        old = torch.arange(C, device=lengths.device)[None] >= C - lengths[:, None]  # (B, C)
+        cols = torch.cat([old, new_mask.bool()], 1)  # (B, C + L)
+        kv = self.model.new_kv(B, C + L, self.dtype)
+        for i, (c, keys, values) in enumerate(kept):
+            if c:
+                kv.keys[:, i, :, C - c:C], kv.values[:, i, :, C - c:C] = keys, values
+        pos = lengths[:, None] + positions_from_mask(new_mask)  # (B, L)
+        causal = torch.ones(L, C + L, dtype=torch.bool, device=pos.device).tril(C)  # (L, C + L)
         # a left-padding query sees only itself (never an empty softmax row); real tokens never see
         # padding
-        mask = (causal & keys) | torch.eye(P, dtype=torch.bool, device=pos.device)  # (B, 1, P, P)
-        kv = self.model.new_kv(B, P, self.dtype)
-        h = self.model(prompt_ids, pos, mask, kv=kv)  # (B, P, H)
-        self.kv = self.model.new_kv(copies.numel(), self.capacity, self.dtype)
-        self.kv.keys[:, :, :, :P], self.kv.values[:, :, :, :P] = (
-            kv.keys[:, copies],
-            kv.values[:, copies],
-        )
-        self.filled = P
-        return self.model.logits(h[:, -1]).float()[copies]  # (N, V)
+        itself = torch.zeros(L, C + L, dtype=torch.bool, device=pos.device)
+        itself[:, C:] = torch.eye(L, dtype=torch.bool, device=pos.device)
+        mask = (causal & cols[:, None, None, :]) | itself  # (B, 1, L, C + L)
+        h = self.model(new_ids, pos, mask, kv=kv, start=C)  # (B, L, H)
+        self.kv = self.model.new_kv(copies.numel(), C + L + self.new - 1, self.dtype)
+        self.kv.keys[:, :, :, :C + L], self.kv.values[:, :, :, :C + L] = (
+            kv.keys[:, copies], kv.values[:, copies])
+        self.filled, self.prompts = C + L, [prompts[i] for i in copies.tolist()]
+        rot = torch.arange(C + L + self.new, device=pos.device)[None]
+        cos, sin = self.model.rope(rot)  # (1, cap, 1, d): the table, built once
+        self.cos, self.sin = cos[0, :, 0], sin[0, :, 0]  # (cap, d)
+        return self.model.logits(h[:, -1]).float()[copies], cols[copies].long()
 
-    def select(self, keep: torch.Tensor) -> None:
-        self.kv.select(keep, self.filled)
+    def keep(self, rows, cols, tokens, keep: torch.Tensor | None) -> None:
+        """Rows leave the batch (all but `keep`; all when None): their cached keys/values are kept
+        for the next turn first. rows (n,) their rollout rows; cols (n, filled) their valid cache
+        columns; tokens (N, T) every row's sampled tokens."""
+        if self.prefixes is not None:
+            gone = torch.ones(rows.numel(), dtype=torch.bool, device=rows.device)
+            if keep is not None:
+                gone[keep] = False
+            for j in gone.nonzero().squeeze(1).tolist():
+                valid = cols[j].bool()  # (filled,)
+                r = int(rows[j])
+                fed = int(valid.sum()) - len(self.prompts[r])
+                ids = tuple(self.prompts[r] + tokens[r, :fed].tolist())
+                # (layers, nkv, c, d)
+                k, v = (b[:, j, :, :self.filled][:, :, valid] for b in (self.kv.keys,
+                                                                         self.kv.values))
+                self.prefixes.rows.setdefault(ids, (k, v))
+        if keep is not None:
+            self.kv.select(keep, self.filled)
 
     def step(self, tok, attn, pos) -> torch.Tensor:
         at = pos[:, 0]  # (n,)

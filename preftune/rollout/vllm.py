@@ -183,6 +183,12 @@ class VLLMEngine:
         yield {"vllm/weight_push_s": push_s}
         self.sleep()
 
+    @contextlib.contextmanager
+    def conversation(self):
+        """The tool loop's turns: vLLM's prefix cache finds each later turn's prompt by its
+        tokens, so nothing is kept here."""
+        yield None
+
     def sleep(self) -> None:
         """GPU with grpo.vllm_enable_sleep_mode: free the weights' and the KV cache's memory for
         training. Level 2 discards the weights instead of copying them to host memory: the next

@@ -2,6 +2,7 @@
 tool tokens masked and stop tokens kept, every failing-tool case, bad input at start."""
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -84,6 +85,10 @@ class Scripted:
 
     def __init__(self, tok, script: list[list[str]]):
         self.tok, self.script, self.seen, self.turn_of = tok, script, [], {}
+
+    @contextlib.contextmanager
+    def conversation(self):
+        yield None
 
     def generate(self, prompts, positions, *, num_generations, max_new_tokens, eos_id, pad_id, turn=0, **kw):
         rows = []

@@ -129,6 +129,9 @@ class _ForcedFirstTurn:
     def __init__(self, inner, forced: list[int]):
         self.inner, self.forced, self.with_logps = inner, forced, inner.with_logps
 
+    def conversation(self):
+        return self.inner.conversation()
+
     def generate(self, prompts, positions, *, turn=0, **kw):
         if turn:
             return self.inner.generate(prompts, positions, turn=turn, **kw)
