@@ -28,6 +28,7 @@ from preftune.losses.dpo import (TOKEN_SUMS, check_dpo_options, dpo_loss_multi,
 from preftune.model.load import to_device
 from preftune.model.logps import list_logps, microbatches
 from preftune.distributed import fsdp
+from preftune.algorithms.router import Routers, reduce_metrics
 
 
 @dataclass
@@ -159,14 +160,15 @@ def pair_loss(model, batch: list[EncodedPair], ref: torch.Tensor | None, d: DPOC
     return loss, m | {"loss": loss.detach()} | dict(zip(_SUMS, sums.unbind())), lp.detach()
 
 
-def fold_metrics(parts: list, B: int, extra: dict, dp: Parallel) -> dict:
+def fold_metrics(parts: list, B: int, extra: dict, dp: Parallel,
+                 routers: Routers | None = None) -> dict:
     """Micro-batches' metrics (read in one host sync) -> the batch's over every rank: pair means
     by each micro-batch's share b/B, token metrics from their summed parts."""
     totals = dict(extra)
     for (b, _), m in zip(parts, read_once([m for _, m in parts])):
         for k, v in m.items():
             totals[k] = totals.get(k, 0.0) + (v if k in _SUMS else v * b / B)
-    totals = dp.reduce_metrics(totals)  # sums over the ranks
+    totals = reduce_metrics(dp, totals, routers)  # sums over the ranks
     return totals | token_metrics([totals.pop(k, 0.0) for k in _SUMS])
 
 
@@ -224,6 +226,7 @@ class DPOTask:
             self.ref_model = model if cfg.model.lora.enabled else fsdp.load(
                 self.dp, cfg.model, cfg.model.name_or_path, trainable=False)
         self.stream = IndexStream(len(self.encoded), cfg.seed, cfg.data.shuffle)
+        self.routers = Routers.of(model, cfg.model.router_aux_loss_coef)
         # TRL's eval_dataset of pairs
         self.held_out, self.eval_ref = held_out_pairs(cfg, tokenizer), None
 
@@ -249,7 +252,10 @@ class DPOTask:
             batch = [self.encoded[i] for i in part]
             loss, m = self._pair_loss(model, batch, None if self.ref is None else self.ref[part])
             # per-pair means: a micro-batch of b pairs weighs b/B
-            (loss * (len(part) / B)).backward()
+            loss = loss * (len(part) / B)
+            if self.routers is not None:
+                loss = self.routers.added(loss, len(part) / B)
+            loss.backward()
             parts.append((len(part), m))
             tokens += sum(2 * len(e.prompt) + len(e.chosen) + len(e.rejected) for e in batch)
         return self._fold(parts, B, {"num_tokens": tokens})
@@ -264,7 +270,7 @@ class DPOTask:
         return pair_loss(model, batch, ref, self.d, self.pad_id, self.device)[:2]
 
     def _fold(self, parts: list, B: int, extra: dict) -> dict:
-        return fold_metrics(parts, B, extra, self.dp)
+        return fold_metrics(parts, B, extra, self.dp, self.routers)
 
     def evaluator(self):
         """With held-out pairs (data.eval a pairs file): (model, step) -> TRL's eval metrics of the

@@ -41,6 +41,7 @@ from preftune.rollout.offline import OfflineSource, group_tools
 from preftune.rollout.online import OnlineSource
 from preftune.rollout.sampler import Rollout
 from preftune.rollout.agent import build_agent, dump_trajectories
+from preftune.algorithms.router import Routers, reduce_metrics
 from preftune.rollout.engine import SamplerEngine, make_engine
 from preftune.rollout.scored import Scored
 from preftune.distributed import fsdp
@@ -298,7 +299,7 @@ def step_rows(batch: GRPOBatch, cfg: GRPOConfig, dp: Parallel) -> StepRows:
 
 
 def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, *,
-              dp: Parallel) -> dict:
+              dp: Parallel, routers: Routers | None = None) -> dict:
     """Forward/backward over micro-batches of the rows that can move the policy (`step_rows`);
     the caller steps the optimizer. `rows_skipped` counts the rows left out and `entropy` is over
     the rows run. Tested: 2 ranks equal 1 process, micro-batch splits equal one pass, skipping
@@ -311,6 +312,8 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, *,
     for _ in range(int(dp.max(len(slices))[0]) - len(slices)):  # FSDP: as many passes per rank
         check()
         idle_pass(model, ro)
+        if routers is not None:  # a padding token's routes: no part of the batch
+            routers.record.take()
     for sl in slices:
         check()  # preemption: may abandon the step between micro-batches
         logps, entropy = completion_logps(model, s.prompt_ids[sl], s.prompt_mask[sl],
@@ -329,6 +332,8 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, *,
                             kl_ratio_correction=cfg.use_bias_correction_kl, sync_metrics=False,
                             importance_weights=None if s.is_weights is None else s.is_weights[sl],
                             vespo=vespo_options(cfg))
+        if routers is not None:
+            loss = routers.added(loss, (sl.stop - sl.start) / max(s.batch_seqs, 1))
         loss.backward()
         parts.append((sl, m | {"loss": loss.detach(),
                                "entropy_sum": (entropy.detach() * s.mask[sl]).sum()}))
@@ -340,7 +345,7 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, *,
         _skipped_rows(model, totals, s, cfg)
     totals["entropy"] = ent_sum / max(s.run_tokens, 1.0)
     totals["rows_skipped"] = float(s.skipped)
-    return dp.reduce_metrics(totals, EXTREMES)
+    return reduce_metrics(dp, totals, routers, EXTREMES)
 
 
 def _skipped_rows(model, totals: dict, s: StepRows, cfg: GRPOConfig) -> None:
@@ -479,6 +484,7 @@ class GRPOTask:
         elif self.g.beta > 0:  # the reference is only needed for the KL term
             self.ref_model = fsdp.load(self.dp, cfg.model, cfg.model.name_or_path, trainable=False)
         self.pending: GRPOBatch | None = None
+        self.routers = Routers.of(model, cfg.model.router_aux_loss_coef)
 
     def prepare(self, model) -> None:
         """Nothing to compute from the initial weights (the reference model, if any, is loaded)."""
@@ -496,7 +502,8 @@ class GRPOTask:
                                   scored, self.tokenizer, self.g.log_trajectories)
             stop.check()
             self.pending = new_batch(scored, model, self.ref_model, self.g, self.dp)
-        m = grpo_step(model, self.pending, self.g, check=stop.check, dp=self.dp)
+        m = grpo_step(model, self.pending, self.g, check=stop.check, dp=self.dp,
+                      routers=self.routers)
         m.update(self.pending.metrics)
         ro = self.pending.rollout
         tokens, truncated, dropped = self.dp.sum(

@@ -34,6 +34,7 @@ from preftune.losses.kto import kto_loss, kto_reference_point, weight_advice
 from preftune.model.load import to_device
 from preftune.model.logps import list_logps, microbatches
 from preftune.distributed import fsdp
+from preftune.algorithms.router import Routers, reduce_metrics
 
 log = logging.getLogger("preftune")
 
@@ -108,6 +109,7 @@ class KTOTask:
             log.warning(advice)
         self.pad_id = tokenizer.pad_token_id
         self.slots = fixed_batches(len(self.encoded), self.k.batch_size, cfg.seed, cfg.data.shuffle)
+        self.routers = Routers.of(model, cfg.model.router_aux_loss_coef)
         self.stream = IndexStream(len(self.slots) // self.k.batch_size, cfg.seed, cfg.data.shuffle)
         # (n_slots, 2) [matched, mismatched], or (n_slots, 1): from a checkpoint, else prepare()
         self.ref = None
@@ -196,6 +198,8 @@ class KTOTask:
                                   device=lp.device)
             loss, m = kto_loss(lp, ref, labels, None, None, kl=z, normaliser=B,
                                counts=counts, sync_metrics=False, **kw)
+            if self.routers is not None:
+                loss = self.routers.added(loss, len(part) / B)
             loss.backward()  # each part's summed losses over the whole batch's B: the parts add up
             # z is the same for every part: shares that add up to it
             m["kl"] = m["kl"] * (len(part) / B)
@@ -204,7 +208,7 @@ class KTOTask:
         totals = {k: sum(r[k] for r in read) for k in read[0]}
         rows = self.rows(mine) + (self.rows(mine, mismatched=True) if self.with_kl else [])
         totals["num_tokens"] = sum(len(p) + len(c) for p, c, _ in rows)
-        return self.dp.reduce_metrics(totals)
+        return reduce_metrics(self.dp, totals, self.routers)
 
     def state_dict(self) -> dict:
         # the reference log-probs too: a resume on a fresh node then needs no reference pass

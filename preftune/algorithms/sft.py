@@ -22,6 +22,7 @@ from preftune.distributed.group import Parallel
 from preftune.errors import UserError
 from preftune.losses.sft import sft_loss
 from preftune.model.logps import list_logps, microbatches
+from preftune.algorithms.router import Routers, reduce_metrics
 
 
 @dataclass
@@ -84,6 +85,7 @@ class SFTTask:
                             f"{stats['prompts_dropped']})", where=cfg.data.train)
         self.pad_id = tokenizer.pad_token_id
         self.stream = IndexStream(len(self.encoded), cfg.seed, cfg.data.shuffle)
+        self.routers = Routers.of(model, cfg.model.router_aux_loss_coef)
 
     def prepare(self, model) -> None:
         """Nothing to compute from the initial weights."""
@@ -106,18 +108,22 @@ class SFTTask:
             stop.check()
             logps, entropy = self.logps(model, mine[sl])  # (n,), (n,)
             loss = sft_loss(logps, torch.ones_like(logps), n_items)
+            if self.routers is not None:
+                loss = self.routers.added(loss, (sl.stop - sl.start) / B)
             # normalised by the step's token count: micro-batches and ranks add up exactly
             loss.backward()
             loss_sum += loss.item()
             entropy_sum += entropy.sum().item()
         # partial sums of this rank's share, added up over the ranks
-        return self.dp.reduce_metrics(
+        return reduce_metrics(
+            self.dp,
             {
                 "loss": loss_sum,
                 "entropy": entropy_sum / n_items,
                 "completions/mean_length": sum(len(e.completion) for e in mine) / B,
                 "num_tokens": sum(len(e) for e in mine),
-            }
+            },
+            self.routers,
         )
 
     def state_dict(self) -> dict:

@@ -61,6 +61,10 @@ class ModelConfig:
         peer="TRL use_liger_kernel (a different kernel set)")
     compile: bool = knob(False,
                          "torch.compile each block of preftune's own module (the training passes)")
+    router_aux_loss_coef: float | None = knob(
+        None, "mixture of experts: weight of the routers' load-balancing loss (None: the model's "
+              "config.json value; 0: off; an error on a dense model)", range="[0, inf)",
+        peer="TRL router_aux_loss_coef")
     lora: LoraConfig = section(LoraConfig, resume=FIXED)
 
 

@@ -210,6 +210,8 @@ class CausalLM(nn.Module):
     PROJECTIONS: tuple[str, ...] = ()
     # the folder's GenerationConfig (model/load.py), written back by save_pretrained
     generation_config = None
+    # a mixture of experts' `RouterRecord` while a run records its routers (qwen3_moe.py)
+    router_record = None
     rotary = Rotary
 
     def __init__(self, config, *, autocast_dtype: torch.dtype | None = None):

@@ -18,6 +18,7 @@ forward (chunked, `model/head.py`). The Hugging Face module (other architectures
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 
@@ -127,7 +128,11 @@ def _completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion
             *(to_device(x, device).view(plan.rows, plan.width) for x in (plan.segment, plan.branch))
         )
     dst = to_device(plan.dst, device)  # (K,) flat (row, t) of each predicted completion token
-    with autocast(model):
+    record = base_module(model).router_record  # a mixture of experts' routers, when recorded
+    with (
+        autocast(model),
+        record.pass_(to_device(plan.weights, device)) if record else contextlib.nullcontext(),
+    ):
         logps, entropy = model(ids, pos, mask, index=to_device(plan.src, device),
                                targets=completion_ids.reshape(-1)[dst], temperature=temperature,
                                # (K,)
@@ -182,6 +187,7 @@ class Plan:
     branch: list[int] | None
     src: list[int]
     dst: list[int]
+    weights: list[int]  # per cell the rows it stands for: a trunk's its branches, padding 0
 
 
 def unit_costs(config) -> tuple[int, int]:
@@ -224,12 +230,13 @@ def _layout(packed: list[list[list[int]]], width: int, rows: Rows, P: int, T: in
     n = len(packed) * width
     cells, positions = [0] * n, [0] * n
     segment, branch = ([-1] * n, [0] * n) if masked else (None, None)
-    src, dst = [], []
+    src, dst, weights = [], [], [0] * n
     for r, units in enumerate(packed):
         at = r * width
         for s, unit in enumerate(units):
             b0, p = unit[0], rows.prompt[unit[0]]
             cells[at:at + p], positions[at:at + p] = range(b0 * F + P - p, b0 * F + P), range(p)
+            weights[at:at + p] = [len(unit)] * p
             if masked:
                 segment[at:at + p] = [s] * p
             # the trunk's last cell predicts each branch's first token
@@ -240,6 +247,7 @@ def _layout(packed: list[list[list[int]]], width: int, rows: Rows, P: int, T: in
                     range(b * F + P, b * F + P + c),
                     range(p, p + c),
                 )
+                weights[start:start + c] = [1] * c
                 if masked:
                     segment[start:start + c], branch[start:start + c] = [s] * c, [k + 1] * c
                 if c:
@@ -247,7 +255,7 @@ def _layout(packed: list[list[list[int]]], width: int, rows: Rows, P: int, T: in
                     dst += range(b * T, b * T + c)
                 start += c
             at = start
-    return Plan(len(packed), width, cells, positions, segment, branch, src, dst)
+    return Plan(len(packed), width, cells, positions, segment, branch, src, dst, weights)
 
 
 def pack_rows(lengths: list[int], width: int | None = None) -> tuple[list[list[int]], int]:

@@ -13,6 +13,7 @@ the experts (3-D parameters) train only in a full fine-tune (PEFT's "all-linear"
 also wraps those two)."""
 from __future__ import annotations
 
+import contextlib
 import re
 
 import torch
@@ -78,10 +79,16 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = Experts(config)
         self.top_k, self.renormalise = config.num_experts_per_tok, bool(config.norm_topk_prob)
+        self.record: list | None = None  # the router logits of the pass being recorded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.size(-1))  # (N, H)
-        weights, experts = route(self.gate(h), self.top_k, self.renormalise)  # (N, k)
+        logits = self.gate(h)  # (N, E)
+        # passes with gradients only (not a reference or evaluation pass), and not a checkpointed
+        # block's recompute in backward (the pass has ended by then)
+        if self.record is not None and torch.is_grad_enabled():
+            self.record.append(logits)
+        weights, experts = route(logits, self.top_k, self.renormalise)  # (N, k)
         return grouped_experts(h, experts, weights, self.experts.gate_up_proj,
                                self.experts.down_proj).view(x.shape)
 
@@ -96,6 +103,36 @@ class SparseMoE(nn.Module):
         # (n, H)
         out = grouped_experts(h, experts, weights, w["experts_gate_up"], w["experts_down"])
         return residual + out.to(residual.dtype)
+
+
+class RouterRecord:
+    """The router logits of every sparse layer in the training and reference passes run inside
+    `pass_`, with each token's weight (what it stands for in the batch: `model/logps.Plan`), for
+    the load-balancing loss and the routing metrics (`algorithms/router.py`)."""
+
+    def __init__(self, model: CausalLM):
+        self.layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        self.top_k = self.layers[0].top_k if self.layers else 0
+        self.logits: list[torch.Tensor] = []  # (N, E) each: layer by layer, pass after pass
+        self.weights: list[torch.Tensor] = []  # (N,) each, beside its logits
+
+    @contextlib.contextmanager
+    def pass_(self, weights: torch.Tensor):
+        """One forward pass of (R, W) cells, weights (R W,) flat."""
+        seen: list[torch.Tensor] = []
+        for layer in self.layers:
+            layer.record = seen
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.record = None
+        self.logits += seen
+        self.weights += [weights.reshape(-1)] * len(seen)
+
+    def take(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        out, self.logits, self.weights = (self.logits, self.weights), [], []
+        return out
 
 
 def sparse(config, index: int) -> bool:
