@@ -33,8 +33,9 @@ FAMILIES = {
 }
 
 
-def models(family: str, hidden: int, layers: int):
-    """(the HF module, the own module) of a random `family` model with the same weights."""
+def models(family: str, hidden: int, layers: int, **extra):
+    """(the HF module, the own module) of a random `family` model with the same weights; `extra`:
+    config values over the family's."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from preftune.model.families import own_class
@@ -48,8 +49,8 @@ def models(family: str, hidden: int, layers: int):
     if family.endswith("_moe"):
         kw["experts_implementation"] = "eager"
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **(kw | FAMILIES[family])),
-                                          dtype=torch.float32)
+    config = AutoConfig.for_model(family, **(kw | FAMILIES[family] | extra))
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for p in hf.parameters():  # HF leaves some at 0 or empty: every weight random and small
             p.normal_(0, 0.05)

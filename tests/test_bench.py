@@ -300,6 +300,16 @@ def test_turns_bench_times_both_ways(capsys):
     assert "ratio" in capsys.readouterr().out
 
 
+def test_replay_bench_measures_both_precisions_with_and_without_replay(capsys):
+    from bench import bench_replay
+
+    out = bench_replay.main(["--hidden", "64", "--layers", "1", "--prompts", "2", "--group", "2",
+                             "--prompt-tokens", "4", "--completion", "3"])
+    assert set(out) == {f"{p}/{r}" for p in ("fp32", "bf16") for r in ("free", "replay")}
+    assert out["fp32/free"]["mismatch"] == 0.0 and out["fp32/replay"]["token_max"] < 1e-4
+    assert "mismatch" in capsys.readouterr().out
+
+
 def test_passes_bench_measures_old_and_new_ways(capsys):
     """bench_passes.py runs each pair of ways (the page-fault pair in fresh processes) and leaves the
     sampler as it found it."""

@@ -41,7 +41,7 @@ from preftune.rollout.offline import OfflineSource, group_tools
 from preftune.rollout.online import OnlineSource
 from preftune.rollout.sampler import Rollout
 from preftune.rollout.agent import build_agent, dump_trajectories
-from preftune.algorithms.router import Routers, reduce_metrics
+from preftune.algorithms.router import Routers, reduce_metrics, replay_routes
 from preftune.rollout.engine import SamplerEngine, make_engine
 from preftune.rollout.scored import Scored
 from preftune.distributed import fsdp
@@ -224,8 +224,9 @@ def rollout_logps(model, rollout: Rollout, cfg: GRPOConfig, *, without_adapter: 
                                      rollout.completion_ids[sl], rollout.completion_mask[sl],
                                      temperature=cfg.temperature, rows=rows[sl],
                                      top_k=cfg.top_k if sampling_distribution else 0,
-                                     top_p=cfg.top_p if sampling_distribution else 1.0)
-            out.append(lp)
+                                     top_p=cfg.top_p if sampling_distribution else 1.0,
+                                     routes=None if rollout.routes is None else rollout.routes[sl])
+            out.append(lp)  # (b, T)
     return torch.cat(out)  # (N, T)
 
 
@@ -260,6 +261,7 @@ class StepRows:
     old_logps: torch.Tensor | None  # (n, T)
     ref_logps: torch.Tensor | None  # (n, T)
     is_weights: torch.Tensor | None  # (n, T) or (n, 1)
+    routes: torch.Tensor | None  # (n, P+T, S, k) the sampler's experts (`Rollout.routes`)
     rows: Rows
     tokens: list[float]  # each row's counted tokens
     keep: torch.Tensor | None  # the rows' places in the batch (None: every row)
@@ -290,7 +292,7 @@ def step_rows(batch: GRPOBatch, cfg: GRPOConfig, dp: Parallel) -> StepRows:
     return StepRows(
         *(pick(t) for t in (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask,
                             mask, batch.advantages, ro.old_logps, batch.ref_logps,
-                            batch.is_weights)),
+                            batch.is_weights, ro.routes)),
         rows=batch.sizes() if keep is None else batch.sizes()[kept], tokens=row_tokens,
         keep=keep, skipped=skipped, skipped_with_tokens=skipped > tokens.count(0.0),
         batch_seqs=int(seqs), batch_tokens=total, run_tokens=dp.sum(sum(row_tokens))[0],
@@ -319,7 +321,8 @@ def grpo_step(model, batch: GRPOBatch, cfg: GRPOConfig, check=lambda: None, *,
         logps, entropy = completion_logps(model, s.prompt_ids[sl], s.prompt_mask[sl],
                                           s.completion_ids[sl], s.completion_mask[sl],
                                           temperature=cfg.temperature, with_entropy=True,
-                                          rows=s.rows[sl])  # (b, T) each
+                                          rows=s.rows[sl],
+                                          routes=None if s.routes is None else s.routes[sl])
         if record:  # the policy that sampled this batch, as its later steps' old log-probs
             recorded.append(logps.detach())
         old = None if record or s.old_logps is None else s.old_logps[sl]
@@ -485,6 +488,8 @@ class GRPOTask:
             self.ref_model = fsdp.load(self.dp, cfg.model, cfg.model.name_or_path, trainable=False)
         self.pending: GRPOBatch | None = None
         self.routers = Routers.of(model, cfg.model.router_aux_loss_coef)
+        if self.g.routing_replay:
+            replay_routes(model, self.ref_model)
 
     def prepare(self, model) -> None:
         """Nothing to compute from the initial weights (the reference model, if any, is loaded)."""

@@ -31,6 +31,7 @@ class Routers:
         self.record, self.coef = record, coef
         self.aux = 0.0
         self.counts = self.entropy = self.total = None
+        self.differ = [0.0, 0.0]  # weighted (differing, compared) (layer, token) pairs
 
     @classmethod
     def of(cls, model, coef: float | None) -> "Routers | None":
@@ -58,11 +59,14 @@ class Routers:
     def added(self, loss: torch.Tensor, share: float) -> torch.Tensor:
         """loss + coef x L x share, L the load-balancing loss of the passes since the last call
         (`losses/moe.load_balancing_loss`), `share` this micro-batch's part of the step's batch."""
-        logits, weights = self.record.take()
+        logits, weights, differs = self.record.take()
+        for d, w in differs:  # tokens whose rollout routes differ from the router's, by weight
+            w = w.double().cpu()  # (N,)
+            self.differ = _add(self.differ, [float((w * d.cpu()).sum()), float(w.sum())])
         if not logits:
             return loss
         aux = load_balancing_loss(logits, weights, self.record.top_k)
-        self.aux += float(aux) * share
+        self.aux += float(aux.detach()) * share
         counts, entropy, total = router_counts(logits, weights, self.record.top_k,
                                                len(self.record.layers))
         self.counts = counts if self.counts is None else self.counts + counts
@@ -76,24 +80,31 @@ class Routers:
         if self.counts is None:
             return {}
         out = {"aux_loss": self.aux,
-               SUMS: [float(self.entropy), float(self.total), *self.counts.flatten().tolist()]}
+               SUMS: [float(self.entropy), float(self.total), *self.differ,
+                      *self.counts.flatten().tolist()]}
         self.aux, self.counts, self.entropy, self.total = 0.0, None, None, None
+        self.differ = [0.0, 0.0]
         return out
 
 
     def finish(self, m: dict) -> dict:
-        """The reduced sums -> `moe/router_entropy` (mean over tokens and layers, nats) and
+        """The reduced sums -> `moe/router_entropy` (mean over tokens and layers, nats),
         `moe/expert_load_min` / `_max`: the least and most loaded expert's share of its layer's
-        assignments, over layers (1/E for an even load)."""
+        assignments, over layers (1/E for an even load), and with the rollout's routes
+        `moe/routing_mismatch`: the share of (layer, token) pairs whose rollout experts are not the
+        set the training pass's router picks (with grpo.routing_replay, the ones replay changed)."""
         sums = m.pop(SUMS, None)
         if sums is None:
             return m
-        entropy, total = sums[0], sums[1]
-        counts = torch.tensor(sums[2:]).view(len(self.record.layers), -1)  # (layers, E)
+        entropy, total, differ, compared = sums[:4]
+        counts = torch.tensor(sums[4:]).view(len(self.record.layers), -1)  # (layers, E)
         share = counts / counts.sum(1, keepdim=True).clamp_min(1e-30)  # (layers, E)
-        return m | {"moe/router_entropy": entropy / max(total, 1e-30),
-                    "moe/expert_load_min": float(share.min()),
-                    "moe/expert_load_max": float(share.max())}
+        out = m | {"moe/router_entropy": entropy / max(total, 1e-30),
+                   "moe/expert_load_min": float(share.min()),
+                   "moe/expert_load_max": float(share.max())}
+        if compared:  # the passes were given the rollout's routes
+            out["moe/routing_mismatch"] = differ / compared
+        return out
 
 
 def reduce_metrics(dp, m: dict, routers: Routers | None, extremes: dict | None = None) -> dict:
@@ -103,3 +114,18 @@ def reduce_metrics(dp, m: dict, routers: Routers | None, extremes: dict | None =
         return dp.reduce_metrics(m, extremes)
     both = (extremes or {}) | Routers.EXTREMES
     return routers.finish(dp.reduce_metrics(m | routers.metrics(), both))
+
+
+def replay_routes(*models) -> None:
+    """grpo.routing_replay: the routed layers of the policy (and reference) run the experts the
+    sampler recorded (`qwen3_moe.replayed`). An error on a model without them."""
+    for model in models:
+        if model is None:
+            continue
+        layers = [m for m in base_module(model).modules() if getattr(m, "routed", False)]
+        if not layers:
+            raise UserError(f"{base_module(model).config.model_type} on this path has no routed "
+                            "layers to replay (a mixture of experts on preftune's own module)",
+                            where="grpo.routing_replay")
+        for layer in layers:
+            layer.replay = True

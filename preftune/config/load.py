@@ -56,6 +56,25 @@ def check_vllm(rollout: str) -> None:
                         where="grpo.use_vllm")
 
 
+def check_replay(cfg: Config) -> None:
+    """Routing replay needs the experts the own sampler records in single-turn online rollouts."""
+    g = cfg.grpo
+    why = (
+        "offline groups were not sampled by this model" if g.rollout != "online"
+        else "vLLM's routed experts are not read yet: sample with grpo.use_vllm=false"
+        if g.use_vllm
+        else "a tool loop's later turns reuse cached prompts whose routes are not kept"
+        if g.tools or g.environment_factory
+        else "a rollout_func's completions come without routes" if g.rollout_func
+        else "it needs preftune's own module: set model.lean_forward=true"
+        if not cfg.model.lean_forward
+        else None
+    )
+    if why:
+        raise UserError(f"routing replay needs the own sampler's routes: {why}",
+                        where="grpo.routing_replay")
+
+
 def check_tools(cfg: Config) -> None:
     """Tools run in online rollouts, one engine per rank (`rollout/agent.py`)."""
     if cfg.grpo.rollout != "online":
@@ -138,6 +157,8 @@ def validate(cfg: Config) -> None:
                                                              "aot_unpaired"} & set(dpo_types):
         raise UserError("WPO weighting is per pair; aot and aot_unpaired sort terms across pairs",
                         where="dpo.use_weighting")
+    if cfg.algorithm == "grpo" and cfg.grpo.routing_replay:
+        check_replay(cfg)
     if cfg.algorithm == "grpo" and cfg.grpo.use_vllm:
         check_vllm(cfg.grpo.rollout)
         if (cfg.grpo.loss_type == "vespo" and cfg.grpo.vllm_importance_sampling_correction

@@ -170,9 +170,12 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, x, cos, sin, mask, kv=None, layer: int = 0, start: int = 0) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask, kv=None, layer: int = 0, start: int = 0,
+                routes=None) -> torch.Tensor:
+        """routes (B, L, k): a mixture of experts' recorded experts for these tokens, or None."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, layer, start)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h) if routes is None else self.mlp(h, routes))
 
     def fused(self, dtype: torch.dtype) -> dict:
         """This block's weights for `step`, read once per rollout: q/k/v and gate/up fused into one
@@ -224,6 +227,9 @@ class CausalLM(nn.Module):
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # per block its slot in a rollout's routes (S, k) when its MLP is routed, else None
+        routed = [getattr(b.mlp, "routed", False) for b in blocks]
+        self.route_slots = [sum(routed[:i]) if r else None for i, r in enumerate(routed)]
 
     @classmethod
     def unsupported(cls, config) -> str | None:
@@ -238,38 +244,44 @@ class CausalLM(nn.Module):
         cos, sin = self.model.rotary_emb(self.model.embed_tokens.weight[:1], positions)  # (B, L, r)
         return cos.unsqueeze(2), sin.unsqueeze(2)
 
-    def hidden(self, ids, positions, mask=None, kv=None, start: int = 0) -> torch.Tensor:
+    def hidden(self, ids, positions, mask=None, kv=None, start: int = 0,
+               routes=None) -> torch.Tensor:
         """Hidden states before the final norm (B, L, H). mask: boolean (B, 1, L, S), True where a
-        query may attend a key, or None for plain causal attention over the L tokens."""
+        query may attend a key, or None for plain causal attention over the L tokens. routes
+        (B, L, S, k): the experts a rollout chose per routed layer (`route_slots`), or None."""
         # SDPA turns a boolean mask additive: once, not per layer
         if mask is not None and ids.size(1) > 1:
             mask = torch.zeros(mask.shape, dtype=self.model.embed_tokens.weight.dtype,
                                device=ids.device).masked_fill_(~mask, float("-inf"))
         cos, sin = self.rope(positions)
         x = self.model.embed_tokens(ids)  # (B, L, H)
-        for i, block in enumerate(self.model.layers):
+        for i, (block, slot) in enumerate(zip(self.model.layers, self.route_slots)):
+            # (B, L, k) a routed block's recorded experts, as an argument: a recompute reruns them
+            kw = {} if routes is None or slot is None else {"routes": routes[:, :, slot]}
             if self.checkpointing and torch.is_grad_enabled():  # recompute the block in backward
-                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, **kw,
+                                                      use_reentrant=False)
             else:
-                x = block(x, cos, sin, mask, kv, i, start)
+                x = block(x, cos, sin, mask, kv, i, start, **kw)
         return x
 
     def forward(self, ids, positions, mask=None, *, kv=None, start: int = 0, index=None,
                 targets=None,
                 temperature: float = 1.0,
                 with_entropy: bool = False, top_k: int = 0,
-                top_p: float = 1.0, stats: bool = False):
+                top_p: float = 1.0, stats: bool = False, routes=None):
         """Log-probs (K,) of `targets` (K,) predicted at flat positions `index` (K,) of the rows
         (R, L), and optionally the entropy; the final norm and the (chunked) vocabulary projection
         run here, inside the root module, so a sharded head is whole for them. Without `index`, the
         hidden states (a prefill writing `kv` from column `start`, attending the columns before it).
-        Every pass enters here: FSDP2 runs the root's hooks."""
+        Every pass enters here: FSDP2 runs the root's hooks. `routes` (R, L, S, k): `hidden`'s."""
         if index is None:
             return self.hidden(ids, positions, mask, kv=kv, start=start)  # (R, L, H)
         # index_select, not h[index]: a trunk's last token predicts every branch's first token, so
         # `index` repeats positions, and the backward of h[index] adds the repeats with racing
         # atomics on CPU (run-to-run differences on a busy machine); index_add_ adds them in order
-        h = self.hidden(ids, positions, mask).flatten(0, 1).index_select(0, index)  # (K, H)
+        h = self.hidden(ids, positions, mask,
+                        routes=routes).flatten(0, 1).index_select(0, index)  # (K, H)
         return head_logps(self.model.norm(h), self.lm_head, targets, temperature=temperature,
                           with_entropy=with_entropy, top_k=top_k, top_p=top_p, stats=stats)
 

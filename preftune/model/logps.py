@@ -84,8 +84,9 @@ class Rows:
 def completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
                      temperature: float = 1.0, with_entropy: bool = False, rows: Rows | None = None,
                      pack: bool = True, top_k: int = 0, top_p: float = 1.0,
-                     loss_mask: torch.Tensor | None = None,
-                     stats: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     loss_mask: torch.Tensor | None = None, stats: bool = False,
+                     routes: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(y_t | x, y_<t) for each completion token -> (B, T), and optionally the entropy (B, T),
     0 at padding. Logits are divided by the sampling temperature (the ratio is taken against the
     distribution the completions were drawn from, as TRL does). `rows` (these rows' `Rows`)
@@ -94,10 +95,14 @@ def completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_
     no entropy). `stats`: instead of the entropy, `head.token_stats` (B, T, 4), 0 at padding.
     `loss_mask` (B, T): 0 at completion tokens that are not the policy's (a tool's output inside an
     agent response): they stay in the sequence (attended to) but their log-prob and entropy (or
-    stats) are 0, with no gradient; None or all ones gives exactly the unmasked result."""
+    stats) are 0, with no gradient; None or all ones gives exactly the unmasked result.
+    `routes` (B, P+T, S, k): a mixture of experts' experts per [prompt | completion] token and
+    routed layer, recorded by the sampler (-1: none), which the routed layers replay or compare
+    with (`qwen3_moe.SparseMoE`); the own module only."""
     logps, entropy = _completion_logps(model, prompt_ids, prompt_mask,
                                        completion_ids, completion_mask,
-                                       temperature, with_entropy, rows, pack, top_k, top_p, stats)
+                                       temperature, with_entropy, rows, pack, top_k, top_p, stats,
+                                       routes)
     if loss_mask is None:
         return logps, entropy
     keep = loss_mask.to(device=logps.device).bool()  # (B, T)
@@ -108,7 +113,8 @@ def completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_
 
 def _completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                       temperature, with_entropy,
-                      rows, pack, top_k, top_p, stats) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      rows, pack, top_k, top_p, stats,
+                      routes=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     if rows is None:
         rows = Rows.read(prompt_ids, prompt_mask, completion_mask)
     if rows.prompt and min(rows.prompt) < 1:
@@ -128,6 +134,11 @@ def _completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion
             *(to_device(x, device).view(plan.rows, plan.width) for x in (plan.segment, plan.branch))
         )
     dst = to_device(plan.dst, device)  # (K,) flat (row, t) of each predicted completion token
+    if routes is not None:  # each cell's token's routes; padding cells' are never attended to
+        cells = to_device(plan.cells, device)
+        # (R, W, S, k)
+        routes = routes.to(device).flatten(0, 1)[cells].view(plan.rows, plan.width,
+                                                              *routes.shape[2:])
     record = base_module(model).router_record  # a mixture of experts' routers, when recorded
     with (
         autocast(model),
@@ -136,7 +147,8 @@ def _completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion
         logps, entropy = model(ids, pos, mask, index=to_device(plan.src, device),
                                targets=completion_ids.reshape(-1)[dst], temperature=temperature,
                                # (K,)
-                               with_entropy=with_entropy, top_k=top_k, top_p=top_p, stats=stats)
+                               with_entropy=with_entropy, top_k=top_k, top_p=top_p, stats=stats,
+                               routes=routes)
     out = logps.new_zeros(B * T).index_copy(0, dst, logps).view(B, T)
     ent = (
         None

@@ -38,6 +38,29 @@ def route(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor
     return weights.to(logits.dtype), experts
 
 
+def replayed(logits: torch.Tensor, routes: torch.Tensor,
+             renormalise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Routing replay (R3, arXiv 2510.11370): router logits (N, E) and recorded experts (N, k)
+    (-1 where none was recorded: that token keeps the router's own top k) -> weights (N, k), the
+    experts run (N, k) and which tokens' recorded set differs from the router's own (N,). The
+    weights are the current router's probabilities of the recorded experts, as `route` forms
+    them, so the router still gets gradients and equal choices give `route`'s exact values."""
+    probs = logits.softmax(-1, dtype=ROUTER_DTYPE)  # (N, E)
+    own = probs.topk(routes.size(-1), dim=-1).indices  # (N, k)
+    experts = torch.where(routes[:, :1] >= 0, routes.long(), own)  # (N, k)
+    weights = probs.gather(-1, experts)  # (N, k)
+    if renormalise:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(logits.dtype), experts, differing(own, routes)
+
+
+def differing(own: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
+    """(N,) True where a token's recorded experts (N, k) are not the set the router chose (N, k);
+    False where none was recorded (-1)."""
+    same = (own.sort(-1).values == routes.long().sort(-1).values).all(-1)  # (N,)
+    return (routes[:, 0] >= 0) & ~same
+
+
 def grouped_experts(x: torch.Tensor, experts: torch.Tensor,
                     weights: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor) -> torch.Tensor:
@@ -74,21 +97,40 @@ class Experts(nn.Module):
 class SparseMoE(nn.Module):
     """The router (`gate`, no bias) and the experts of one sparse layer."""
 
+    routed = True  # its block takes a rollout's routes (`CausalLM.route_slots`)
+
     def __init__(self, config):
         super().__init__()
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = Experts(config)
         self.top_k, self.renormalise = config.num_experts_per_tok, bool(config.norm_topk_prob)
         self.record: list | None = None  # the router logits of the pass being recorded
+        self.differs: list | None = None  # beside them, (N,) recorded route != the router's own
+        self.captured: list | None = None  # a rollout's chosen experts (`RouteCapture`)
+        # given recorded routes: run them (grpo.routing_replay), else only compare with them
+        self.replay = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routes: torch.Tensor | None = None) -> torch.Tensor:
+        """x (..., H); routes (..., k) the experts the rollout chose for these tokens, or None."""
         h = x.reshape(-1, x.size(-1))  # (N, H)
         logits = self.gate(h)  # (N, E)
         # passes with gradients only (not a reference or evaluation pass), and not a checkpointed
         # block's recompute in backward (the pass has ended by then)
-        if self.record is not None and torch.is_grad_enabled():
+        recording = self.record is not None and torch.is_grad_enabled()
+        if recording:
             self.record.append(logits)
-        weights, experts = route(logits, self.top_k, self.renormalise)  # (N, k)
+        if routes is not None and self.replay:
+            weights, experts, differs = replayed(logits, routes.reshape(-1, self.top_k),
+                                                 self.renormalise)  # (N, k), (N, k), (N,)
+        else:
+            weights, experts = route(logits, self.top_k, self.renormalise)  # (N, k)
+            # the rollout's routes only measure the mismatch
+            differs = None if routes is None else differing(experts,
+                                                            routes.reshape(-1, self.top_k))
+        if recording and differs is not None:
+            self.differs.append(differs)
+        if self.captured is not None:
+            self.captured.append(experts)
         return grouped_experts(h, experts, weights, self.experts.gate_up_proj,
                                self.experts.down_proj).view(x.shape)
 
@@ -100,6 +142,8 @@ class SparseMoE(nn.Module):
     def step(self, residual: torch.Tensor, h: torch.Tensor, w: dict) -> torch.Tensor:
         """residual + this layer's experts on normed h (n, H)."""
         weights, experts = route(F.linear(h, w["router"]), self.top_k, self.renormalise)  # (n, k)
+        if self.captured is not None:
+            self.captured.append(experts)
         # (n, H)
         out = grouped_experts(h, experts, weights, w["experts_gate_up"], w["experts_down"])
         return residual + out.to(residual.dtype)
@@ -115,24 +159,53 @@ class RouterRecord:
         self.top_k = self.layers[0].top_k if self.layers else 0
         self.logits: list[torch.Tensor] = []  # (N, E) each: layer by layer, pass after pass
         self.weights: list[torch.Tensor] = []  # (N,) each, beside its logits
+        # (N,) each: a token's recorded route differs from its router's (passes given routes)
+        self.differs: list[tuple[torch.Tensor, torch.Tensor]] = []  # with the weights
 
     @contextlib.contextmanager
     def pass_(self, weights: torch.Tensor):
         """One forward pass of (R, W) cells, weights (R W,) flat."""
         seen: list[torch.Tensor] = []
+        differs: list[torch.Tensor] = []
         for layer in self.layers:
-            layer.record = seen
+            layer.record, layer.differs = seen, differs
         try:
             yield
         finally:
             for layer in self.layers:
-                layer.record = None
+                layer.record = layer.differs = None
+        w = weights.reshape(-1)
         self.logits += seen
-        self.weights += [weights.reshape(-1)] * len(seen)
+        self.weights += [w] * len(seen)
+        self.differs += [(d, w) for d in differs]
 
-    def take(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        out, self.logits, self.weights = (self.logits, self.weights), [], []
+    def take(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list]:
+        """(logits, weights, differs) recorded since the last call."""
+        out = self.logits, self.weights, self.differs
+        self.logits, self.weights, self.differs = [], [], []
         return out
+
+
+class RouteCapture:
+    """The experts each sparse layer chose in the calls made inside `call` (the own sampler's
+    prefill and decode steps), as (N, S, k) per call: S sparse layers, int16, for the rollout's
+    `routes`."""
+
+    def __init__(self, model: CausalLM):
+        self.layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+
+    @contextlib.contextmanager
+    def call(self, out: list):
+        """Appends this call's (N, S, k) routes to `out` once the call returns."""
+        seen: list[torch.Tensor] = []
+        for layer in self.layers:
+            layer.captured = seen
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.captured = None
+        out.append(torch.stack(seen, 1).to(torch.int16))  # (N, S, k)
 
 
 def sparse(config, index: int) -> bool:

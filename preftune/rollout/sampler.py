@@ -22,6 +22,7 @@ from preftune.distributed.fsdp import whole
 from preftune.model.head import filter_logits
 from preftune.model.core import CausalLM
 from preftune.model.load import autocast, base_module, cache_kwarg
+from preftune.model.qwen3_moe import RouteCapture
 
 
 @dataclass(slots=True)
@@ -38,6 +39,9 @@ class Rollout:
     sampling_logps: torch.Tensor | None = None
     # (N, T) 1 sampled, 0 a tool's result (`rollout/agent.py`); None: all 1
     tool_mask: torch.Tensor | None = None
+    # (N, P+T, S, k) int16: a mixture of experts' chosen experts per [prompt | completion] token
+    # and routed layer, -1 where none (padding, the last token); the own sampler's, else None
+    routes: torch.Tensor | None = None
 
     def loss_mask(self) -> torch.Tensor:
         """(N, T) the completion tokens the policy sampled: the completion mask without tool
@@ -135,13 +139,14 @@ def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id,
                     attn[keep],
                     next_pos[keep],
                 )
-            logits = decoder.step(tok, attn[:, :P + t + 1], next_pos)  # (n, V)
+            logits = decoder.step(tok, attn[:, :P + t + 1], next_pos, rows)  # (n, V)
             next_pos = next_pos + 1
         decoder.keep(rows, attn[:, :decoder.filled], tokens, None)
     # a normal tensor again
     out = assemble(prompt_ids[copies], prompt_mask[copies], tokens.clone(), eos_id)
     if logps is not None:
         out.sampling_logps = logps[:, :out.completion_ids.size(1)].clone()
+    out.routes = decoder.routes(prompt_ids.size(1), out.completion_ids.size(1))
     return out
 
 
@@ -188,7 +193,10 @@ class _HFDecoder:
         if keep is not None:
             self.cache.batch_select_indices(keep)
 
-    def step(self, tok, attn, pos) -> torch.Tensor:
+    def routes(self, P: int, T: int) -> None:
+        return None  # the Hugging Face module's routers are not read
+
+    def step(self, tok, attn, pos, rows=None) -> torch.Tensor:
         out = self.model(input_ids=tok[:, None], attention_mask=attn,
                          position_ids=pos, use_cache=True, **{self.kw: self.cache})
         self.filled += 1
@@ -228,6 +236,11 @@ class _OwnDecoder:
         )
         self.model, self.new, self.prefixes, self.filled = model, max_new_tokens, prefixes, 0
         self.weights = model.decoding(self.dtype)
+        # a mixture of experts' routes, outside a conversation (a kept prefix's are not kept)
+        capture = RouteCapture(model) if prefixes is None else None
+        self.capture = capture if capture is not None and capture.layers else None
+        self.prefilled: list[torch.Tensor] = []  # (B L, S, k): the prefill's routes
+        self.decoded: list[tuple[torch.Tensor, torch.Tensor]] = []  # per step (rows, (n, S, k))
 
     def prefill(self, prompt_ids, prompt_mask, copies) -> tuple[torch.Tensor, torch.Tensor]:
         """Each distinct prompt once -> last-position logits (N, V) and the prompt's cache columns
@@ -255,7 +268,9 @@ class _OwnDecoder:
         itself = torch.zeros(L, C + L, dtype=torch.bool, device=pos.device)
         itself[:, C:] = torch.eye(L, dtype=torch.bool, device=pos.device)
         mask = (causal & cols[:, None, None, :]) | itself  # (B, 1, L, C + L)
-        h = self.model(new_ids, pos, mask, kv=kv, start=C)  # (B, L, H)
+        with self.capture.call(self.prefilled) if self.capture else contextlib.nullcontext():
+            h = self.model(new_ids, pos, mask, kv=kv, start=C)  # (B, L, H)
+        self.copies, self.new_mask = copies, new_mask
         self.kv = self.model.new_kv(copies.numel(), C + L + self.new - 1, self.dtype)
         self.kv.keys[:, :, :, :C + L], self.kv.values[:, :, :, :C + L] = (
             kv.keys[:, copies], kv.values[:, copies])
@@ -285,12 +300,32 @@ class _OwnDecoder:
         if keep is not None:
             self.kv.select(keep, self.filled)
 
-    def step(self, tok, attn, pos) -> torch.Tensor:
+    def step(self, tok, attn, pos, rows) -> torch.Tensor:
+        """The new token of each row still in the batch (`rows`, its rollout rows) -> (n, V)."""
         at = pos[:, 0]  # (n,)
-        logits = self.model.step(tok, self.cos[at], self.sin[at], attn.bool(), self.kv,
-                                 self.filled, self.weights)
+        out: list[torch.Tensor] = []
+        with self.capture.call(out) if self.capture else contextlib.nullcontext():
+            logits = self.model.step(tok, self.cos[at], self.sin[at], attn.bool(), self.kv,
+                                     self.filled, self.weights)
+        if out:
+            self.decoded.append((rows, out[0]))
         self.filled += 1
         return logits.float()  # (n, V)
+
+    def routes(self, P: int, T: int) -> torch.Tensor | None:
+        """The rollout's routes (N, P+T, S, k) (`Rollout.routes`): the prefill's for the prompt
+        (left-padded to P), decode step t's for completion token t (the token it fed)."""
+        if not self.prefilled:
+            return None
+        B, L = self.new_mask.shape
+        new = self.prefilled[0].view(B, L, *self.prefilled[0].shape[1:])  # (B, L, S, k)
+        new = new.masked_fill(~self.new_mask.bool()[:, :, None, None], -1)
+        N = self.copies.numel()
+        out = new.new_full((N, P + T, *new.shape[2:]), -1)  # (N, P+T, S, k)
+        out[:, P - L:P] = new[self.copies]
+        for t, (rows, r) in enumerate(self.decoded[:T]):
+            out[rows, P + t] = r
+        return out
 
 
 def draw(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, greedy: bool,
@@ -377,7 +412,8 @@ def select(ro: Rollout, rows: torch.Tensor | list[int]) -> Rollout:
     return Rollout(prompt_ids=ro.prompt_ids[rows], prompt_mask=ro.prompt_mask[rows],
                    completion_ids=ro.completion_ids[rows], completion_mask=ro.completion_mask[rows],
                    truncated=ro.truncated[rows], old_logps=pick(ro.old_logps),
-                   sampling_logps=pick(ro.sampling_logps), tool_mask=pick(ro.tool_mask))
+                   sampling_logps=pick(ro.sampling_logps), tool_mask=pick(ro.tool_mask),
+                   routes=pick(ro.routes))
 
 
 def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
@@ -408,4 +444,20 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
         if has_sampling
         else None,
         tool_mask=torch.cat([rpad(r.loss_mask(), T, 0) for r in rollouts]) if has_tools else None,
+        routes=_concat_routes(rollouts, P, T),
     )
+
+
+def _concat_routes(rollouts: list[Rollout], P: int, T: int) -> torch.Tensor | None:
+    """The rollouts' routes, their prompts' left-padded to P and completions' right-padded to T."""
+    # a round with no rows (a rank without prompts) has none to give
+    if any(r.routes is None and r.completion_ids.size(0) for r in rollouts) \
+            or all(r.routes is None for r in rollouts):
+        return None
+    parts = []
+    for r in (r for r in rollouts if r.routes is not None):
+        p, t = r.prompt_ids.size(1), r.completion_ids.size(1)
+        part = r.routes.new_full((r.routes.size(0), P + T, *r.routes.shape[2:]), -1)
+        part[:, P - p:P], part[:, P:P + t] = r.routes[:, :p], r.routes[:, p:]
+        parts.append(part)
+    return torch.cat(parts)

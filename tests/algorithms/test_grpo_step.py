@@ -209,6 +209,9 @@ def test_batch_state_dict_round_trip(tokenizer):
     ro.old_logps = torch.randn(ro.completion_ids.shape)
     ro.sampling_logps = torch.randn(ro.completion_ids.shape)
     ro.tool_mask = (torch.rand(ro.completion_ids.shape) > 0.2).long()  # an agent rollout's
+    # a mixture of experts' routes (N, P+T, S, k)
+    ro.routes = torch.randint(-1, 4, (N, ro.prompt_ids.size(1) + ro.completion_ids.size(1), 2, 2),
+                              dtype=torch.int16)
     b = GRPOBatch(ro, torch.randn(N), torch.randn(ro.completion_ids.shape), {"reward": 0.5},
                   is_weights=torch.rand(N, 1))
     again = GRPOBatch.from_state_dict(b.state_dict())
