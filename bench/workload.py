@@ -30,6 +30,12 @@ _RAND3M = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
 SHAPES = {
     "rand3m": _RAND3M,
     "rand3m-v32k": _RAND3M | {"vocab_size": 32768},  # the vocabulary size of real tokenizers
+    # the same body in the other families the own module runs (issue 38's speed rows)
+    "rand3m-glm4": _RAND3M | {"model_type": "glm4", "head_dim": 64,
+                              "partial_rotary_factor": 0.5},
+    "rand3m-moe": _RAND3M | {"model_type": "qwen3_moe", "head_dim": 64, "num_experts": 8,
+                             "num_experts_per_tok": 2, "moe_intermediate_size": 384,
+                             "norm_topk_prob": True},
     # Qwen2.5-0.5B's shape (494M parameters), for the GPU table. Stored in bfloat16, as that model
     # is published: half the bytes to write and to read in each of the suite's runs, and both
     # benches load float32 master weights explicitly, so the stored precision does not change what
@@ -77,14 +83,16 @@ def generated_config(name: str) -> dict:
 
 def write_model(name: str, path: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     cfg = generated_config(name)
+    model_type = cfg.pop("model_type", "qwen2")
     shutil.rmtree(path, ignore_errors=True)
     torch.manual_seed(0)
     # initialised on the CPU, in the stored dtype: the same weights on every machine, and a bf16
     # init of the 0.5B model takes seconds on a GPU host's cores
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**cfg), dtype=getattr(torch, cfg["dtype"]))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg),
+                                             dtype=getattr(torch, cfg["dtype"]))
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(EXAMPLES / "model").save_pretrained(path)
     for f in (EXAMPLES / "model").glob("*.jinja"):

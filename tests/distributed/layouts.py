@@ -39,6 +39,26 @@ def weights(c_mask, rows: slice):
     return w[:, : c_mask.size(1)]
 
 
+def routes(rows: slice, p_mask, c_mask, model):
+    """With routing replay: fixed random experts per (row, position, routed layer), laid out as a
+    rollout's routes (b, P+T, S, k), -1 at padding; None for a model without routed layers."""
+    layers = [m for m in model.modules() if getattr(m, "routed", False)]
+    if not REPLAY or not layers:
+        return None
+    E, k, S = layers[0].experts.gate_up_proj.size(0), layers[0].top_k, len(layers)
+    g = torch.Generator().manual_seed(11)
+    table = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(len(ROWS) * 16 * S)])
+    table = table.view(len(ROWS), 16, S, k)  # (rows, positions, S, k)
+    mask = torch.cat([p_mask, c_mask], 1).bool()  # (b, P+T)
+    out = torch.full((*mask.shape, S, k), -1, dtype=torch.int16)
+    for b, i in enumerate(range(rows.start, rows.stop)):
+        # a prompt's tokens get one route whatever row holds them, as the sampler's prefill gives
+        first = next(j for j, r in enumerate(ROWS) if r[0] == ROWS[i][0])
+        p, n = len(ROWS[i][0]), int(mask[b].sum())
+        out[b][mask[b]] = torch.cat([table[first, :p], table[i, p:n]]).to(torch.int16)
+    return out
+
+
 def loss_and_logps(model, rows: slice, masked: float, pack: bool):
     L.MASKED = masked
     part = ROWS[rows]
@@ -47,10 +67,20 @@ def loss_and_logps(model, rows: slice, masked: float, pack: bool):
         return torch.zeros(0, 0, dtype=torch.float64)
     p_ids, p_mask, c_ids, c_mask = batch(part)
     logps, ent = L.completion_logps(model, p_ids, p_mask, c_ids, c_mask, with_entropy=True, pack=pack,
-                                    temperature=0.7)  # (b, T)
+                                    temperature=0.7, routes=routes(rows, p_mask, c_mask, model))  # (b, T)
     w = weights(c_mask, rows)
     ((logps * w).sum() + 0.1 * (ent * w).sum()).backward()
     return logps.detach()
+
+
+REPLAY = False
+
+
+def replaying(model):
+    from preftune.algorithms.router import replay_routes
+
+    replay_routes(model)
+    return model
 
 
 def full_grads(model) -> dict[str, torch.Tensor]:
@@ -78,11 +108,16 @@ def float64_norms() -> None:
 def main(out: Path, which: str, n_rows: int) -> None:
     float64_norms()
     dp = init(DistributedConfig(strategy="fsdp"))
+    global REPLAY
+    REPLAY = which.endswith("-replay")  # the experts given, as routing replay runs them
+    which = which.removesuffix("-replay")
     model_type, kw = ARCHS["qwen2" if which in ("own", "hf") else which]
     hf = tiny(model_type, **kw)
     make = (lambda: tiny("qwen2")) if which == "hf" else (lambda: own_class(hf.config).of(hf))
     global ROWS
     ROWS = ROWS[:n_rows]
+    if REPLAY:
+        make = (lambda mk: lambda: replaying(mk()))(make)
     model = fsdp.wrap(Parallel(dp.rank, dp.world, 0, "fsdp", dp.device), make().train())
     share = dp.balanced_share(len(ROWS))
     results = {}

@@ -1,6 +1,7 @@
 """2 ranks compute like 1 process in every layout of the log-prob pass (float64, FSDP2 over gloo):
 each rank's rows' log-probs, and the gradients summed over the ranks, equal one process's on the
-whole batch, including a rank that holds no rows (it joins the collectives with a zero-weight pass)."""
+whole batch, including a rank that holds no rows (it joins the collectives with a zero-weight pass);
+with routing replay too (a mixture of experts running given experts)."""
 from __future__ import annotations
 
 import subprocess
@@ -23,7 +24,7 @@ def run_ranks(tmp_path, which: str, n_rows: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("which, n_rows", [("own", 7), ("own", 1), ("hf", 7), ("glm4", 7),
-                                           ("qwen3-moe", 7)])
+                                           ("qwen3-moe", 7), ("qwen3-moe-replay", 7)])
 def test_two_ranks_compute_like_one_in_every_layout(which, n_rows, tmp_path):
     ranks = run_ranks(tmp_path, which, n_rows)
     layouts = [k for k in ranks[0]["results"] if "/" not in k]
