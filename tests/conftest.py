@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Modules that start a vLLM engine in the test process run in a process of their own
 # (tests/test_vllm_processes.py): the engine changes its host process for good (a default process
 # group, thread binding), which other modules' in-process runs would then inherit.
-VLLM_MODULES = ("rollout/test_vllm.py", "algorithms/test_grpo_vllm.py")
+VLLM_MODULES = ("rollout/test_vllm.py", "rollout/test_vllm_families.py", "algorithms/test_grpo_vllm.py")
 OWN_PROCESS = "PREFTUNE_TEST_VLLM_PROCESS"
 collect_ignore = [] if os.environ.get(OWN_PROCESS) else list(VLLM_MODULES)
 EXAMPLES = ROOT / "examples"

@@ -167,7 +167,7 @@ class VLLMEngine:
                 f"vLLM failed to load the new weights: {one_line(e, with_type=True)}"
             ) from e
         if not self.on_gpu:
-            self.llm.collective_rpc(_refresh_tied_head)
+            self.llm.collective_rpc(_refresh_cpu_prepacking)
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
@@ -212,14 +212,21 @@ def _unlink_shared_memory(since: float, dp) -> None:
                 path.unlink()
 
 
-def _refresh_tied_head(worker) -> None:
-    """vLLM's CPU backend prepacks the output layer at load; a tied one shares the embedding's
-    weight, which a reload never "loads" into the head, so the prepacked copy would stay the old
-    one. Prepacking it again from the (new) shared weight fixes that. Runs in the worker."""
+def _refresh_cpu_prepacking(worker) -> None:
+    """vLLM 0.32's CPU backend prepacks some weights at load into the layout its kernels read, and
+    a reload does not always do it again; runs in the worker after a push of every weight."""
     model = worker.model_runner.model
+    # a tied head shares the embedding's weight, which a reload never "loads" into the head
     head = getattr(model, "lm_head", None)
     if head is not None and getattr(model.config, "tie_word_embeddings", False):
         head.quant_method.process_weights_after_loading(head)
+    # fused-MoE experts: on a weight update vLLM skips the experts' own step (the CPU prepack), so
+    # the new weights sit in checkpoint layout under a kernel that reads the packed one. Packing
+    # twice would scramble them: every push streams every expert, so each is fresh here.
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(layer)
 
 
 def _rollout(prompts, G: int, outputs, max_new_tokens: int, eos_id: int, pad_id: int) -> Rollout:

@@ -77,7 +77,7 @@ def test_sleep_is_a_no_op_on_cpu_and_when_off(model, sleep_mode, on_gpu):
     assert engine.llm.calls == [] and not engine.asleep
     engine.push(model)
     assert ("wake_up", ("weights",)) not in engine.llm.calls
-    assert (("rpc", "_refresh_tied_head") in engine.llm.calls) == (not on_gpu)  # the CPU backend's prepacked head
+    assert (("rpc", "_refresh_cpu_prepacking") in engine.llm.calls) == (not on_gpu)  # the CPU backend's prepacked weights
 
 
 def test_the_loop_samples_awake_and_trains_asleep(data_dir, tmp_path, monkeypatch):  # noqa: F811
