@@ -252,6 +252,11 @@ def _wrap_lora(model, cfg: ModelConfig, path: str):
     lcfg = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                       target_modules=targets, task_type=None if own else "CAUSAL_LM")
     wrapped = get_peft_model(model, lcfg)
+    if own and wrapped.peft_config["default"].target_parameters:  # PEFT rewrote MLP targets
+        raise UserError(f"{model.config.model_type} in preftune's own module adapts "
+                        f"{', '.join(type(model).PROJECTIONS)}: PEFT moves gate/up/down_proj onto "
+                        "its 3-D experts, which the own module does not adapt",
+                        where="model.lora.target_modules")
     # adapter_config.json names the base, as PEFT and TRL write it: from_pretrained(adapter folder)
     # finds it
     wrapped.peft_config["default"].base_model_name_or_path = os.path.abspath(path)

@@ -8,9 +8,9 @@ multiplies its tokens in one matmul (a loop over experts, never over tokens). Pa
 transformers 5's names and layout (`mlp.gate.weight`, `mlp.experts.gate_up_proj` (E, 2I, H) with
 gate first, `mlp.experts.down_proj` (E, H, I)); a checkpoint with one module per expert
 (`mlp.experts.{e}.gate_proj.weight`, ...) is stacked on load, and saves are in the 3-D layout.
-LoRA's "all-linear" adapts the attention projections and the dense layers' MLPs; the router and
-the experts (3-D parameters) train only in a full fine-tune (PEFT's "all-linear" on the HF module
-also wraps those two)."""
+LoRA's "all-linear" adapts the attention projections; the MLPs, the router and the experts (3-D
+parameters) train only in a full fine-tune (PEFT's "all-linear" on the HF module also wraps the
+experts)."""
 from __future__ import annotations
 
 import contextlib
@@ -221,10 +221,10 @@ class Qwen3Moe(CausalLM):
     """A Qwen3-MoE causal LM with the Hugging Face (transformers 5) parameter names."""
 
     ARCHITECTURES = ("qwen3_moe",)
-    # LoRA's "all-linear": the attention projections and the dense layers' gate/up/down_proj. PEFT
-    # on the HF module also wraps the router and the 3-D experts (its ParamWrapper); the own module
-    # does not
-    PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    # LoRA's "all-linear": the attention projections. PEFT (0.21, transformers 5) rewrites any
+    # gate/up/down_proj target of a qwen3_moe model onto the 3-D experts (its ParamWrapper), which
+    # the own module does not adapt, so a dense layer's MLP cannot be named either
+    PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
     @classmethod
     def unsupported(cls, config) -> str | None:

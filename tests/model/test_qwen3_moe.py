@@ -110,3 +110,30 @@ def test_a_checkpoint_missing_an_expert_is_refused(tmp_path):
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(KeyError, match="experts"):
         M.Qwen3Moe.from_pretrained(folder, hf.config, dtype=torch.float32)
+
+
+def test_lora_all_linear_adapts_the_attention_and_samples():
+    """LoRA's "all-linear" on the own Qwen3-MoE: the attention projections (PEFT would move MLP
+    targets onto the 3-D experts, which the sampler's fused decode weights cannot read); naming an
+    MLP projection is one clear error."""
+    pytest.importorskip("peft")
+    from preftune.config import ModelConfig
+    from preftune.errors import UserError
+    from preftune.model.load import _wrap_lora
+    from preftune.rollout.sampler import sample
+    from tests.model.test_llama import pair
+
+    _, own = pair("qwen3-moe-sparse-step")
+    cfg = ModelConfig()
+    cfg.lora.enabled = True
+    model = _wrap_lora(own, cfg, "base")
+    adapted = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    ro = sample(model, torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long), num_generations=2,
+                max_new_tokens=3, eos_id=1, pad_id=0, generator=torch.Generator().manual_seed(0))
+    assert ro.completion_ids.shape[0] == 2
+    _, other = pair("qwen3-moe-sparse-step")
+    cfg.lora.target_modules = ["q_proj", "gate_proj", "up_proj", "down_proj"]
+    with pytest.raises(UserError, match="3-D experts") as e:
+        _wrap_lora(other, cfg, "base")
+    assert e.value.where == "model.lora.target_modules"
