@@ -6,8 +6,9 @@ munmap-ed one by one, and the heap's free top is trimmed once it exceeds twice t
 training step frees all its activations at the end and allocates them again in the next step,
 so every step starts on fresh pages, which the kernel faults in and zeroes 4 KiB at a time. Keeping
 freed memory in the heap (blocks up to 32 MiB from the heap, no trimming below 1 GiB) saves those
-faults (measured in bench/bench_passes.py). Peak memory does not grow: what is kept is what the
-step had already used.
+faults (measured in bench/bench_passes.py). What is kept is what a pass had already used, but
+the kept heap fragments: the peak resident size of one run can exceed its live tensors, and by a
+different amount from run to run (docs/plan.md).
 
 Applied once per process, only with glibc, and not where the user chose: any `MALLOC_*` or
 `GLIBC_TUNABLES` variable, or another allocator in `LD_PRELOAD` (jemalloc, tcmalloc, mimalloc).

@@ -1,15 +1,15 @@
 """The plan against measurement on this CPU: the planned peak host memory of one process within ±20%
 of the measured one (VmHWM above the resident size once the libraries are imported) for random
 Qwen2 models of three sizes (63, 212 and 380 MB of float32) and GRPO with and without a reference,
-DPO and SFT, and the demo's GRPO batch on the embedded model, whose peak is mostly activations. The runs share one process (imports paid once); bench/bench_plan.py prints them all."""
+DPO and SFT, and the demo's GRPO batch on the embedded model, whose peak is mostly activations. Each
+run is a fresh process with a fixed mmap threshold (bench_plan.LIVE_MEMORY), so the resident size
+follows the live tensors and a run measures the same each time; bench/bench_plan.py prints them all."""
 from __future__ import annotations
 
 import pytest
 
 from bench import bench_plan
 
-# The demo's batch on the embedded model (activations are most of its peak) runs first: its small
-# tensors come from the heap, which a run before it leaves with free pages that malloc_trim keeps
 RUNS = [("grpo-demo", "demo"), ("grpo", "s"), ("grpo", "m"), ("grpo", "l"), ("grpo-ref", "s"), ("dpo", "s"),
         ("sft", "s")]
 TOLERANCE = 0.20
