@@ -24,12 +24,14 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 # `make bench` runs the full table (preftune vs TRL), then 2 torchrun ranks against 1 process
-# (bench_ranks.py), the tool loops (bench_agent.py) and a later turn's kept caches (bench_turns.py);
+# (bench_ranks.py), FSDP2 with and without CPU offload (bench_offload.py), the tool loops
+# (bench_agent.py) and a later turn's kept caches (bench_turns.py);
 # `make bench BENCH=quick` a small version
 BENCH ?= full
 bench: $(STAMP)
 	$(PY) bench/suite.py --size $(BENCH) --json bench-$(BENCH).json
 	$(PY) bench/bench_ranks.py $(if $(filter quick,$(BENCH)),--steps 3 --warmup 1) --json bench-ranks-$(BENCH).json
+	$(PY) bench/bench_offload.py $(if $(filter quick,$(BENCH)),--steps 3 --warmup 1 --rounds 1) --json bench-offload-$(BENCH).json
 	$(PY) bench/bench_agent.py $(if $(filter quick,$(BENCH)),--steps 3 --warmup 1 --sft-steps 200) --json bench-agent-$(BENCH).json
 	$(PY) bench/bench_turns.py
 

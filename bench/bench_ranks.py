@@ -80,18 +80,21 @@ def sft(tmp: Path, model: Path, steps: int) -> list[str]:
 WORKLOADS = {"grpo P200 G16 b.04": grpo, "dpo P300 R16 B16": dpo, "sft packing B32": sft}
 
 
-def run(args_of, ranks: int, own: bool, tmp: Path, model: Path, steps: int) -> list[float]:
-    """One `preftune train`; the step times it logged."""
+def run(args_of, ranks: int, own: bool, tmp: Path, model: Path, steps: int,
+        port: int | None = None, extra: list[str] = ()) -> list[float]:
+    """One `preftune train` (`extra`: more overrides; `port`: torchrun's, so that runs of other
+    scripts need not share one); the step times it logged."""
     out = tmp / f"run-{ranks}-{own}"
     argv = [*args_of, f"output_dir={out}", "save_steps=0", "resume=never",
             "overwrite_output_dir=true",
-            "log.progress_bar=false", "eval.eval_steps=0", f"model.lean_forward={str(own).lower()}"]
+            "log.progress_bar=false", "eval.eval_steps=0", f"model.lean_forward={str(own).lower()}",
+            *extra]
     env = dict(os.environ, PYTHONPATH=str(ROOT),
                OMP_NUM_THREADS="1" if ranks > 1 else str(os.cpu_count() or 1))
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                str(ranks), "--master-port",
-               str(29500 + ranks + 10 * own), "-m", "preftune.cli", "train", *argv]
+               str(port or 29500 + ranks + 10 * own), "-m", "preftune.cli", "train", *argv]
     else:
         cmd = [sys.executable, "-m", "preftune.cli", "train", *argv]
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)

@@ -180,6 +180,11 @@ def test_out_of_range_values_are_caught_at_load(capsys, config, out, override, k
     assert f"error: {key}: must be in" in line
 
 
+def test_cpu_offload_under_ddp_is_refused(capsys, config, out):
+    line = train_fails(capsys, config, out, "distributed.strategy=ddp", "distributed.cpu_offload=true")
+    assert "error: distributed.cpu_offload: CPU offload is FSDP2's" in line and "strategy=fsdp" in line
+
+
 @pytest.mark.parametrize("where", ["file", "under_file"])
 def test_output_dir_that_is_a_file(capsys, config, tmp_path, where):
     (tmp_path / "afile").write_text("x")

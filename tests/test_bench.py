@@ -432,3 +432,16 @@ def test_agent_bench_runs_both_tool_loops(tmp_path, capsys):
         assert r["timed_steps"] == 1 and r["median_s"] > 0
         assert float(r["extra"]["tokens per rollout"]) > 0 and "calls per rollout" in r["extra"]
     assert "TRL / preftune" in capsys.readouterr().out
+
+
+def test_offload_bench_alternates_both_variants(tmp_path, capsys):
+    """Two torchrun ranks with and without distributed.cpu_offload, one round each, the demo model."""
+    from bench import bench_offload
+
+    rows = bench_offload.main(["--only", "sft", "--steps", "2", "--warmup", "1", "--rounds", "1",
+                               "--model", "demo", "--json", str(tmp_path / "o.json")])
+    r = rows["sft packing B32"]
+    assert all(r[v]["steps"] == 1 and r[v]["median_s"] > 0 and len(r[v]["load_avg"]) == 1
+               for v in bench_offload.VARIANTS)
+    assert r["offload / plain"] == pytest.approx(r["fsdp + cpu_offload"]["median_s"] / r["fsdp"]["median_s"])
+    assert "offload / plain" in capsys.readouterr().out and json.loads((tmp_path / "o.json").read_text()) == rows

@@ -36,6 +36,7 @@ from preftune.losses.advantages import (
 from preftune.losses.grpo import CLIP_KEYS, EXTREMES, ROW_MEANS, batch_normaliser
 from preftune.losses.sampling import importance_weights, mismatch_stats, turn_mismatch
 from preftune.model.logps import Rows, completion_logps, microbatches
+from preftune.model.load import device_of
 from preftune.rewards.functions import RewardLog, load_callable, load_reward_funcs
 from preftune.rollout.offline import OfflineSource, group_tools
 from preftune.rollout.online import OnlineSource
@@ -153,7 +154,7 @@ def new_batch(s: Scored, model, ref_model, cfg: GRPOConfig, dp: Parallel) -> GRP
     `ref_model` is None without a KL term, or the policy itself for LoRA (adapters switched off).
     Advantages and reward metrics see the whole generation batch (`dp` gathers every rank's
     rewards); this rank keeps its own rows. The reference pass runs on gathered parameters."""
-    device = next(model.parameters()).device
+    device = device_of(model)
     ro = s.rollout.to(device)
     whole, lengths, truncated, offset = global_view(s, dp)
     adv = group_advantages(whole.total, whole.group_sizes, estimator=cfg.advantage_estimator,

@@ -167,6 +167,11 @@ def validate(cfg: Config) -> None:
                             "weights into its own: use token_truncate "
                             "or token_mask", where="grpo.vllm_importance_sampling_mode")
 
+    # DDP keeps a whole replica per device and steps it there: no host-resident shards to step
+    if cfg.distributed.cpu_offload and cfg.distributed.strategy == "ddp":
+        raise UserError("CPU offload is FSDP2's (CPUOffloadPolicy): set "
+                        "distributed.strategy=fsdp, or cpu_offload=false",
+                        where="distributed.cpu_offload")
     check_report_to(cfg.log.report_to)
     check_deploy(cfg.deploy, cfg.preemption_grace_seconds, cfg.checkpoint_uri)
     check_output_dir(cfg.output_dir)

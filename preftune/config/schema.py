@@ -317,6 +317,11 @@ class DistributedConfig:
         True,
         "FSDP2: free gathered parameters after each block's forward (false: faster, more memory)",
         peer="FSDP reshard_after_forward")
+    cpu_offload: bool = knob(
+        False,
+        "FSDP2: keep parameters, gradients and the optimizer state in host memory "
+        "(CPUOffloadPolicy); the optimizer step runs on the CPU",
+        peer="FSDP2 CPUOffloadPolicy; verl offload_policy; NeMo-RL cpu_offload")
 
 
 @dataclass

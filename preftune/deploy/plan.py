@@ -173,6 +173,7 @@ class Job:
     own: bool  # preftune's own module (chunked head) rather than the Hugging Face module
     reference: str  # none, model (a frozen copy), adapter (the base under LoRA), precomputed
     sampler: str  # none, own, vllm
+    offload: bool = False  # FSDP2 CPU offload: the sharded state in host memory
 
 
 def job_of(cfg, shape: Shape, world: int) -> Job:
@@ -208,7 +209,8 @@ def job_of(cfg, shape: Shape, world: int) -> Job:
         )
     return Job(a, world, strategy, m.lora.enabled, mixed, master,
                2 if m.dtype == "bfloat16" else 4, trainable,
-               rows, micro, seq, tokens, head, m.gradient_checkpointing, own, reference, sampler)
+               rows, micro, seq, tokens, head, m.gradient_checkpointing, own, reference, sampler,
+               offload=cfg.distributed.cpu_offload and strategy == "fsdp")
 
 
 def check_lengths(cfg, shape: Shape) -> None:
@@ -232,23 +234,30 @@ def _fmt(n: float) -> str:
 # ---------------------------------------------------------------- memory, per process and phase
 
 
-def _state(p: Phase, s: Shape, j: Job, *, grads: bool, adam: bool) -> None:
-    """What every phase holds: this rank's parameters, gradients, AdamW moments, reference."""
+def _state(p: Phase, s: Shape, j: Job, *, grads: bool, adam: bool,
+           filled: bool = False) -> None:
+    """What every phase holds: this rank's parameters, gradients, AdamW moments, reference. CPU
+    offload keeps them in each rank's host memory; `filled`: the load, where the shards are filled
+    on the GPU (the collectives' device) before they move to the host."""
     share = 1 / j.world if j.strategy == "fsdp" else 1
     per = f" / {j.world}" if share < 1 else ""
+    host = j.offload and not filled
+    per += ", in host memory" if host else ""
     frozen = s.params if j.lora else 0
     p.add("parameters" + (" (LoRA base, frozen)" if j.lora else ""),
-          (j.trainable if not j.lora else frozen)
-          * j.master * share, f"{_fmt(j.trainable if not j.lora else frozen)} x {j.master} B{per}")
+          (j.trainable if not j.lora else frozen) * j.master * share,
+          f"{_fmt(j.trainable if not j.lora else frozen)} x {j.master} B{per}", host=host)
     if j.lora:
-        p.add("LoRA adapter", j.trainable * 4 * share, f"{_fmt(j.trainable)} x 4 B{per}")
+        p.add("LoRA adapter", j.trainable * 4 * share, f"{_fmt(j.trainable)} x 4 B{per}",
+              host=host)
     if grads:
-        p.add("gradients", j.trainable * 4 * share, f"{_fmt(j.trainable)} x 4 B{per}")
+        p.add("gradients", j.trainable * 4 * share, f"{_fmt(j.trainable)} x 4 B{per}", host=host)
     if adam:
-        p.add("AdamW moments", j.trainable * 8 * share, f"{_fmt(j.trainable)} x 8 B{per}")
+        p.add("AdamW moments", j.trainable * 8 * share, f"{_fmt(j.trainable)} x 8 B{per}",
+              host=host)
     if j.reference == "model":
         p.add("reference model", s.params * j.compute * share,
-              f"{_fmt(s.params)} x {j.compute} B{per}")
+              f"{_fmt(s.params)} x {j.compute} B{per}", host=host)
 
 
 def _activation_bytes(s: Shape, j: Job) -> tuple[float, float]:
@@ -325,12 +334,15 @@ def phases(cfg, s: Shape, j: Job, gpu_gb: float | None) -> list[Phase]:
     load.add("model being built", s.params * read_dtype, f"{_fmt(s.params)} x {read_dtype} B",
              host=True, rank0=fsdp_read)
     if gpu or j.strategy == "fsdp":
-        _state(load, s, j, grads=False, adam=False)
+        _state(load, s, j, grads=False, adam=False, filled=True)
         load.terms = [t for t in load.terms if t.name != "reference model"]
     out = [load]
     if j.reference == "model":
         ref = Phase("load ref")
         _state(ref, s, j, grads=False, adam=False)
+        for t in ref.terms:  # offloaded, its shards are filled on the GPU first, as the policy's
+            if t.name == "reference model" and t.host:
+                t.host, t.how = False, t.how.replace("in host memory", "filled on the GPU")
         ref.add("reference as stored (read)", s.params * s.file_bytes,
                 f"{_fmt(s.params)} x {s.file_bytes} B", host=True, rank0=fsdp_read)
         if j.strategy == "fsdp" or gpu:
@@ -517,6 +529,7 @@ def _summary(cfg, s: Shape, j: Job, t: Target) -> dict:
         ),
         "ranks": j.world,
         "strategy": j.strategy,
+        "cpu_offload": j.offload,
         "dtype": cfg.model.dtype,
         "lora": j.lora,
         "gradient_checkpointing": j.checkpointing,

@@ -29,10 +29,10 @@ def _table(plan: dict, host: bool | None, unit: float) -> list[str]:
 
 def format_plan(plan: dict) -> str:
     j = plan["job"]
-    lines = [f"plan: {j['algorithm']} on {j['where']}: {j['ranks']} rank(s), {j['strategy']}, "
-             f"{j['dtype']}"
+    lines = [f"plan: {j['algorithm']} on {j['where']}: {j['ranks']} rank(s), {j['strategy']}"
+             f"{' (CPU offload)' if j.get('cpu_offload') else ''}, {j['dtype']}"
              f"{', LoRA' if j['lora'] else ''}"
-        f"{', gradient checkpointing' if j['gradient_checkpointing'] else ''}",
+             f"{', gradient checkpointing' if j['gradient_checkpointing'] else ''}",
              f"model: {j['model']}; {j['module']} module",
              f"per rank: {j['sequences_per_rank']} sequences of <= "
              f"{j['tokens_per_sequence']} tokens, micro-batch {j['micro_batch']}; "

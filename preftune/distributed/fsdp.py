@@ -39,6 +39,8 @@ def load(dp: Parallel, cfg, path: str, *, trainable: bool = True,
     full = dp.on_main(lambda: loader.load_model(cfg, path, trainable=trainable), share=False)
     # meta shards
     model = shard(loader.load_model(cfg, path, trainable=trainable, weights=False))
+    # the shards are filled on the device, where the collectives (nccl) run; offloaded ones move to
+    # host memory below
     model.to_empty(device=dp.device)
     set_model_state_dict(model, full.state_dict() if full is not None else {},
                          options=StateDictOptions(full_state_dict=True,
@@ -48,26 +50,49 @@ def load(dp: Parallel, cfg, path: str, *, trainable: bool = True,
         if full is not None:
             buf.copy_(sources[name])
         torch.distributed.broadcast(buf, src=0)
+    if dp.offloaded:
+        to_host(dp, model)
     log.info("model built on the meta device and sharded; weights sent by rank 0")
     return model
 
+
+def to_host(dp: Parallel, model) -> None:
+    """The shards of an offloaded model into (pinned) host memory, where FSDP2 wants them before
+    the first forward; the buffers (rotary tables) stay on the device, which reads them as they
+    are. Module._apply is FSDP2's here: it re-registers (and pins) each moved shard."""
+    model.cpu()
+    for mod in model.modules():
+        for name, buf in mod._buffers.items():
+            if buf is not None:
+                mod._buffers[name] = buf.to(dp.device)
+
+
 def wrap(dp: Parallel, model, *, mixed_bf16: bool = False, reshard_after_forward: bool = True):
     """The policy (or the frozen reference) for this strategy, on this rank's device (a module
-    on the meta device stays there: `load` gives it storage once it is sharded)."""
-    if not next(model.parameters()).is_meta:
+    on the meta device stays there: `load` gives it storage once it is sharded). Offloaded
+    (`dp.offloaded`), its shards are in host memory and each fully_shard moves only its own
+    block through the device, so no device ever holds the whole model."""
+    if not next(model.parameters()).is_meta and not dp.offloaded:
         model = model.to(dp.device)
     if not dp.active or dp.strategy != "fsdp":
         return model
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
+                                        fully_shard)
 
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if mixed_bf16
         else MixedPrecisionPolicy()
     )
+    # pinned host memory lets the copies to and from the device overlap compute (none to pin on
+    # a CPU-only machine)
+    offload = (CPUOffloadPolicy(pin_memory=dp.device.type == "cuda") if dp.offloaded
+               else OffloadPolicy())
     for block in decoder_blocks(model):
-        fully_shard(block, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                    offload_policy=offload)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                offload_policy=offload)
     # every log-prob pass is one forward of the root (whatever its layout), so all ranks, idle
     # ones included, issue the same all-gathers and reduce-scatters in order
     if any(p.requires_grad for p in model.parameters()):
@@ -168,7 +193,11 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     the same order; any other tensor as it is."""
     from torch.distributed.tensor import DTensor
 
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+    if not isinstance(t, DTensor):
+        return t.detach()
+    if t.device.type != t.device_mesh.device_type:  # an offloaded shard: nccl gathers on the device
+        t = t.to(loader.device_of(t))
+    return t.full_tensor().detach()
 
 
 def fsdp_modules(model) -> list:

@@ -34,8 +34,9 @@ class Parallel:
     """Rank, world size and the collectives the training code needs (identities on one process)."""
 
     def __init__(self, rank: int = 0, world: int = 1, local_rank: int = 0, strategy: str = "none",
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, cpu_offload: bool = False):
         self.rank, self.world, self.local_rank, self.strategy = rank, world, local_rank, strategy
+        self.cpu_offload = cpu_offload  # distributed.cpu_offload: FSDP2 shards live in host memory
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.active = torch.distributed.is_available() and torch.distributed.is_initialized()
 
@@ -46,6 +47,12 @@ class Parallel:
     @property
     def sharded(self) -> bool:
         return self.active and self.strategy == "fsdp"
+
+    @property
+    def offloaded(self) -> bool:
+        """FSDP2 with CPUOffloadPolicy: each rank's shards, gradients and Adam state in host
+        memory, gathered onto `device` for each forward and backward."""
+        return self.sharded and self.cpu_offload
 
     # ---------------------------------------------------------------- collectives
 
@@ -191,11 +198,17 @@ class Parallel:
 def init(cfg, env=os.environ) -> Parallel:
     """Join torchrun's process group when its environment is there; else one process."""
     if not torchrun_env(env):
+        if cfg.cpu_offload:  # one process keeps its model whole where it computes
+            log.warning("distributed.cpu_offload has no effect in one process (not "
+                        "started by torchrun): the model stays on %s", Parallel().device)
         return Parallel()
     rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
     if cfg.strategy == "none" and world > 1:
         raise UserError(f"strategy none runs one process, but torchrun started {world}",
                         where="distributed.strategy")
+    if cfg.strategy == "none" and cfg.cpu_offload:  # no FSDP2 to offload with
+        raise UserError("CPU offload is FSDP2's: set distributed.strategy=fsdp under torchrun",
+                        where="distributed.cpu_offload")
     cuda = torch.cuda.is_available()
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if cuda else "gloo")
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
@@ -203,7 +216,8 @@ def init(cfg, env=os.environ) -> Parallel:
         torch.cuda.set_device(device)
     torch.distributed.init_process_group(backend=backend, rank=rank, world_size=world,
                                          timeout=datetime.timedelta(seconds=cfg.timeout_seconds))
-    log.info("rank %d of %d (local %d): strategy %s, backend %s, device %s", rank,
-             world, local, cfg.strategy, backend, device)
-    return Parallel(rank, world, local, cfg.strategy, device)
+    log.info("rank %d of %d (local %d): strategy %s, backend %s, device %s%s", rank,
+             world, local, cfg.strategy, backend, device,
+             ", parameters and optimizer state in host memory" if cfg.cpu_offload else "")
+    return Parallel(rank, world, local, cfg.strategy, device, cpu_offload=cfg.cpu_offload)
 

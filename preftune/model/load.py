@@ -219,13 +219,25 @@ def compute_dtype(model) -> torch.dtype | None:
     return base.autocast_dtype if isinstance(base, CausalLM) else _MIXED.get(base)
 
 
+def device_of(model) -> torch.device:
+    """Where `model` (or one parameter) computes: its parameters' device, except for FSDP2 shards
+    kept in host memory (distributed.cpu_offload), which each forward gathers onto their mesh's
+    device, this process's current one. Inputs and outputs go there."""
+    t = model if isinstance(model, torch.Tensor) else next(model.parameters())
+    mesh = getattr(t, "device_mesh", None)  # a DTensor's
+    if mesh is None or mesh.device_type == t.device.type:
+        return t.device
+    kind = mesh.device_type
+    return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
 def autocast(model):
     """The compute-precision context for a forward pass of `model` (bf16 autocast for mixed
     precision)."""
     dtype = compute_dtype(model)
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=next(model.parameters()).device.type, dtype=dtype)
+    return torch.autocast(device_type=device_of(model).type, dtype=dtype)
 
 
 def to_device(host, device, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -21,7 +21,7 @@ from preftune.data.tensors import left_pad, positions_from_mask
 from preftune.distributed.fsdp import whole
 from preftune.model.head import filter_logits
 from preftune.model.core import CausalLM
-from preftune.model.load import autocast, base_module, cache_kwarg
+from preftune.model.load import autocast, base_module, cache_kwarg, device_of
 from preftune.model.qwen3_moe import RouteCapture
 
 
@@ -93,7 +93,7 @@ def sample(
 def _sample(model, prompt_ids, prompt_mask, G, max_new_tokens, eos_id, pad_id,
             temperature, top_p, top_k, greedy, generator, with_logps=False,
             prefixes=None) -> Rollout:
-    device = next(model.parameters()).device
+    device = device_of(model)
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     # (N,) prompt of each row
     copies = torch.arange(prompt_ids.size(0), device=device).repeat_interleave(G)
@@ -229,7 +229,7 @@ class _OwnDecoder:
 
     def __init__(self, model: CausalLM, max_new_tokens: int, prefixes: PrefixCache | None):
         self.inference = not hasattr(model, "unshard")  # an FSDP2 module's hooks run in the prefill
-        device = model.model.embed_tokens.weight.device
+        device = device_of(model)
         on = torch.is_autocast_enabled(device.type)
         self.dtype = (
             torch.get_autocast_dtype(device.type) if on else model.model.embed_tokens.weight.dtype

@@ -195,3 +195,27 @@ def test_cpu_plan_is_per_process_against_this_machines_memory(capsys):
     assert plan["job"]["ranks"] == 2 and plan["job"]["strategy"] == "fsdp"
     rank0_load = _terms(plan, "load")
     assert rank0_load["weights as stored (read)"] == rank0_load["model being built"] > 0  # float32 files
+
+
+def test_cpu_offload_moves_the_sharded_state_from_the_gpu_to_each_ranks_host():
+    """Parameters, gradients, AdamW moments (and the frozen reference) leave the GPU terms and join
+    the host terms of every rank on the node (8 per p5en node); the load still fills shards on the
+    GPU."""
+    shape = planner.read_shape(load_config(JOB32).model.name_or_path)
+    target = planner.Target("p5en.48xlarge", 3, 8, INSTANCE_TYPES["p5en.48xlarge"], 2000)
+    base = ["model.lora.enabled=false", "grpo.beta=0.04"]  # a frozen reference model too
+    on = planner.make_plan(load_config(JOB32, [*base, "distributed.cpu_offload=true"]), shape, target)
+    off = planner.make_plan(load_config(JOB32, base), shape, target)
+    P = shape.params
+    moved = {"parameters": P * 4 / 24, "gradients": P * 4 / 24, "AdamW moments": P * 8 / 24,
+             "reference model": P * 2 / 24}
+    hosted = {t["name"]: t["gb"] for p in on["phases"] if p["name"] == "train" for t in p["terms"] if t["host"]}
+    assert hosted == pytest.approx({k: v / 1e9 for k, v in moved.items()}, abs=1e-6)
+    gb = sum(moved.values()) / 1e9
+    assert off["gpu"]["per_phase_gb"]["train"] - on["gpu"]["per_phase_gb"]["train"] == pytest.approx(gb, abs=1e-3)
+    assert on["host"]["per_phase_gb"]["train"] - off["host"]["per_phase_gb"]["train"] == pytest.approx(8 * gb, abs=1e-3)
+    assert on["gpu"]["peak_gb"] < off["gpu"]["peak_gb"] and on["job"]["cpu_offload"]
+    assert _terms(on, "load")["parameters"] == _terms(off, "load")["parameters"]  # filled on the GPU
+    one = planner.make_plan(load_config(JOB32, [*base, "distributed.cpu_offload=true"]), shape,
+                            planner.Target("p5en.48xlarge", 1, 1, INSTANCE_TYPES["p5en.48xlarge"], 2000))
+    assert not one["job"]["cpu_offload"]  # one process: no FSDP2, nothing moves

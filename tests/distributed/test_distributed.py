@@ -91,13 +91,18 @@ def assert_same_training(one, two) -> None:
 
 
 
+# fsdp-offload: FSDP2 with distributed.cpu_offload (online: a reference, the sampler on gathered
+# parameters; lora: the path where each rank loads the base and shards it)
 @pytest.mark.parametrize("kind, strategy", [("offline", "fsdp"), ("dpo", "fsdp"), ("kto", "fsdp"), ("online", "fsdp"),
-                                            ("dpo", "ddp"), ("lora", "fsdp"), ("sft", "fsdp"), ("sft", "ddp")])
+                                            ("dpo", "ddp"), ("lora", "fsdp"), ("sft", "fsdp"), ("sft", "ddp"),
+                                            ("online", "fsdp-offload"), ("lora", "fsdp-offload")])
 def test_two_ranks_train_like_one(kind, strategy, one_rank, data_dir, tmp_path):
     out = tmp_path / "run"
     env = {"PREFTUNE_TEST_FAKE_SAMPLER": "1"} if kind == "online" else {}
     env["PREFTUNE_TEST_MARK_LOADS"], env["PREFTUNE_TEST_MASKED"] = "1", LAYOUT[kind]
-    ranks = Ranks(tmp_path, 2, [write_config(tmp_path / "run.yaml"), *args(kind, out, data_dir, **{"distributed.strategy": strategy})], **env)
+    dist = {"distributed.strategy": strategy.removesuffix("-offload"),
+            "distributed.cpu_offload": str(strategy.endswith("-offload")).lower()}
+    ranks = Ranks(tmp_path, 2, [write_config(tmp_path / "run.yaml"), *args(kind, out, data_dir, **dist)], **env)
     codes = ranks.wait()
     assert codes == [EXIT_OK, EXIT_OK], ranks.text(0)[-3000:] + ranks.text(1)[-3000:]
     assert_same_training(one_rank(kind), out)
@@ -125,7 +130,7 @@ def test_two_ranks_train_like_one(kind, strategy, one_rank, data_dir, tmp_path):
     # reference; again for final/, which only rank 0 writes); rank 1 builds both on the meta device
     # and receives its shards
     models = 2 if kind == "online" else 1
-    meta = strategy == "fsdp" and kind != "lora"
+    meta = strategy.startswith("fsdp") and kind != "lora"
     reads = [ranks.text(r).count("TEST weights read") for r in (0, 1)]
     assert reads[0] >= models and reads[1] == (0 if meta else models)
     assert all(ranks.text(r).count("weights sent by rank 0") == (models if meta else 0) for r in (0, 1))

@@ -2,7 +2,9 @@
 manifest; SIGTERM to one rank stops both at the same step with one checkpoint (exit 75) and the resumed
 run ends bitwise equal to the uninterrupted one; a SIGKILLed rank makes the other exit non-zero within
 the collective timeout, and the relaunch resumes exactly; a world-size change (2 -> 1, 1 -> 2) loads
-the saved weights and optimizer state and trains on as the original run; `preftune export`."""
+the saved weights and optimizer state and trains on as the original run; `preftune export`; CPU
+offload (distributed.cpu_offload) trains bitwise as without it, resumes exactly, and may be switched
+off on a resume."""
 from __future__ import annotations
 
 import os
@@ -28,9 +30,10 @@ def args(out, data_dir, **extra) -> list[str]:
     return overrides("offline", out, data_dir, **o)
 
 
-def launch(tmp, out, data_dir, name: str, **env) -> Ranks:
+def launch(tmp, out, data_dir, name: str, extra: dict | None = None, **env) -> Ranks:
     env.setdefault("PREFTUNE_TEST_MASKED", "1e9")  # plain rows, as `train_one_process` runs them
-    return Ranks(tmp, 2, [write_config(tmp / "run.yaml"), *args(out, data_dir)], name=name, **env)
+    return Ranks(tmp, 2, [write_config(tmp / "run.yaml"), *args(out, data_dir, **(extra or {}))],
+                 name=name, **env)
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +148,47 @@ def test_export_writes_the_same_model_from_sharded_and_full_checkpoints(two_rank
     assert all(torch.equal(v, final_state(two_rank_run)[k]) for k, v in wa.items())
     assert ckpt.verify(a) is None
     assert main(["export", str(two_rank_run / "checkpoints" / "step-4"), "-o", str(a)]) == 78  # not empty
+
+
+OFFLOAD = {"distributed.cpu_offload": "true"}
+
+
+@pytest.fixture(scope="module")
+def offload_run(data_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("offload")
+    ranks = launch(tmp, tmp / "run", data_dir, "offload", OFFLOAD)
+    assert ranks.wait() == [EXIT_OK, EXIT_OK], ranks.text(0)[-3000:]
+    assert "parameters and optimizer state in host memory" in ranks.text(1)
+    return tmp / "run"
+
+
+def test_cpu_offload_trains_bitwise_as_without(two_rank_run, offload_run):
+    """On a CPU the offloaded step is the same computation (host shards, CPU AdamW) as the plain
+    FSDP2 one: equal losses and final weights, bit for bit."""
+    assert [(r["loss"], r["grad_norm"]) for r in metric_rows(offload_run)] == \
+        [(r["loss"], r["grad_norm"]) for r in metric_rows(two_rank_run)]
+    assert_bitwise(two_rank_run, offload_run)
+
+
+def test_sigterm_with_cpu_offload_resumes_exactly(offload_run, data_dir, tmp_path):
+    out = tmp_path / "run"
+    ranks = launch(tmp_path, out, data_dir, "first", OFFLOAD, PREFTUNE_TEST_STEP_PAUSE="1")
+    ranks.until(lambda: (out / "checkpoints" / "step-2").is_dir(), "the step-2 checkpoint")
+    os.kill(ranks.procs[0].pid, signal.SIGTERM)
+    assert ranks.wait() == [EXIT_PREEMPTED, EXIT_PREEMPTED], ranks.text(0)[-2000:]
+    again = launch(tmp_path, out, data_dir, "second", OFFLOAD)
+    assert again.wait() == [EXIT_OK, EXIT_OK], again.text(0)[-3000:]
+    assert "resumed from" in again.text(0)
+    assert_bitwise(offload_run, out)
+
+
+def test_cpu_offload_may_be_switched_off_on_a_resume(two_rank_run, offload_run, data_dir, tmp_path):
+    """A free change (it moves memory, not the trajectory): logged, and the run ends as the
+    uninterrupted one without offload."""
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(offload_run / "checkpoints" / "step-2", out / "checkpoints" / "step-2")
+    ranks = launch(tmp_path, out, data_dir, "resume")
+    assert ranks.wait() == [EXIT_OK, EXIT_OK], ranks.text(0)[-3000:]
+    assert "distributed.cpu_offload: True -> False" in ranks.text(0)
+    assert_bitwise(two_rank_run, out)

@@ -1,6 +1,7 @@
 """distributed/group.py and fsdp.py in one process: torchrun's environment detection, the single-process
-identities, the batch split, metric reduction, and that FSDP2 generation gathers the parameters
-once per rollout, not once per token (a world of one gloo rank, all-gathers counted)."""
+identities, the batch split, metric reduction, that FSDP2 generation gathers the parameters
+once per rollout, not once per token (a world of one gloo rank, all-gathers counted), and where
+distributed.cpu_offload applies."""
 from __future__ import annotations
 
 import pytest
@@ -17,6 +18,20 @@ def test_torchrun_environment_is_detected():
     assert group.torchrun_env(env)
     assert not group.torchrun_env({k: v for k, v in env.items() if k != "LOCAL_RANK"})  # a Volcano pod
     assert not group.init(DistributedConfig(), {}).active
+
+
+def test_cpu_offload_needs_fsdp_under_torchrun(caplog):
+    """One plain process: the key changes nothing, said once; torchrun without FSDP2: an error
+    before the process group is joined."""
+    with caplog.at_level("WARNING", logger="preftune"):
+        assert not group.init(DistributedConfig(cpu_offload=True), {}).offloaded
+    assert [r.getMessage() for r in caplog.records if "cpu_offload" in r.getMessage()] == [
+        f"distributed.cpu_offload has no effect in one process (not started by torchrun): the "
+        f"model stays on {group.Parallel().device}"]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    with pytest.raises(UserError, match="CPU offload is FSDP2's") as e:
+        group.init(DistributedConfig(strategy="none", cpu_offload=True), env)
+    assert e.value.where == "distributed.cpu_offload"
 
 
 def test_one_process_collectives_are_identities():
@@ -106,3 +121,18 @@ def test_generation_gathers_parameters_once_per_rollout(one_rank_group, model, t
     b = rollout()
     assert len(calls) == blocks  # without it, the sampler gathers once itself (its step reads whole weights)
     assert torch.equal(a.completion_ids, b.completion_ids)
+
+
+def test_cpu_offload_policy_reaches_every_sharded_module(one_rank_group, model):
+    """The policy (and the frozen reference, through the same `wrap`) is sharded with FSDP2's
+    CPUOffloadPolicy (unpinned: no accelerator here), and computes where its inputs are."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from preftune.model.load import device_of
+
+    one_rank_group.cpu_offload = True
+    wrapped = fsdp.wrap(one_rank_group, model)
+    policies = [m._get_fsdp_state()._fsdp_param_group.offload_policy for m in fsdp.fsdp_modules(wrapped)]
+    assert len(policies) == model.config.num_hidden_layers + 1
+    assert all(isinstance(p, CPUOffloadPolicy) and not p.pin_memory for p in policies)
+    assert device_of(wrapped) == torch.device("cpu")
