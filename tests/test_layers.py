@@ -226,7 +226,8 @@ if __name__ == "__main__":
 
 # the only modules that call torch.distributed: the process group, FSDP2 applied from outside, and
 # the checkpointer's sharded state dicts
-TORCH_DISTRIBUTED = {"preftune.distributed.group", "preftune.distributed.fsdp", "preftune.run.shards"}
+TORCH_DISTRIBUTED = {"preftune.distributed.group", "preftune.distributed.fsdp", "preftune.distributed.weights",
+                     "preftune.run.shards"}
 
 
 def _uses_torch_distributed(tree: ast.Module) -> bool:
