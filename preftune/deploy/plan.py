@@ -4,8 +4,9 @@ cost, from config.json (no weights), the run config and the node type. Pure arit
 Sizes are in GB (1e9 bytes). P is a parameter count; each term says its arithmetic. The terms follow
 what the code does (docs/plan.md): FSDP2 shards parameters, gradients and AdamW's two moments over
 the ranks and gathers one block at a time (plus the prefetch of the next) for the training passes;
-the own sampler and the reference pass gather the whole model; only rank 0 reads the weights; the
-final model is gathered to rank 0's host memory.
+the own sampler and the reference pass gather the whole model; each rank reads only its own rows
+of the weights and writes final/ one gathered tensor at a time (the own module without LoRA; else
+rank 0 reads the whole model and final/ is gathered to its host memory).
 """
 from __future__ import annotations
 
@@ -317,13 +318,9 @@ def _engine(s: Shape, j: Job, cfg, gpu_gb: float | None) -> tuple[float, float, 
 def phases(cfg, s: Shape, j: Job, gpu_gb: float | None) -> list[Phase]:
     """Each phase's terms for one process (rank 0 where ranks differ)."""
     gpu = gpu_gb is not None
-    fsdp_read = j.strategy == "fsdp" and not j.lora  # only rank 0 reads
     load = Phase("load")
     read_dtype = 2 if j.lora and cfg.model.dtype == "bfloat16" else j.master
-    load.add("weights as stored (read)", s.params * s.file_bytes,
-             f"{_fmt(s.params)} x {s.file_bytes} B", host=True, rank0=fsdp_read)
-    load.add("model being built", s.params * read_dtype, f"{_fmt(s.params)} x {read_dtype} B",
-             host=True, rank0=fsdp_read)
+    _read(load, s, j, "weights", read_dtype)
     if gpu or j.strategy == "fsdp":
         _state(load, s, j, grads=False, adam=False)
         load.terms = [t for t in load.terms if t.name != "reference model"]
@@ -331,11 +328,7 @@ def phases(cfg, s: Shape, j: Job, gpu_gb: float | None) -> list[Phase]:
     if j.reference == "model":
         ref = Phase("load ref")
         _state(ref, s, j, grads=False, adam=False)
-        ref.add("reference as stored (read)", s.params * s.file_bytes,
-                f"{_fmt(s.params)} x {s.file_bytes} B", host=True, rank0=fsdp_read)
-        if j.strategy == "fsdp" or gpu:
-            ref.add("reference being built", s.params * j.compute,
-                    f"{_fmt(s.params)} x {j.compute} B", host=True, rank0=fsdp_read)
+        _read(ref, s, j, "reference", j.compute, built=j.strategy == "fsdp" or gpu)
         out.append(ref)
     if j.reference in ("model", "precomputed"):
         rp = Phase("ref pass")
@@ -358,6 +351,30 @@ def phases(cfg, s: Shape, j: Job, gpu_gb: float | None) -> list[Phase]:
     out.append(train)
     out.append(_final(cfg, s, j))
     return out
+
+
+def _sliced(j: Job) -> bool:
+    """FSDP2 reading and writing one tensor at a time per rank (distributed/weights.py): the own
+    module without LoRA; otherwise rank 0 holds the whole model while loading and for final/."""
+    return j.strategy == "fsdp" and j.own and not j.lora
+
+
+def _read(p: Phase, s: Shape, j: Job, what: str, held: int, *, built: bool = True) -> None:
+    """Host memory while reading a model: sliced, each rank's rows of the largest tensor as
+    stored and cast (the embedding, cut over the ranks); else the whole model as stored and the
+    model built from it (under FSDP2 on rank 0 only)."""
+    if _sliced(j):
+        rows = math.ceil(s.vocab / j.world) * s.hidden
+        p.add(f"{what}: largest tensor's slice read", rows * (s.file_bytes + held),
+              f"{_fmt(rows)} x ({s.file_bytes} + {held}) B", host=True)
+        return
+    fsdp_read = j.strategy == "fsdp" and not j.lora  # only rank 0 reads
+    name = "weights as stored (read)" if what == "weights" else "reference as stored (read)"
+    p.add(name, s.params * s.file_bytes, f"{_fmt(s.params)} x {s.file_bytes} B", host=True,
+          rank0=fsdp_read)
+    if built:
+        p.add("model being built" if what == "weights" else "reference being built",
+              s.params * held, f"{_fmt(s.params)} x {held} B", host=True, rank0=fsdp_read)
 
 
 def _generate(cfg, s: Shape, j: Job, gpu_gb: float | None) -> Phase:
@@ -405,11 +422,21 @@ def _correction(cfg, s: Shape, j: Job, gpu_gb: float | None) -> Phase:
 
 
 def _final(cfg, s: Shape, j: Job) -> Phase:
-    """final/: under FSDP the whole float32 state gathered to rank 0's host and a model built from
-    it; the saved copy in model.dtype when that differs from the weights held."""
+    """final/: sliced (`_sliced`), every rank all-gathers one tensor at a time on its device and
+    the rank whose file holds it copies it to the host in model.dtype. Otherwise under FSDP the
+    whole float32 state gathered to rank 0's host and a model built from it; the saved copy in
+    model.dtype when that differs from the weights held."""
     fin = Phase("final")
     _state(fin, s, j, grads=False, adam=True)
     out_bytes = BYTES[cfg.model.dtype]
+    if _sliced(j):
+        fin.add("largest tensor gathered", s.embed * j.master, f"{_fmt(s.embed)} x {j.master} B")
+        if out_bytes != j.master:  # cast on the device before the copy to the host
+            fin.add(f"its cast to {cfg.model.dtype}", s.embed * out_bytes,
+                    f"{_fmt(s.embed)} x {out_bytes} B")
+        fin.add(f"it in {cfg.model.dtype}, to its file", s.embed * out_bytes,
+                f"{_fmt(s.embed)} x {out_bytes} B", host=True)
+        return fin
     if j.strategy == "fsdp":
         fin.add("whole state gathered to host", s.params * j.master,
                 f"{_fmt(s.params)} x {j.master} B", host=True, rank0=True)

@@ -228,10 +228,12 @@ class Checkpointer:
 
         dp.on_main(begin)
         dtype = DTYPES[self.cfg.model.dtype]
+        # sharded: the ranks split the files; else rank 0 holds the whole model and writes them all
+        rank, world = (dp.rank, dp.world) if dp.sharded else (0, 1)
 
         def write() -> None:
             with storage("final/", self.out):
-                write_weights(self.model, tmp, dtype, rank=dp.rank, world=dp.world)
+                write_weights(self.model, tmp, dtype, rank=rank, world=world)
 
         if dp.sharded:  # each rank its files; all are written when `together` returns
             dp.together(write)
