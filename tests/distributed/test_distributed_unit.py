@@ -106,3 +106,15 @@ def test_generation_gathers_parameters_once_per_rollout(one_rank_group, model, t
     b = rollout()
     assert len(calls) == blocks  # without it, the sampler gathers once itself (its step reads whole weights)
     assert torch.equal(a.completion_ids, b.completion_ids)
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_whole_gives_back_the_configured_reshard_after_forward(one_rank_group, model, after):
+    """fsdp.whole keeps the gathered parameters inside the block, then restores each sharded module's
+    own reshard_after_forward (it used to set True on every module whatever was configured)."""
+    wrapped = fsdp.wrap(one_rank_group, model, reshard_after_forward=after)
+    before = [fsdp._reshards(m) for m in fsdp.fsdp_modules(wrapped)]
+    assert before == [after] * len(before)
+    with fsdp.whole(wrapped):
+        assert not any(fsdp._reshards(m) for m in fsdp.fsdp_modules(wrapped))
+    assert [fsdp._reshards(m) for m in fsdp.fsdp_modules(wrapped)] == before
