@@ -102,10 +102,11 @@ def churn(config: str, out: Path, overrides: list[str], logs: Path,
 def same_weights(a: Path, b: Path) -> bool:
     from safetensors.torch import load_file
 
-    x, y = (
-        load_file(str(a / "final" / "model.safetensors")),
-        load_file(str(b / "final" / "model.safetensors")),
-    )
+    from preftune.model.hf_files import weight_files
+
+    # final/ is one model.safetensors or sharded files named by their index
+    x, y = ({k: v for f in weight_files(d / "final") for k, v in load_file(str(f)).items()}
+            for d in (a, b))
     return x.keys() == y.keys() and all(x[k].equal(y[k]) for k in x)
 
 

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from preftune.cli.command import main
 from preftune.config import load_config, to_dict
 from preftune.errors import EXIT_USER, UserError
 import preftune
 from tests.conftest import MODEL_DIR, ROOT, TRAIN_PROMPTS, arith_traces, write_parquet
+from tests.hf_folder import folder_state
 
 TINY = {"model.name_or_path": str(MODEL_DIR), "max_steps": 2, "save_steps": 0, "log.progress_bar": False,
         "grpo.prompts_per_step": 2, "grpo.num_generations": 4, "grpo.max_completion_length": 3,
@@ -112,7 +112,7 @@ def test_grpo_with_a_python_reward_a_dataset_and_callbacks(tmp_path, own_handler
 
 
 def final_weights(out: Path) -> dict:
-    return load_file(str(out / "final" / "model.safetensors"))
+    return folder_state(out / "final")
 
 
 def test_callback_stop_then_resume_needs_the_same_functions_and_data(tmp_path, capsys):

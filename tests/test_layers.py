@@ -224,9 +224,10 @@ if __name__ == "__main__":
     print(f"wrote the layer table of {ARCHITECTURE}")
 
 
-# the only modules that call torch.distributed: the process group, FSDP2 applied from outside, and
-# the checkpointer's sharded state dicts
-TORCH_DISTRIBUTED = {"preftune.distributed.group", "preftune.distributed.fsdp", "preftune.run.shards"}
+# the only modules that call torch.distributed: the process group, FSDP2 applied from outside, the
+# weights read into shards and written from them, and the checkpointer's sharded state dicts
+TORCH_DISTRIBUTED = {"preftune.distributed.group", "preftune.distributed.fsdp", "preftune.distributed.weights",
+                     "preftune.run.shards"}
 
 
 def _uses_torch_distributed(tree: ast.Module) -> bool:

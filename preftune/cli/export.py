@@ -3,7 +3,9 @@
 Full-layout checkpoints (one process, ddp) and sharded ones (FSDP2, any world size) alike: the
 base model named in the checkpoint's preftune.yaml is loaded on the CPU, the checkpoint's weights
 (or LoRA adapter) are loaded into it, LoRA is merged, and the model is written in model.dtype with
-a manifest, atomically (built beside DIR, then renamed). Runs in one process, no GPU needed.
+a manifest, atomically (built beside DIR, then renamed); preftune's own module through final/'s
+writer (sharded safetensors files with their index past 5 GB, one tensor cast at a time).
+Runs in one process, no GPU needed.
 The checkpoint is data: nothing in it is unpickled or imported, and `trust_remote_code` comes from
 the command line (`--trust-remote-code`), never from the checkpoint's preftune.yaml.
 """
@@ -36,7 +38,10 @@ def run(args) -> int:
 
 def export(folder: Path, out: Path, *, trust_remote_code: bool = False) -> Path:
     from preftune.config import load_config
-    from preftune.model.load import load_model, load_tokenizer, save_pretrained
+    from preftune.distributed.weights import write_weights
+    from preftune.model.core import CausalLM
+    from preftune.model.load import (DTYPES, load_model, load_tokenizer, save_folder_files,
+                                     save_pretrained)
     from preftune.run import shards
     from preftune.run.checkpointer import SHARDS, is_lora, load_weights
     from preftune.run.resume import CONFIG_FILE, STEP_FILES
@@ -61,8 +66,13 @@ def export(folder: Path, out: Path, *, trust_remote_code: bool = False) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_pretrained(model, load_tokenizer(str(folder), trust_remote_code),
-                    tmp, dtype=cfg.model.dtype)
+    tokenizer = load_tokenizer(str(folder), trust_remote_code)
+    if isinstance(model, CausalLM) and not is_lora(model):  # final/'s writer, one process
+        tmp.mkdir()
+        write_weights(model, tmp, DTYPES[cfg.model.dtype])
+        save_folder_files(model, tokenizer, tmp, dtype=cfg.model.dtype)
+    else:  # LoRA merged, or the Hugging Face module: its own save_pretrained
+        save_pretrained(model, tokenizer, tmp, dtype=cfg.model.dtype)
     ckpt.write_manifest(tmp,
                         ckpt.read_manifest((folder / ckpt.MANIFEST).read_text()).get("step", 0))
     ckpt.fsync_tree(tmp)

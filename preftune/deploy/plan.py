@@ -4,8 +4,9 @@ cost, from config.json (no weights), the run config and the node type. Pure arit
 Sizes are in GB (1e9 bytes). P is a parameter count; each term says its arithmetic. The terms follow
 what the code does (docs/plan.md): FSDP2 shards parameters, gradients and AdamW's two moments over
 the ranks and gathers one block at a time (plus the prefetch of the next) for the training passes;
-the own sampler and the reference pass gather the whole model; only rank 0 reads the weights; the
-final model is gathered to rank 0's host memory.
+the own sampler and the reference pass gather the whole model; each rank reads only its own rows
+of the weights and writes final/ one gathered tensor at a time (the own module without LoRA; else
+rank 0 reads the whole model and final/ is gathered to its host memory).
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from preftune.deploy import cost
 from preftune.deploy.nodes import InstanceType
+from preftune.deploy.plan_time import run_cost, step_time
 from preftune.errors import UserError
 
 GB = 1e9
@@ -326,13 +327,9 @@ def _engine(s: Shape, j: Job, cfg, gpu_gb: float | None) -> tuple[float, float, 
 def phases(cfg, s: Shape, j: Job, gpu_gb: float | None) -> list[Phase]:
     """Each phase's terms for one process (rank 0 where ranks differ)."""
     gpu = gpu_gb is not None
-    fsdp_read = j.strategy == "fsdp" and not j.lora  # only rank 0 reads
     load = Phase("load")
     read_dtype = 2 if j.lora and cfg.model.dtype == "bfloat16" else j.master
-    load.add("weights as stored (read)", s.params * s.file_bytes,
-             f"{_fmt(s.params)} x {s.file_bytes} B", host=True, rank0=fsdp_read)
-    load.add("model being built", s.params * read_dtype, f"{_fmt(s.params)} x {read_dtype} B",
-             host=True, rank0=fsdp_read)
+    _read(load, s, j, "weights", read_dtype)
     if gpu or j.strategy == "fsdp":
         _state(load, s, j, grads=False, adam=False, filled=True)
         load.terms = [t for t in load.terms if t.name != "reference model"]
@@ -343,11 +340,7 @@ def phases(cfg, s: Shape, j: Job, gpu_gb: float | None) -> list[Phase]:
         for t in ref.terms:  # offloaded, its shards are filled on the GPU first, as the policy's
             if t.name == "reference model" and t.host:
                 t.host, t.how = False, t.how.replace("in host memory", "filled on the GPU")
-        ref.add("reference as stored (read)", s.params * s.file_bytes,
-                f"{_fmt(s.params)} x {s.file_bytes} B", host=True, rank0=fsdp_read)
-        if j.strategy == "fsdp" or gpu:
-            ref.add("reference being built", s.params * j.compute,
-                    f"{_fmt(s.params)} x {j.compute} B", host=True, rank0=fsdp_read)
+        _read(ref, s, j, "reference", j.compute, built=j.strategy == "fsdp" or gpu)
         out.append(ref)
     if j.reference in ("model", "precomputed"):
         rp = Phase("ref pass")
@@ -370,6 +363,30 @@ def phases(cfg, s: Shape, j: Job, gpu_gb: float | None) -> list[Phase]:
     out.append(train)
     out.append(_final(cfg, s, j))
     return out
+
+
+def _sliced(j: Job) -> bool:
+    """FSDP2 reading and writing one tensor at a time per rank (distributed/weights.py): the own
+    module without LoRA; otherwise rank 0 holds the whole model while loading and for final/."""
+    return j.strategy == "fsdp" and j.own and not j.lora
+
+
+def _read(p: Phase, s: Shape, j: Job, what: str, held: int, *, built: bool = True) -> None:
+    """Host memory while reading a model: sliced, each rank's rows of the largest tensor as
+    stored and cast (the embedding, cut over the ranks); else the whole model as stored and the
+    model built from it (under FSDP2 on rank 0 only)."""
+    if _sliced(j):
+        rows = math.ceil(s.vocab / j.world) * s.hidden
+        p.add(f"{what}: largest tensor's slice read", rows * (s.file_bytes + held),
+              f"{_fmt(rows)} x ({s.file_bytes} + {held}) B", host=True)
+        return
+    fsdp_read = j.strategy == "fsdp" and not j.lora  # only rank 0 reads
+    name = "weights as stored (read)" if what == "weights" else "reference as stored (read)"
+    p.add(name, s.params * s.file_bytes, f"{_fmt(s.params)} x {s.file_bytes} B", host=True,
+          rank0=fsdp_read)
+    if built:
+        p.add("model being built" if what == "weights" else "reference being built",
+              s.params * held, f"{_fmt(s.params)} x {held} B", host=True, rank0=fsdp_read)
 
 
 def _generate(cfg, s: Shape, j: Job, gpu_gb: float | None) -> Phase:
@@ -417,11 +434,21 @@ def _correction(cfg, s: Shape, j: Job, gpu_gb: float | None) -> Phase:
 
 
 def _final(cfg, s: Shape, j: Job) -> Phase:
-    """final/: under FSDP the whole float32 state gathered to rank 0's host and a model built from
-    it; the saved copy in model.dtype when that differs from the weights held."""
+    """final/: sliced (`_sliced`), every rank all-gathers one tensor at a time on its device and
+    the rank whose file holds it copies it to the host in model.dtype. Otherwise under FSDP the
+    whole float32 state gathered to rank 0's host and a model built from it; the saved copy in
+    model.dtype when that differs from the weights held."""
     fin = Phase("final")
     _state(fin, s, j, grads=False, adam=True)
     out_bytes = BYTES[cfg.model.dtype]
+    if _sliced(j):
+        fin.add("largest tensor gathered", s.embed * j.master, f"{_fmt(s.embed)} x {j.master} B")
+        if out_bytes != j.master:  # cast on the device before the copy to the host
+            fin.add(f"its cast to {cfg.model.dtype}", s.embed * out_bytes,
+                    f"{_fmt(s.embed)} x {out_bytes} B")
+        fin.add(f"it in {cfg.model.dtype}, to its file", s.embed * out_bytes,
+                f"{_fmt(s.embed)} x {out_bytes} B", host=True)
+        return fin
     if j.strategy == "fsdp":
         fin.add("whole state gathered to host", s.params * j.master,
                 f"{_fmt(s.params)} x {j.master} B", host=True, rank0=True)
@@ -482,7 +509,7 @@ def make_plan(cfg, shape: Shape, target: Target, *, mfu: float = 0.3, gen_tps: f
             f"{math.ceil(plan['host']['peak_gb'] * POD_MARGIN * GB / 2**30)}Gi"
         )
         plan["time"] = step_time(cfg, shape, j, target, mfu, gen_tps)
-        plan["cost"] = _cost(cfg, target, plan["time"], prices)
+        plan["cost"] = run_cost(cfg, target, plan["time"], prices)
     else:
         per = {p.name: p.total(host=False) + p.total(host=True) for p in ph}
         plan["process"] = _verdict(per, target.host_gb / target.procs_per_node,
@@ -540,56 +567,3 @@ def _summary(cfg, s: Shape, j: Job, t: Target) -> dict:
         "sampler": j.sampler,
         "module": "own (chunked head)" if j.own else "Hugging Face",
     }
-
-
-def _train_tokens(cfg) -> tuple[int, int]:
-    """(tokens through the training passes per step, completion tokens generated per step)."""
-    a = cfg.algorithm
-    if a == "grpo":
-        g = cfg.grpo  # a group's prompt is laid out once (model/logps._plan)
-        return (
-            g.prompts_per_step
-            * (cfg.data.max_prompt_length + g.num_generations * g.max_completion_length),
-            g.prompts_per_step * g.num_generations * g.max_completion_length,
-        )
-    sec = getattr(cfg, a)
-    return sec.batch_size * sec.max_length * (2 if a == "dpo" else 1), 0
-
-
-def step_time(cfg, s: Shape, j: Job, t: Target, mfu: float, gen_tps: float) -> dict:
-    """Seconds per optimiser step: the passes' FLOPs at `mfu` of the GPUs' dense bf16 peak, plus
-    generation at `gen_tps` tokens/s per GPU (decoding is bound by memory, not FLOPs)."""
-    tokens, generated = _train_tokens(cfg)
-    # forward: projections + attention (causal mean)
-    per_token = 2 * s.matmul + 2 * s.layers * s.q * j.seq
-    train = (3 + (1 if j.checkpointing else 0)) * per_token * tokens
-    iters = cfg.grpo.num_iterations if j.algorithm == "grpo" else 1
-    extra = 0.0
-    if j.reference in ("model", "adapter"):
-        extra += per_token * tokens / iters
-    if j.sampler == "vllm" and cfg.grpo.vllm_importance_sampling_correction:
-        extra += per_token * tokens / iters
-    if j.algorithm == "kto" and cfg.kto.loss_type == "kto":
-        extra += per_token * tokens  # the mismatched pairs' KL pass
-    flops = train + extra
-    gpus = t.world
-    compute_s = flops / (gpus * t.node.bf16_tflops * 1e12 * mfu)
-    gen_s = generated / iters / (gen_tps * gpus)
-    step = compute_s + gen_s
-    return {"flops_per_step": flops, "mfu": mfu, "peak_tflops_per_gpu": t.node.bf16_tflops,
-            "generation_tokens_per_second_per_gpu": gen_tps if generated else None,
-            "compute_s": round(compute_s, 3), "generation_s": round(gen_s, 3),
-            "step_s": round(step, 3), "steps": cfg.max_steps, "hours": step * cfg.max_steps / 3600,
-            "tokens_per_second_per_gpu": round(tokens / step / gpus, 1) if step else None}
-
-
-def _cost(cfg, t: Target, time: dict, prices: dict | None) -> dict | None:
-    """The cost of max_steps steps: preftune/deploy/cost.py's estimate, hours from the step time."""
-    try:
-        prices = prices if prices is not None else cost.load_prices()
-        price = cost.gpu_hour_price(prices, [t.name], t.capacity_type)
-    except UserError as e:
-        return {"note": str(e)}
-    hours = (time["hours"], time["hours"])
-    return cost.estimate(cost.CostInputs(t.nodes, t.procs_per_node, t.capacity_type,
-                                         [t.name], price, hours))

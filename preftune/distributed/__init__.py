@@ -1,5 +1,6 @@
 """Data parallelism, the only code that calls torch.distributed: the process group and its
-collectives (`group.py`), FSDP2 / DDP applied to a model from outside (`fsdp.py`). The sharded
+collectives (`group.py`), FSDP2 / DDP applied to a model from outside (`fsdp.py`), a model's
+weights read into its shards and written from them one tensor at a time (`weights.py`). The sharded
 checkpoint format is the checkpointer's (`run/shards.py`); streaming whole weights to a rollout
 engine is the engines' (`rollout/weights.py`).
 

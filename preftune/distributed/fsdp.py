@@ -11,21 +11,26 @@ import weakref
 
 import torch
 
+from preftune.distributed import weights
 from preftune.distributed.group import Parallel
+from preftune.errors import UserError, one_line
 from preftune.model import load as loader
+from preftune.model.hf_files import stored
 
 log = logging.getLogger("preftune")
 
 
 
 def load(dp: Parallel, cfg, path: str, *, trainable: bool = True,
-         reshard_after_forward: bool = True):
+         reshard_after_forward: bool = True, sliced: bool = True):
     """`load.load_model` for this strategy, on this rank's device (the policy, or with
-    `trainable` False the frozen reference). Under FSDP2 without LoRA only rank 0 reads the
-    weights, into host memory: every rank builds the module on the meta device and shards it,
-    then rank 0 sends each rank its shards and the buffers outside the state dict (rotary
-    tables). So no other rank ever holds a whole weight, and no device the whole model (the
-    32B sizing in docs/distributed.md: 131 GB of fp32 weights per rank otherwise)."""
+    `trainable` False the frozen reference). Under FSDP2 without LoRA every rank builds the module
+    on the meta device and shards it, then reads only its own rows of each parameter from the
+    safetensors files (distributed/weights.py) and computes the rotary tables itself: no process
+    holds a whole weight beyond the one tensor being read (the 32B sizing in
+    docs/distributed.md). A layout converted on load (Qwen3-MoE's per-expert checkpoints, the
+    Hugging Face module's renames) or `sliced` False takes the whole-model path instead: rank 0
+    reads everything into host memory and sends each rank its shards."""
     # bf16 mixed precision where load_model chose float32 masters under bf16 autocast
     def shard(model):
         return wrap(dp, model, mixed_bf16=loader.compute_dtype(model) is not None,
@@ -33,15 +38,37 @@ def load(dp: Parallel, cfg, path: str, *, trainable: bool = True,
 
     if not dp.sharded or cfg.lora.enabled:  # LoRA: peft wraps the loaded module first
         return shard(loader.load_model(cfg, path, trainable=trainable))
+    model = shard(loader.load_model(cfg, path, trainable=trainable, weights=False))  # meta shards
+    model.to_empty(device=dp.device)
+    why = dp.together(lambda: _read_errors(lambda: weights.sliceable(model, stored(path)), path))
+    if why is None and sliced:
+        dp.together(lambda: _read_errors(lambda: weights.read_shards(model, stored(path)), path))
+        model.fill_buffers()
+        if dp.offloaded:
+            to_host(dp, model)
+        log.info("model built on the meta device and sharded; each rank read its own slices")
+        return model
+    log.info("rank 0 reads the whole model and sends the shards: %s", why or "asked to")
+    return _load_from_rank0(dp, cfg, path, model, trainable)
+
+
+def _read_errors(fn, path: str):
+    """`fn()`, a broken weight file as the user error load_model raises for it."""
+    from safetensors import SafetensorError
+
+    try:
+        return fn()
+    except (OSError, ValueError, KeyError, SafetensorError) as e:
+        raise UserError(f"cannot load model: {one_line(e, with_type=True)}", where=path) from None
+
+
+def _load_from_rank0(dp: Parallel, cfg, path: str, model, trainable: bool):
+    """The whole-model path: rank 0 reads every weight into host memory and broadcasts them into
+    the sharded `model` (given storage), with the buffers outside the state dict."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     # rank 0, host
     full = dp.on_main(lambda: loader.load_model(cfg, path, trainable=trainable), share=False)
-    # meta shards
-    model = shard(loader.load_model(cfg, path, trainable=trainable, weights=False))
-    # the shards are filled on the device, where the collectives (nccl) run; offloaded ones move to
-    # host memory below
-    model.to_empty(device=dp.device)
     set_model_state_dict(model, full.state_dict() if full is not None else {},
                          options=StateDictOptions(full_state_dict=True,
                                                   broadcast_from_rank0=True))
@@ -176,16 +203,25 @@ def whole(model):
         else fsdp_modules(model)
     )
     _WHOLE[model] = depth + 1
+    # each module's own setting comes back on exit (the root's may differ from the blocks')
+    before = [_reshards(m) for m in mods]
     for m in mods:
-        m.set_reshard_after_forward(False)
+        m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
     try:
         yield model
     finally:
         _WHOLE[model] = depth
-        for m in mods:
+        for m, after in zip(mods, before):
             m.reshard()
-            m.set_reshard_after_forward(True)
+            m.set_reshard_after_forward(after, recurse=False)
+
+
+def _reshards(m) -> bool:
+    """Whether FSDP2 module `m` frees its gathered parameters after forward (its configured
+    `reshard_after_forward`; torch keeps it as the groups' post-forward mesh)."""
+    groups = m._get_fsdp_state()._fsdp_param_groups
+    return all(g.post_forward_mesh_info is not None for g in groups)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

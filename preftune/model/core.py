@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from preftune.model.head import head_logps
+from preftune.model.hf_files import weight_files
 from preftune.model.ops import (KVBuffers, RMSNorm, Rotary, addmm, attend, cast, joined,
                                 merged, rms, rotate_half, rotate_half_step)
 
@@ -387,23 +388,18 @@ class CausalLM(nn.Module):
         cfg = json.loads((out / "config.json").read_text())
         (out / "config.json").write_text(json.dumps(cfg | {"dtype": dtype}, indent=2) + "\n")
 
+    def fill_buffers(self) -> None:
+        """Recompute the tables outside the state dict (the rotary frequencies) in place: a module
+        built on the meta device and given storage by `to_empty` holds garbage there, and each
+        rank computing them is cheaper than receiving them. Built as `from_pretrained` builds
+        them (under the parameters' default dtype), so the values are the same bit for bit."""
+        with _default_dtype(self.model.embed_tokens.weight.dtype):
+            fresh = self.rotary(self.config)
+        for name, buf in fresh.named_buffers():
+            self.model.rotary_emb.get_buffer(name).copy_(buf)
+
     def get_output_embeddings(self):
         return self.lm_head
-
-
-def weight_files(folder: Path) -> list[Path]:
-    """The weight files of a Hugging Face folder: those model.safetensors.index.json names when it
-    is there, else model.safetensors. Never a glob: a file planted beside them is never read."""
-    index = folder / "model.safetensors.index.json"
-    if not index.is_file():
-        return [folder / "model.safetensors"] if (folder / "model.safetensors").is_file() else []
-    try:
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{index.name} is not a weight index ({type(e).__name__})") from None
-    if not all(isinstance(n, str) and "/" not in n and n.endswith(".safetensors") for n in names):
-        raise ValueError(f"{index.name} names files outside the folder or not safetensors")
-    return [folder / n for n in names]
 
 
 @contextlib.contextmanager

@@ -296,6 +296,21 @@ def save_pretrained(model, tokenizer, out: str | Path, *, dtype: str | None = No
     tokenizer.save_pretrained(str(out))
 
 
+def save_folder_files(model, tokenizer, out: str | Path, *, dtype: str) -> None:
+    """Everything of a Hugging Face folder but its weights: config.json saying the weights'
+    `dtype`, the generation config, the tokenizer (the weights are written apart, sharded:
+    distributed/weights.py)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = base_module(model)
+    base.config.save_pretrained(str(out))
+    cfg_file = out / "config.json"
+    cfg_json = json.loads(cfg_file.read_text())
+    atomic_write(cfg_file, json.dumps(cfg_json | {"dtype": dtype}, indent=2) + "\n")
+    save_generation_config(base, out)
+    tokenizer.save_pretrained(str(out))
+
+
 def cache_kwarg(model) -> str:
     """transformers renamed `past_key_values` to `cache` in 5.x; use whichever the model takes."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -15,7 +15,8 @@ in the full layout, the task's state, RNGs), `rank-R.*` for each other rank (its
 RNGs), the tokenizer,
 the model's config.json, preftune.yaml, metrics.jsonl and MANIFEST.json - written last, by rank 0,
 from the file hashes every rank computed for its share of the files, after a barrier.
-`final/` is always one consolidated Hugging Face model (LoRA merged once, at the end).
+`final/` is always one consolidated Hugging Face model (LoRA merged once, at the end): sharded
+safetensors files plus model.safetensors.index.json when more than one (`write_final`).
 Every file is data (JSON, safetensors; preftune/tensorfile.py): a restore or an export reads only
 the files the layout names (weights through the Hugging Face index, never a glob) and unpickles
 nothing.
@@ -34,11 +35,14 @@ import torch
 
 from preftune.errors import CheckpointDamaged, Unavailable, UserError, one_line
 from preftune.tensorfile import TensorFileError
-from preftune.model.core import weight_files
-from preftune.model.load import load_model, save_generation_config, save_pretrained
+from preftune.model.core import CausalLM
+from preftune.model.hf_files import weight_files
+from preftune.model.load import (DTYPES, load_model, save_folder_files, save_generation_config,
+                                 save_pretrained)
 from preftune.run import checkpoint_folders as ckpt
 from preftune.run.resume import CONFIG_FILE, checkpoint_config
 from preftune.distributed.group import Parallel
+from preftune.distributed.weights import write_weights
 from preftune.run import shards
 
 log = logging.getLogger("preftune")
@@ -208,8 +212,55 @@ class Checkpointer:
     # ---------------------------------------------------------------- final
 
     def write_final(self, step: int) -> Path:
-        """final/: one consolidated Hugging Face model in model.dtype (LoRA merged), by rank 0."""
+        """final/: a Hugging Face model in model.dtype. The own module without LoRA: sharded
+        safetensors files (with their index when more than one), each written by the rank that
+        gathers its tensors, one tensor at a time; else (LoRA merged, the Hugging Face module) the
+        whole state gathered to rank 0, which writes it. Atomic either way: every file goes into
+        a scratch folder that rank 0 renames to final/ once every rank has written its share."""
+        if not isinstance(self.model, CausalLM) or is_lora(self.model):
+            return self._write_final_gathered(step)
+        dp, tmp = self.dp, self.out / ".tmp-final"
+
+        def begin() -> None:
+            with storage("final/", self.out):
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+
+        dp.on_main(begin)
+        dtype = DTYPES[self.cfg.model.dtype]
+        # sharded: the ranks split the files; else rank 0 holds the whole model and writes them all
+        rank, world = (dp.rank, dp.world) if dp.sharded else (0, 1)
+
+        def write() -> None:
+            with storage("final/", self.out):
+                write_weights(self.model, tmp, dtype, rank=rank, world=world)
+
+        if dp.sharded:  # each rank its files; all are written when `together` returns
+            dp.together(write)
+        else:  # one process, or ddp: rank 0 holds the whole model
+            dp.on_main(write)
+        return Path(dp.on_main(lambda: self._publish_final(step, tmp)))
+
+    def _publish_final(self, step: int, tmp: Path, *, other_files: bool = True) -> str:
+        """Rank 0: the folder's files beside the weights (`other_files`), its manifest, then the
+        rename to final/."""
         final = self.out / "final"
+        with storage("final/", self.out):
+            if other_files:
+                save_folder_files(self.model, self.tokenizer, tmp, dtype=self.cfg.model.dtype)
+            (tmp / CONFIG_FILE).write_text(checkpoint_config(self.cfg))
+            ckpt.write_manifest(tmp, step)  # with the manifest's step: "complete"
+            ckpt.fsync_tree(tmp)
+            self._check_lock()
+            ckpt.publish(tmp, final)
+        if self.mirror is not None:  # the remote also gets the final model, as URL/final
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.mirror.upload(final, scratch_root=self.root)
+        return str(final)
+
+    def _write_final_gathered(self, step: int) -> Path:
+        """final/ from the whole state on rank 0 (LoRA merged once; the Hugging Face module): under
+        FSDP every tensor is gathered to rank 0's host and a model built from it."""
         full = shards.model_state(self.model, full=True) if self.dp.sharded else None  # collective
 
         def write() -> str:
@@ -218,16 +269,7 @@ class Checkpointer:
             model = self.model if full is None else fresh_model(self.cfg, full)
             with storage("final/", self.out):
                 save_pretrained(model, self.tokenizer, tmp, dtype=self.cfg.model.dtype)
-                # with the manifest's step: "complete"
-                (tmp / CONFIG_FILE).write_text(checkpoint_config(self.cfg))
-                ckpt.write_manifest(tmp, step)
-                ckpt.fsync_tree(tmp)
-                self._check_lock()
-                ckpt.publish(tmp, final)
-            if self.mirror is not None:  # the remote also gets the final model, as URL/final
-                self.root.mkdir(parents=True, exist_ok=True)
-                self.mirror.upload(final, scratch_root=self.root)
-            return str(final)
+            return self._publish_final(step, tmp, other_files=False)
 
         return Path(self.dp.on_main(write))
 

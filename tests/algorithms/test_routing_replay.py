@@ -14,6 +14,7 @@ from preftune.model import qwen3_moe as M
 from preftune.model.logps import completion_logps
 from preftune.rollout.sampler import concat, sample, select
 from tests.model.test_llama import VOCAB, pair
+from tests.hf_folder import folder_state
 
 EOS = 1
 
@@ -147,7 +148,6 @@ def test_config_errors(tmp_path):
 def test_a_run_with_replay_resumes_exactly_with_its_pending_routes(tmp_path):
     """Two optimiser steps per generation batch: a run stopped after step 3 saves the pending
     batch with its routes; resumed to step 4 it ends with the uninterrupted run's weights."""
-    from safetensors.torch import load_file
 
     import preftune
     from tests.model.test_qwen3_moe import _folder
@@ -162,7 +162,7 @@ def test_a_run_with_replay_resumes_exactly_with_its_pending_routes(tmp_path):
     preftune.train({}, overrides=split | {"max_steps": 3}, reward_funcs=[brevity],
                    train_data=PROMPTS)
     preftune.train({}, overrides=split, reward_funcs=[brevity], train_data=PROMPTS)
-    a, b = (load_file(tmp_path / n / "final" / "model.safetensors") for n in ("whole", "split"))
+    a, b = (folder_state(tmp_path / n / "final") for n in ("whole", "split"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rec = records(tmp_path / "whole")
     # a step whose rows all have advantage 0 runs no pass, and has no routing metrics

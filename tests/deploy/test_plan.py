@@ -62,11 +62,32 @@ def test_the_32b_job_term_by_term():
     assert g["peak_phase"] == "generate"
     assert g["peak_gb"] == pytest.approx(sum(gen.values()) + planner.CUDA_RESERVE_GB, abs=1e-3)
     assert g["headroom_gb"] == pytest.approx(141 - g["peak_gb"], abs=1e-3)
-    host = _terms(plan, "final")  # rank 0 gathers the fp32 weights and builds a model from them
-    assert host["whole state gathered to host"] == host["model built from it"] == pytest.approx(P * 4 / 1e9, abs=1e-6)
+    # no process holds the whole model: each rank reads its rows of one tensor at a time (the
+    # embedding the largest, cut over 24 ranks, bf16 as stored and fp32 as held), and final/ gathers
+    # one tensor at a time, cast to bf16 on the device, copied to the host for its file
+    load, final = _terms(plan, "load"), _terms(plan, "final")
+    assert load["weights: largest tensor's slice read"] == pytest.approx(6336 * 5120 * (2 + 4) / 1e9, abs=1e-6)
+    assert final["largest tensor gathered"] == pytest.approx(152064 * 5120 * 4 / 1e9, abs=1e-6)
+    assert final["its cast to bfloat16"] == final["it in bfloat16, to its file"] == pytest.approx(
+        152064 * 5120 * 2 / 1e9, abs=1e-6)
+    assert not any(t["rank0"] for p in plan["phases"] for t in p["terms"])
+    assert plan["host"]["peak_gb"] < 40 and plan["host"]["peak_phase"] == "final"
     # cost: hours from the step time, priced by deploy/cost.py at the shipped $10-15 per GPU-hour
     hours = plan["time"]["step_s"] * 200 / 3600
     assert plan["cost"]["compute_usd"] == pytest.approx([24 * hours * 10, 24 * hours * 15], rel=1e-3)
+
+
+def test_under_lora_rank_0_still_reads_and_gathers_the_whole_model():
+    """LoRA (and the Hugging Face module) take the old path: rank 0 reads the whole model, and final/
+    (the adapter merged) is gathered to its host."""
+    cfg = load_config(JOB32, ["model.lora.enabled=true"])
+    shape = planner.read_shape(cfg.model.name_or_path)
+    target = planner.Target("p5en.48xlarge", 3, 8, INSTANCE_TYPES["p5en.48xlarge"], 2000)
+    plan = planner.make_plan(cfg, shape, target)
+    P = shape.params
+    assert _terms(plan, "load")["weights as stored (read)"] == pytest.approx(P * 2 / 1e9, abs=1e-6)
+    assert _terms(plan, "final")["merged copy"] == pytest.approx(P * 2 / 1e9, abs=1e-6)
+    assert "largest tensor gathered" not in _terms(plan, "final")
 
 
 def test_sharding_divides_the_state_and_one_process_holds_it_whole():
@@ -193,8 +214,10 @@ def test_cpu_plan_is_per_process_against_this_machines_memory(capsys):
     assert code == 0 and "gpu" not in plan and "time" not in plan
     assert plan["process"]["capacity_gb"] == pytest.approx(total / 2, abs=1e-3)
     assert plan["job"]["ranks"] == 2 and plan["job"]["strategy"] == "fsdp"
-    rank0_load = _terms(plan, "load")
-    assert rank0_load["weights as stored (read)"] == rank0_load["model being built"] > 0  # float32 files
+    load = _terms(plan, "load")  # each rank its half of the embedding: float32 as stored and as held
+    s = planner.read_shape(str(ROOT / "examples" / "model"))
+    assert load["weights: largest tensor's slice read"] == pytest.approx(-(-s.vocab // 2) * s.hidden * 8 / 1e9, abs=1e-6)
+    assert "weights as stored (read)" not in load
 
 
 def test_cpu_offload_moves_the_sharded_state_from_the_gpu_to_each_ranks_host():

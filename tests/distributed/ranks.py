@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from tests.hf_folder import folder_state
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -196,4 +196,4 @@ def metric_rows(out: Path) -> list[dict]:
 
 
 def final_state(out: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(out / "final" / "model.safetensors"))
+    return folder_state(out / "final")

@@ -19,6 +19,7 @@ from preftune.config import load_config
 from preftune.errors import EXIT_OK, EXIT_PREEMPTED
 from preftune.run import checkpoint_folders as ckpt, loop
 from tests.distributed.ranks import WEIGHT_TOL, Ranks, final_state, metric_rows
+from tests.hf_folder import folder_state
 from tests.run.test_resume import data_dir, one_thread, overrides, saved_steps, write_config  # noqa: F401
 
 STEPS = 4
@@ -138,12 +139,11 @@ def test_one_process_checkpoint_resumes_on_two_ranks(one_rank_run, data_dir, tmp
 
 
 def test_export_writes_the_same_model_from_sharded_and_full_checkpoints(two_rank_run, one_rank_run, tmp_path):
-    from safetensors.torch import load_file
 
     a, b = tmp_path / "from-sharded", tmp_path / "from-full"
     assert main(["export", str(two_rank_run / "checkpoints" / "step-4"), "-o", str(a)]) == EXIT_OK
     assert main(["export", str(one_rank_run / "checkpoints" / "step-4"), "-o", str(b)]) == EXIT_OK
-    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    wa, wb = folder_state(a), folder_state(b)
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < WEIGHT_TOL
     assert all(torch.equal(v, final_state(two_rank_run)[k]) for k, v in wa.items())
     assert ckpt.verify(a) is None

@@ -136,3 +136,15 @@ def test_cpu_offload_policy_reaches_every_sharded_module(one_rank_group, model):
     assert len(policies) == model.config.num_hidden_layers + 1
     assert all(isinstance(p, CPUOffloadPolicy) and not p.pin_memory for p in policies)
     assert device_of(wrapped) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_whole_gives_back_the_configured_reshard_after_forward(one_rank_group, model, after):
+    """fsdp.whole keeps the gathered parameters inside the block, then restores each sharded module's
+    own reshard_after_forward (it used to set True on every module whatever was configured)."""
+    wrapped = fsdp.wrap(one_rank_group, model, reshard_after_forward=after)
+    before = [fsdp._reshards(m) for m in fsdp.fsdp_modules(wrapped)]
+    assert before == [after] * len(before)
+    with fsdp.whole(wrapped):
+        assert not any(fsdp._reshards(m) for m in fsdp.fsdp_modules(wrapped))
+    assert [fsdp._reshards(m) for m in fsdp.fsdp_modules(wrapped)] == before

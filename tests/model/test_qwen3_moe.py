@@ -137,3 +137,41 @@ def test_lora_all_linear_adapts_the_attention_and_samples():
     with pytest.raises(UserError, match="3-D experts") as e:
         _wrap_lora(other, cfg, "base")
     assert e.value.where == "model.lora.target_modules"
+
+
+@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen3-moe-per-expert", "glm4", "llama-yarn", "qwen2-tied"])
+def test_the_sliced_reader_fills_a_meta_model_as_the_whole_load_does(tmp_path, arch):
+    """distributed/weights.py in one process: a model built on the meta device, given storage and
+    filled tensor by tensor from the files (rotary tables recomputed), equals load_model's bit for
+    bit; a checkpoint whose layout is converted on load (per-expert Qwen3-MoE, as transformers
+    saves it) is refused by `sliceable`, so fsdp.load takes the whole-model path for it."""
+    from preftune.config import ModelConfig
+    from preftune.distributed import weights
+    from preftune.model.hf_files import stored
+    from preftune.model.load import load_model
+
+    if arch.startswith("qwen3-moe"):  # transformers saves one module per expert, the own module 3-D
+        _, folder = _folder(tmp_path, per_expert=True)
+        if arch == "qwen3-moe":
+            load_model(ModelConfig(), str(folder)).save_pretrained(tmp_path / "3d")
+            folder = tmp_path / "3d"
+    else:
+        model_type, kw = ARCHS[arch]
+        folder = tmp_path / arch
+        tiny(model_type, dtype=torch.float32, **kw).save_pretrained(folder)
+    cfg = ModelConfig(dtype="bfloat16")  # float32 masters read from float32 files
+    whole = load_model(cfg, str(folder))
+    meta = load_model(cfg, str(folder), weights=False)
+    meta.to_empty(device="cpu")
+    if meta.tied:  # to_empty gives each name its own tensor; FSDP2 keeps a shared parameter shared
+        meta.lm_head.weight = meta.model.embed_tokens.weight
+    why = weights.sliceable(meta, stored(folder))
+    if arch.endswith("per-expert"):
+        assert why is not None and "experts.0." in why
+        return
+    assert why is None
+    weights.read_shards(meta, stored(folder))
+    meta.fill_buffers()
+    a, b = dict(meta.named_parameters()), dict(whole.named_parameters())
+    assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(x, y) for x, y in zip(meta.buffers(), whole.buffers(), strict=True))

@@ -3,11 +3,11 @@ save), final/ is the merged model, and `preftune export` rebuilds that model fro
 from __future__ import annotations
 
 import torch
-from safetensors.torch import load_file
 
 from preftune.cli.command import main
 from preftune.config import load_config
 from preftune.run import checkpoint_folders as ckpt, loop
+from tests.hf_folder import folder_state
 from tests.run.test_resume import data_dir, one_thread, overrides  # noqa: F401 - fixtures used by name
 
 
@@ -22,7 +22,7 @@ def test_lora_step_checkpoints_hold_the_adapter_and_export_merges_it(data_dir, t
     state = ckpt.load_state(step)
     assert all("lora_" in name for name in state["optimizer"]["param_groups"][0]["params"])
     assert main(["export", str(step), "-o", str(tmp_path / "exported")]) == 0
-    a, b = load_file(str(tmp_path / "exported" / "model.safetensors")), load_file(str(out / "final" / "model.safetensors"))
+    a, b = folder_state(tmp_path / "exported"), folder_state(out / "final")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

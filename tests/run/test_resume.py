@@ -15,7 +15,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from preftune.cli.command import main
 from preftune.config import load_config
@@ -23,6 +22,7 @@ from preftune.errors import EXIT_PREEMPTED, EXIT_USER, Preempted, UserError
 from preftune.run import checkpoint_folders as ckpt, loop
 from preftune.run.metrics import TIMING_KEYS
 from preftune.run.resume import find_resume_point
+from tests.hf_folder import folder_state
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL, DATA = ROOT / "examples" / "model", ROOT / "examples" / "data"
@@ -77,7 +77,7 @@ def overrides(kind: str, out: Path, data_dir: Path, **extra) -> list[str]:
 
 
 def final_weights(out: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(out / "final" / "model.safetensors"))
+    return folder_state(out / "final")
 
 
 def records(out: Path) -> list[dict]:

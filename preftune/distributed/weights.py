@@ -1,0 +1,136 @@
+"""A model's weights between Hugging Face files and FSDP2 shards, one tensor at a time, so no
+process holds the whole model unless it must (docs/distributed.md).
+
+Loading (`sliceable`, `read_shards`): each rank reads only its own rows of each parameter from the
+folder's safetensors files, in the dtype it holds. FSDP2 shards dim 0 (`Shard(0)`) as torch.chunk
+cuts it: ceil(n / world) rows per rank, the last ranks' shorter or empty (`rows`).
+Writing (`write_weights`): the tensors are cut into files of contiguous groups, file i written by
+rank i % world; every rank all-gathers each tensor in the same order (a collective), casts it to
+the saved dtype and, when its own file holds it, appends its bytes (model/hf_files.FileWriter),
+then drops it. Peak host memory per rank: about one whole tensor."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from preftune.model import hf_files
+from preftune.model.core import CausalLM
+
+
+def rows(n: int, world: int, rank: int) -> tuple[int, int]:
+    """The rows [start, stop) of a dim of n rows that `rank` holds under Shard(0): torch.chunk's
+    cut (ceil(n / world) each, so the last ranks may hold fewer, or none)."""
+    size = -(-n // world)
+    start = min(rank * size, n)
+    return start, min(start + size, n)
+
+
+def _local(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """This rank's piece of a parameter (a DTensor sharded on dim 0, or a whole tensor) and the rows
+    of the whole it holds."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(t, DTensor):
+        return t.data, 0, t.shape[0] if t.dim() else 0
+    if t.device_mesh.ndim != 1 or t.placements[0] != Shard(0):
+        raise ValueError(f"a {t.placements} parameter: only FSDP2's Shard(0) is read in slices")
+    local = t.to_local()
+    start, stop = rows(t.shape[0], t.device_mesh.size(), t.device_mesh.get_local_rank())
+    if local.shape[0] != stop - start:  # the rule above must be FSDP2's own
+        raise ValueError(f"shard of {local.shape[0]} rows where torch.chunk gives {stop - start}")
+    return local, start, stop
+
+
+def _params(model, tensors: dict) -> list[tuple[str | None, torch.Tensor]]:
+    """Each parameter once, with the name it is stored under (a tied head and its embedding are one
+    parameter under two names, either of which the files may hold), or None when none is."""
+    names: dict[int, list[str]] = {}
+    params: dict[int, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    return [(next((n for n in names[k] if n in tensors), None), p) for k, p in params.items()]
+
+
+def sliceable(model, tensors: dict[str, hf_files.Stored]) -> str | None:
+    """None when every parameter of `model` is stored under its own name and shape (then each rank
+    can read its slices), else why not (the layout is converted on load, e.g. Qwen3-MoE's
+    per-expert modules stacked into 3-D experts: the whole-model path converts it)."""
+    if not isinstance(model, CausalLM):
+        return "the Hugging Face module may rename the stored tensors"
+    if not tensors:
+        return "no safetensors weights (model.safetensors or its index)"
+    names = dict(model.named_parameters(remove_duplicate=False))
+    extra = sorted(set(tensors) - set(names))
+    if extra:
+        return f"the files hold {extra[0]}, which is not a parameter as stored"
+    for name, p in _params(model, tensors):
+        if name is None:
+            return f"a parameter of shape {tuple(p.shape)} is not stored"
+        if tensors[name].shape != tuple(p.shape):
+            return f"{name} is stored as {tensors[name].shape}, the model has {tuple(p.shape)}"
+    return None
+
+
+@torch.no_grad()
+def read_shards(model, tensors: dict[str, hf_files.Stored]) -> None:
+    """Every parameter's local shard filled from the files: only this rank's rows are read, one
+    tensor at a time, cast to the parameter's dtype (`sliceable` must have said None)."""
+    for name, p in _params(model, tensors):
+        local, start, stop = _local(p)
+        if local.numel():  # (stop-start, ...)
+            local.copy_(hf_files.read_rows(tensors[name], name, start, stop, local.dtype))
+
+
+def saved_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """What a Hugging Face folder of `model` holds, in state-dict order: every parameter and
+    persistent buffer, a tied head left out (its embedding is it)."""
+    state = model.state_dict()
+    if getattr(model, "tied", False):
+        state.pop("lm_head.weight", None)
+    return list(state.items())
+
+
+def write_weights(model, folder: Path, dtype: torch.dtype, *, rank: int = 0,
+                  world: int = 1) -> None:
+    """The weights of `model` (an own `CausalLM`, sharded or whole) as safetensors files in
+    `folder` in `dtype` (floating tensors; others as they are), with model.safetensors.index.json
+    when there is more than one file. A sharded model: every rank calls this (each tensor is
+    all-gathered in turn), each writes its own files; `rank` 0 writes the index."""
+    tensors = saved_tensors(model)
+    specs = [(name, tuple(t.shape), dtype if t.is_floating_point() else t.dtype)
+             for name, t in tensors]
+    groups = hf_files.split(specs, world)
+    names = hf_files.file_names(len(groups))
+    file_of = {i: g for g, members in enumerate(groups) for i in members}
+    writers = {g: hf_files.FileWriter(folder / names[g], [specs[i] for i in members])
+               for g, members in enumerate(groups) if g % world == rank}
+    failed: OSError | None = None
+    try:
+        for i, (name, t) in enumerate(tensors):  # the same order on every rank: collectives
+            whole = _whole(t)
+            writer = writers.get(file_of[i])
+            if writer is not None and failed is None:
+                try:
+                    writer.write(name, whole.to(specs[i][2]).cpu())  # (shape) in the saved dtype
+                except OSError as e:  # a full disk: keep gathering, or the other ranks would hang
+                    failed = e
+            del whole
+    finally:
+        for w in writers.values():
+            w.file.close()
+    if failed is not None:
+        raise failed
+    for w in writers.values():
+        w.close()
+    if rank == 0 and len(groups) > 1:
+        where = {name: names[file_of[i]] for i, (name, *_) in enumerate(specs)}
+        hf_files.write_index(folder, where, sum(hf_files.nbytes(s, d) for _, s, d in specs))
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A parameter whole: a DTensor all-gathered (every rank in the same order), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()

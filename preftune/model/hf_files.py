@@ -1,0 +1,144 @@
+"""A Hugging Face folder's safetensors files, one tensor at a time: which tensors it holds, their
+shapes and dtypes and which file holds each (`stored`), rows of one tensor read in a wanted dtype
+(`read_rows`), and the sharded layout written back (`split`, `FileWriter`, `write_index`).
+
+Nothing here reads a whole file into memory: headers are parsed, slices are read through the
+memory map, and a file is written as its header first (every tensor's shape and dtype are known
+before any is gathered), then each tensor's bytes appended as it arrives. So a process that loads
+or writes a model holds about one tensor at a time (docs/distributed.md)."""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+MAX_FILE_BYTES = 5 * 10**9  # per written file, as Hugging Face shards a model
+# safetensors' dtype names
+_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+          torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+          torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One tensor of a folder: the file that holds it, its shape and safetensors dtype."""
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The weight files of a Hugging Face folder: those model.safetensors.index.json names when it
+    is there, else model.safetensors. Never a glob: a file planted beside them is never read."""
+    index = folder / INDEX
+    if not index.is_file():
+        return [folder / SINGLE] if (folder / SINGLE).is_file() else []
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index.name} is not a weight index ({type(e).__name__})") from None
+    if not all(isinstance(n, str) and "/" not in n and n.endswith(".safetensors") for n in names):
+        raise ValueError(f"{index.name} names files outside the folder or not safetensors")
+    return [folder / n for n in names]
+
+
+def stored(folder: str | Path) -> dict[str, Stored]:
+    """Every tensor of the folder's weight files by name, from the files' headers alone."""
+    from safetensors import safe_open
+
+    out: dict[str, Stored] = {}
+    for f in weight_files(Path(folder)):
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():
+                part = handle.get_slice(name)
+                out[name] = Stored(f, tuple(part.get_shape()), part.get_dtype())
+    return out
+
+
+def read_rows(tensor: Stored, name: str, start: int, stop: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """Rows start..stop-1 of tensor `name` (dim 0; a 0-dim tensor whole) in `dtype`: only those
+    bytes are read. The file is opened (mapped) for this tensor alone: a mapping kept open would
+    keep every page read so far in the process's memory."""
+    from safetensors import safe_open
+
+    with safe_open(str(tensor.file), framework="pt") as handle:
+        part = handle.get_slice(name)
+        t = part[start:stop] if len(tensor.shape) else part[:]  # (stop-start, ...)
+    return t.to(dtype)
+
+
+def nbytes(shape, dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def split(tensors: list[tuple[str, tuple, torch.dtype]], files: int,
+          max_bytes: int = MAX_FILE_BYTES) -> list[list[int]]:
+    """Tensors (name, shape, dtype), in order, cut into contiguous groups of about equal bytes: at
+    least `files` groups (the writing ranks) and none over `max_bytes` where a tensor allows;
+    never an empty group. Returns each group's tensor indices."""
+    sizes = [nbytes(shape, dtype) for _, shape, dtype in tensors]
+    total = max(sum(sizes), 1)
+    n = max(1, min(len(tensors), max(files, math.ceil(total / max_bytes))))
+    groups: list[list[int]] = []
+    seen, last = 0, -1
+    for i, size in enumerate(sizes):
+        # the group a tensor's middle byte falls in: groups grow in order, about total / n each
+        g = min(n - 1, int(n * (seen + size / 2) / total))
+        if g > last:
+            groups.append([])
+            last = g
+        groups[-1].append(i)
+        seen += size
+    return groups
+
+
+def file_names(n: int) -> list[str]:
+    """Hugging Face's names: model.safetensors alone, else model-0000i-of-0000n.safetensors."""
+    return [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+class FileWriter:
+    """One safetensors file written as its tensors arrive, in the order of `tensors`: the header
+    (offsets from the known shapes and dtypes) first, each tensor's bytes appended by `write`."""
+
+    def __init__(self, path: Path, tensors: list[tuple[str, tuple, torch.dtype]]):
+        header: dict = {"__metadata__": {"format": "pt"}}
+        self.order, offset = [name for name, _, _ in tensors], 0
+        self.specs = {}
+        for name, shape, dtype in tensors:
+            size = nbytes(shape, dtype)
+            header[name] = {"dtype": _CODES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            self.specs[name] = (tuple(shape), dtype)
+            offset += size
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors pads it
+        self.file = open(path, "wb")  # noqa: SIM115 - closed by `close`, after the last tensor
+        self.file.write(struct.pack("<Q", len(text)) + text)
+        self.next = 0
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        """The next tensor in the header's order (a CPU tensor of the declared shape and dtype)."""
+        if name != self.order[self.next] or (tuple(t.shape), t.dtype) != self.specs[name]:
+            raise ValueError(f"{name}: not the next tensor of {self.file.name} as declared")
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)  # (bytes,) the same memory
+        self.file.write(flat.numpy().data)
+        self.next += 1
+
+    def close(self) -> None:
+        self.file.close()
+        if self.next != len(self.order):
+            raise ValueError(f"{self.file.name}: {len(self.order) - self.next} tensors not written")
+
+
+def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> None:
+    """model.safetensors.index.json as Hugging Face writes it (only for more than one file)."""
+    doc = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / INDEX).write_text(json.dumps(doc, indent=2) + "\n")
