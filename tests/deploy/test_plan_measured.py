@@ -35,3 +35,18 @@ def test_a_reference_model_adds_what_the_plan_says(measured):
     """The reference's term, not only the total: GRPO with beta > 0 minus without, planned and measured."""
     (plan_ref, got_ref), (plan, got) = measured[("grpo-ref", "s")], measured[("grpo", "s")]
     assert abs((got_ref - got) - (plan_ref - plan)) <= TOLERANCE * plan
+
+
+# Two FSDP2 ranks (gloo): each rank reads only its slices and writes its own files of final/, so
+# both ranks' peaks are alike. SFT and DPO measure 1.29x their plan under 2 ranks (docs/plan.md);
+# that gap is open and not held here.
+RANKS2 = [("grpo", "s"), ("grpo-ref", "s")]
+
+
+@pytest.mark.parametrize("run", RANKS2, ids=lambda r: f"{r[0]}-{r[1]}")
+def test_two_ranks_planned_peak_within_20_percent_of_each_ranks_measured(tmp_path, run):
+    case, size = run
+    model = bench_plan.model_for(size, tmp_path)
+    peaks = bench_plan.measure([(case, model)], tmp_path / "work", ranks=2, timeout=1200)[0]
+    plan = bench_plan.rank0_peak(bench_plan.planned(case, model, ranks=2))
+    assert all(abs(got - plan) <= TOLERANCE * plan for got in peaks), f"planned {plan:.3f} GB, measured {peaks}"
