@@ -128,12 +128,18 @@ def test_two_rank_checkpoint_resumes_on_one_process(two_rank_run, one_rank_run, 
     assert_continues_like(one_rank_run, out, 3)
 
 
-def test_one_process_checkpoint_resumes_on_two_ranks(one_rank_run, data_dir, tmp_path):
+def _resumed_on_two_ranks(source, data_dir, tmp_path):
+    """A new run folder holding `source`'s step-2 checkpoint, resumed by 2 ranks (both exit 0)."""
     out = tmp_path / "run"
     (out / "checkpoints").mkdir(parents=True)
-    shutil.copytree(one_rank_run / "checkpoints" / "step-2", out / "checkpoints" / "step-2")
+    shutil.copytree(source / "checkpoints" / "step-2", out / "checkpoints" / "step-2")
     ranks = launch(tmp_path, out, data_dir, "resume")
     assert ranks.wait() == [EXIT_OK, EXIT_OK], ranks.text(0)[-3000:]
+    return out, ranks
+
+
+def test_one_process_checkpoint_resumes_on_two_ranks(one_rank_run, data_dir, tmp_path):
+    out, ranks = _resumed_on_two_ranks(one_rank_run, data_dir, tmp_path)
     assert "resuming a 1-rank checkpoint on 2 ranks" in ranks.text(0)
     assert_continues_like(one_rank_run, out, 3)
 
@@ -185,10 +191,6 @@ def test_sigterm_with_cpu_offload_resumes_exactly(offload_run, data_dir, tmp_pat
 def test_cpu_offload_may_be_switched_off_on_a_resume(two_rank_run, offload_run, data_dir, tmp_path):
     """A free change (it moves memory, not the trajectory): logged, and the run ends as the
     uninterrupted one without offload."""
-    out = tmp_path / "run"
-    (out / "checkpoints").mkdir(parents=True)
-    shutil.copytree(offload_run / "checkpoints" / "step-2", out / "checkpoints" / "step-2")
-    ranks = launch(tmp_path, out, data_dir, "resume")
-    assert ranks.wait() == [EXIT_OK, EXIT_OK], ranks.text(0)[-3000:]
+    out, ranks = _resumed_on_two_ranks(offload_run, data_dir, tmp_path)
     assert "distributed.cpu_offload: True -> False" in ranks.text(0)
     assert_bitwise(two_rank_run, out)
