@@ -40,9 +40,10 @@ def load(dp: Parallel, cfg, path: str, *, trainable: bool = True,
         return shard(loader.load_model(cfg, path, trainable=trainable))
     model = shard(loader.load_model(cfg, path, trainable=trainable, weights=False))  # meta shards
     model.to_empty(device=dp.device)
-    why = dp.together(lambda: _read_errors(lambda: weights.sliceable(model, stored(path)), path))
+    tensors = dp.together(lambda: _read_errors(lambda: stored(path), path))  # headers, read once
+    why = weights.sliceable(model, tensors)
     if why is None and sliced:
-        dp.together(lambda: _read_errors(lambda: weights.read_shards(model, stored(path)), path))
+        dp.together(lambda: _read_errors(lambda: weights.read_shards(model, tensors), path))
         model.fill_buffers()
         if dp.offloaded:
             to_host(dp, model)
@@ -222,18 +223,6 @@ def _reshards(m) -> bool:
     `reshard_after_forward`; torch keeps it as the groups' post-forward mesh)."""
     groups = m._get_fsdp_state()._fsdp_param_groups
     return all(g.post_forward_mesh_info is not None for g in groups)
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A parameter whole: an FSDP2 shard (a DTensor) all-gathered, a collective every rank runs in
-    the same order; any other tensor as it is."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(t, DTensor):
-        return t.detach()
-    if t.device.type != t.device_mesh.device_type:  # an offloaded shard: nccl gathers on the device
-        t = t.to(loader.device_of(t))
-    return t.full_tensor().detach()
 
 
 def fsdp_modules(model) -> list:

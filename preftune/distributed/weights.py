@@ -16,6 +16,7 @@ import torch
 
 from preftune.model import hf_files
 from preftune.model.core import CausalLM
+from preftune.model.load import device_of
 
 
 def rows(n: int, world: int, rank: int) -> tuple[int, int]:
@@ -109,7 +110,7 @@ def write_weights(model, folder: Path, dtype: torch.dtype, *, rank: int = 0,
     failed: OSError | None = None
     try:
         for i, (name, t) in enumerate(tensors):  # the same order on every rank: collectives
-            whole = _whole(t)
+            whole = full_tensor(t)
             writer = writers.get(file_of[i])
             if writer is not None and failed is None:
                 try:
@@ -129,8 +130,13 @@ def write_weights(model, folder: Path, dtype: torch.dtype, *, rank: int = 0,
         hf_files.write_index(folder, where, sum(hf_files.nbytes(s, d) for _, s, d in specs))
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """A parameter whole: a DTensor all-gathered (every rank in the same order), else itself."""
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A parameter whole: an FSDP2 shard (a DTensor) all-gathered, a collective every rank runs in
+    the same order; any other tensor as it is."""
     from torch.distributed.tensor import DTensor
 
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+    if not isinstance(t, DTensor):
+        return t.detach()
+    if t.device.type != t.device_mesh.device_type:  # an offloaded shard: nccl gathers on the device
+        t = t.to(device_of(t))
+    return t.full_tensor().detach()

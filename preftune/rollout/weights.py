@@ -2,7 +2,7 @@
 Hugging Face names (`hf_weights`)."""
 from __future__ import annotations
 
-from preftune.distributed.fsdp import full_tensor
+from preftune.distributed.weights import full_tensor
 from preftune.model import load as loader
 
 
