@@ -47,10 +47,11 @@ CASES = {  # algorithm and overrides of each workload: two short steps, final/ w
 COMMON = ["max_steps=2", "save_steps=0", "log.progress_bar=false", "grpo.reward_funcs=[accuracy]",
           "optim.lr=1e-4", "seed=0"]
 
-# Runs in each measured process: import what a run imports, note the resident size, reset the
-# high-water mark (Linux: clear_refs 5), train, report the high-water mark above that start.
+# Runs in each measured process: import what a run imports, make every mapped library page
+# resident, note the resident size, reset the high-water mark (Linux: clear_refs 5), train, report
+# the high-water mark above that start.
 DRIVER = r"""
-import ctypes, gc, json, os, sys
+import ctypes, errno, gc, json, os, sys
 import torch, transformers, safetensors.torch
 from transformers import AutoConfig, AutoTokenizer
 from transformers.models.qwen2 import modeling_qwen2
@@ -62,9 +63,26 @@ def status(key):
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key + ":"))
 
+MADV_POPULATE_READ = 22  # Linux 5.14
+
+# Every page of the mapped files (mostly libtorch's code) made resident, so the kernels a run
+# first calls add nothing above the start: the plan counts memory above the libraries, and which
+# code pages a run touches depends on the CPU (about 20 MB of libtorch_cpu.so here).
+def resident_libraries():
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if len(fields) > 5 and fields[5].startswith("/") and fields[1].startswith("r"):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            refused = libc.madvise(lo, hi - lo, MADV_POPULATE_READ) != 0
+            if refused and ctypes.get_errno() == errno.EINVAL:
+                sys.exit(f"madvise(MADV_POPULATE_READ) refused on {fields[5]}: Linux < 5.14?")
+
 # [[model folder, config, overrides], ...], one after the other
 runs = json.loads(open(sys.argv[1]).read())
 AutoTokenizer.from_pretrained(runs[0][0])
+resident_libraries()
 for model, config, overrides in runs:
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the run before freed goes back first

@@ -278,6 +278,10 @@ def _passes(p: Phase, s: Shape, j: Job, *, grad: bool) -> None:
     if j.strategy == "fsdp":
         p.add("gathered block + prefetch", 2 * s.block * j.compute,
               f"2 x {_fmt(s.block)} x {j.compute} B")
+        # FSDP2 gathers into one flat buffer (after copying the shards into another) and then
+        # copies out into the parameters: while the prefetch lands, its block is there twice
+        p.add("prefetch's all-gather buffers", s.block * j.compute * (1 + 1 / j.world),
+              f"{_fmt(s.block)} x {j.compute} B x (1 + 1/{j.world})")
         p.add("gathered embeddings + head", s.root * j.compute, f"{_fmt(s.root)} x {j.compute} B")
         if grad and not j.lora:
             p.add("a block's gradient before reduce-scatter", s.block * 4, f"{_fmt(s.block)} x 4 B")
