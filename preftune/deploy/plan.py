@@ -369,20 +369,25 @@ def phases(cfg, s: Shape, j: Job, gpu_gb: float | None) -> list[Phase]:
     return out
 
 
-def _sliced(j: Job) -> bool:
-    """FSDP2 reading and writing one tensor at a time per rank (distributed/weights.py): the own
-    module without LoRA; otherwise rank 0 holds the whole model while loading and for final/."""
-    return j.strategy == "fsdp" and j.own and not j.lora
+def _streamed(j: Job, *, final: bool = False) -> bool:
+    """The own module reads its weights one tensor at a time (FSDP2: each rank its rows) and writes
+    final/ one tensor at a time; with LoRA, FSDP2's load and every final/ (merged) hold the whole
+    model instead (on rank 0), as does the Hugging Face module."""
+    return j.own and not (j.lora and (final or j.strategy == "fsdp"))
 
 
 def _read(p: Phase, s: Shape, j: Job, what: str, held: int, *, built: bool = True) -> None:
-    """Host memory while reading a model: sliced, each rank's rows of the largest tensor as
-    stored and cast (the embedding, cut over the ranks); else the whole model as stored and the
-    model built from it (under FSDP2 on rank 0 only)."""
-    if _sliced(j):
-        rows = math.ceil(s.vocab / j.world) * s.hidden
-        p.add(f"{what}: largest tensor's slice read", rows * (s.file_bytes + held),
+    """Host memory while reading a model: streamed, the largest tensor as stored and cast (the
+    embedding; under FSDP2 each rank's rows of it) and, in one process, the model it fills; else
+    the whole model as stored and the model built from it (under FSDP2 on rank 0 only)."""
+    if _streamed(j):
+        rows = math.ceil(s.vocab / (j.world if j.strategy == "fsdp" else 1)) * s.hidden
+        part = "'s slice" if j.strategy == "fsdp" else ""
+        p.add(f"{what}: largest tensor{part} read", rows * (s.file_bytes + held),
               f"{_fmt(rows)} x ({s.file_bytes} + {held}) B", host=True)
+        if built and j.strategy != "fsdp":  # filled in host memory, then moved to its device
+            p.add("model being built" if what == "weights" else "reference being built",
+                  s.params * held, f"{_fmt(s.params)} x {held} B", host=True)
         return
     fsdp_read = j.strategy == "fsdp" and not j.lora  # only rank 0 reads
     name = "weights as stored (read)" if what == "weights" else "reference as stored (read)"
@@ -438,14 +443,19 @@ def _correction(cfg, s: Shape, j: Job, gpu_gb: float | None) -> Phase:
 
 
 def _final(cfg, s: Shape, j: Job) -> Phase:
-    """final/: sliced (`_sliced`), every rank all-gathers one tensor at a time on its device and
-    the rank whose file holds it copies it to the host in model.dtype. Otherwise under FSDP the
+    """final/: streamed (`_streamed`), one tensor at a time: in one process each cast to
+    model.dtype as it is written; under FSDP2 every rank all-gathers each on its device and the
+    rank whose file holds it copies it to the host in model.dtype. Otherwise under FSDP the
     whole float32 state gathered to rank 0's host and a model built from it; the saved copy in
     model.dtype when that differs from the weights held."""
     fin = Phase("final")
     _state(fin, s, j, grads=False, adam=True)
     out_bytes = BYTES[cfg.model.dtype]
-    if _sliced(j):
+    if _streamed(j, final=True):
+        if j.strategy != "fsdp":
+            fin.add(f"largest tensor in {cfg.model.dtype}, to its file", s.embed * out_bytes,
+                    f"{_fmt(s.embed)} x {out_bytes} B", host=True)
+            return fin
         fin.add("largest tensor gathered", s.embed * j.master, f"{_fmt(s.embed)} x {j.master} B")
         if out_bytes != j.master:  # cast on the device before the copy to the host
             fin.add(f"its cast to {cfg.model.dtype}", s.embed * out_bytes,

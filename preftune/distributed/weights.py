@@ -43,42 +43,19 @@ def _local(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return local, start, stop
 
 
-def _params(model, tensors: dict) -> list[tuple[str | None, torch.Tensor]]:
-    """Each parameter once, with the name it is stored under (a tied head and its embedding are one
-    parameter under two names, either of which the files may hold), or None when none is."""
-    names: dict[int, list[str]] = {}
-    params: dict[int, torch.Tensor] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-        params[id(p)] = p
-    return [(next((n for n in names[k] if n in tensors), None), p) for k, p in params.items()]
-
-
 def sliceable(model, tensors: dict[str, hf_files.Stored]) -> str | None:
-    """None when every parameter of `model` is stored under its own name and shape (then each rank
-    can read its slices), else why not (the layout is converted on load, e.g. Qwen3-MoE's
-    per-expert modules stacked into 3-D experts: the whole-model path converts it)."""
+    """None when each rank can read its slices of every parameter (`hf_files.stored_as_is`),
+    else why not."""
     if not isinstance(model, CausalLM):
         return "the Hugging Face module may rename the stored tensors"
-    if not tensors:
-        return "no safetensors weights (model.safetensors or its index)"
-    names = dict(model.named_parameters(remove_duplicate=False))
-    extra = sorted(set(tensors) - set(names))
-    if extra:
-        return f"the files hold {extra[0]}, which is not a parameter as stored"
-    for name, p in _params(model, tensors):
-        if name is None:
-            return f"a parameter of shape {tuple(p.shape)} is not stored"
-        if tensors[name].shape != tuple(p.shape):
-            return f"{name} is stored as {tensors[name].shape}, the model has {tuple(p.shape)}"
-    return None
+    return hf_files.stored_as_is(model, tensors)
 
 
 @torch.no_grad()
 def read_shards(model, tensors: dict[str, hf_files.Stored]) -> None:
     """Every parameter's local shard filled from the files: only this rank's rows are read, one
     tensor at a time, cast to the parameter's dtype (`sliceable` must have said None)."""
-    for name, p in _params(model, tensors):
+    for name, p in hf_files.params_as_stored(model, tensors):
         local, start, stop = _local(p)
         if local.numel():  # (stop-start, ...)
             local.copy_(hf_files.read_rows(tensors[name], name, start, stop, local.dtype))

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from preftune.model.head import head_logps
+from preftune.model import hf_files
 from preftune.model.hf_files import weight_files
 from preftune.model.ops import (KVBuffers, RMSNorm, Rotary, addmm, attend, cast, joined,
                                 merged, rms, rotate_half, rotate_half_step)
@@ -348,22 +349,29 @@ class CausalLM(nn.Module):
     def from_pretrained(cls, path: str | Path, config, *, dtype: torch.dtype, autocast_dtype=None,
                         weights: bool = True) -> "CausalLM":
         """The model of a Hugging Face folder (the safetensors files `weight_files` names); without
-        `weights`, on the meta device (shapes only: FSDP2 ranks receive their shards)."""
-        with (
-            _default_dtype(dtype),
-            torch.device("meta") if not weights else contextlib.nullcontext(),
-        ):
-            # parameters in `dtype`, rotary tables float32
+        `weights`, on the meta device (shapes only: FSDP2 ranks receive their shards). Built on
+        the meta device, given storage, and filled one stored tensor at a time, so loading holds
+        the model and one tensor, not a second copy of the weights; a layout converted on load
+        (`hf_state`) reads the whole state instead."""
+        with _default_dtype(dtype), torch.device("meta"):
             model = cls(config, autocast_dtype=autocast_dtype)
         if not weights:
+            return model
+        model.to_empty(device="cpu")
+        if model.tied:  # to_empty gives the head its own storage
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.fill_buffers()
+        tensors = hf_files.stored(path)
+        if not tensors:
+            raise OSError(f"no model.safetensors (or model.safetensors.index.json) in {path}")
+        if hf_files.stored_as_is(model, tensors) is None:
+            hf_files.read_into(model, tensors)
             return model
         from safetensors.torch import load_file
 
         state = {}
         for f in weight_files(Path(path)):
             state.update(load_file(str(f)))
-        if not state:
-            raise OSError(f"no model.safetensors (or model.safetensors.index.json) in {path}")
         missing, unexpected = model.load_state_dict(cls.hf_state(state, config), strict=False)
         missing = [k for k in missing if not (model.tied and k == "lm_head.weight")]
         if missing or unexpected:

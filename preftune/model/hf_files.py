@@ -1,6 +1,7 @@
 """A Hugging Face folder's safetensors files, one tensor at a time: which tensors it holds, their
 shapes and dtypes and which file holds each (`stored`), rows of one tensor read in a wanted dtype
-(`read_rows`), and the sharded layout written back (`split`, `FileWriter`, `write_index`).
+(`read_rows`, or a whole model filled with `read_into`), and the sharded layout written back
+(`split`, `FileWriter`, `write_index`).
 
 Nothing here reads a whole file into memory: headers are parsed, slices are read through the
 memory map, and a file is written as its header first (every tensor's shape and dtype are known
@@ -72,6 +73,44 @@ def read_rows(tensor: Stored, name: str, start: int, stop: int,
         part = handle.get_slice(name)
         t = part[start:stop] if len(tensor.shape) else part[:]  # (stop-start, ...)
     return t.to(dtype)
+
+
+def params_as_stored(model, tensors: dict[str, Stored]) -> list[tuple[str | None, torch.Tensor]]:
+    """Each parameter of `model` once, with the name it is stored under (a tied head and its
+    embedding are one parameter under two names, either of which the files may hold), or None
+    when none is."""
+    names: dict[int, list[str]] = {}
+    params: dict[int, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    return [(next((n for n in names[k] if n in tensors), None), p) for k, p in params.items()]
+
+
+def stored_as_is(model, tensors: dict[str, Stored]) -> str | None:
+    """None when every parameter of `model` is stored under its own name and shape and nothing
+    else is stored (then it can be read one tensor at a time), else why not (a layout converted
+    on load, such as Qwen3-MoE's per-expert modules stacked into 3-D experts)."""
+    if not tensors:
+        return "no safetensors weights (model.safetensors or its index)"
+    names = dict(model.named_parameters(remove_duplicate=False))
+    extra = sorted(set(tensors) - set(names))
+    if extra:
+        return f"the files hold {extra[0]}, which is not a parameter as stored"
+    for name, p in params_as_stored(model, tensors):
+        if name is None:
+            return f"a parameter of shape {tuple(p.shape)} is not stored"
+        if tensors[name].shape != tuple(p.shape):
+            return f"{name} is stored as {tensors[name].shape}, the model has {tuple(p.shape)}"
+    return None
+
+
+@torch.no_grad()
+def read_into(model, tensors: dict[str, Stored]) -> None:
+    """Every parameter of a whole (unsharded) `model` filled from the files, one tensor at a
+    time, cast to the parameter's dtype (`stored_as_is` must have said None)."""
+    for name, p in params_as_stored(model, tensors):
+        p.copy_(read_rows(tensors[name], name, 0, p.shape[0] if p.dim() else 0, p.dtype))
 
 
 def nbytes(shape, dtype: torch.dtype) -> int:

@@ -48,7 +48,7 @@ def test_a_reference_model_adds_what_the_plan_says(measured):
 
 # Two FSDP2 ranks (gloo): each rank reads only its slices and writes its own files of final/, so
 # both ranks' peaks are alike.
-RANKS2 = [("grpo", "s"), ("grpo-ref", "s"), ("dpo", "s"), ("sft", "s")]
+RANKS2 = [("grpo", "s"), ("grpo-ref", "s"), ("dpo", "s"), ("sft", "s"), ("grpo", "m"), ("sft", "l")]
 
 
 @pytest.mark.parametrize("run", RANKS2, ids=lambda r: f"{r[0]}-{r[1]}")
