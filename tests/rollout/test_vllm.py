@@ -210,6 +210,33 @@ def test_preftune_eval_samples_with_an_engine_and_scores_as_the_own_sampler(vllm
     assert figures["true"]["metrics"]["checkpoint"]["num_prompts"] == 100
 
 
+def test_a_sharded_final_folder_loads_in_vllm(vllm_engine, model, tokenizer, tmp_path):
+    """final/ as two FSDP2 ranks write it (two safetensors files and their index,
+    distributed/weights.write_weights) is a folder vLLM loads: after a few steps away from the
+    embedded weights, an engine started on it decodes greedily as the own module does."""
+    from preftune.config import load_config
+    from preftune.distributed.weights import write_weights
+    from preftune.model.load import save_folder_files
+    from preftune.rollout.vllm import VLLMEngine
+    from tests.conftest import TRAIN_PROMPTS
+
+    before = _completions(_own_greedy(model, tokenizer))
+    _train(model, tokenizer)
+    want = _completions(_own_greedy(model, tokenizer))
+    assert want != before
+    folder = tmp_path / "final"
+    folder.mkdir()
+    for rank in (0, 1):  # each rank's file, as the ranks write them
+        write_weights(model, folder, torch.float32, rank=rank, world=2)
+    save_folder_files(model, tokenizer, folder, dtype="float32")
+    assert len(list(folder.glob("*.safetensors"))) == 2
+    assert (folder / "model.safetensors.index.json").is_file()
+    cfg = load_config(None, [f"model.name_or_path={folder}", f"data.train={TRAIN_PROMPTS}",
+                             "grpo.use_vllm=true", "grpo.vllm_kv_cache_gib=1"])
+    engine = VLLMEngine(cfg.grpo, cfg.model, max_model_len=64, seed=0)
+    assert _completions(_engine_greedy(engine, tokenizer)) == want
+
+
 def test_pushed_weights_reach_each_ranks_engine_under_fsdp2(tmp_path):
     """2 torchrun ranks (gloo), FSDP2 policy, an engine each (tests/distributed/vllm_greedy.py)."""
     import json
