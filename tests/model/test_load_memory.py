@@ -40,7 +40,9 @@ def test_loading_holds_the_model_and_about_one_tensor(runs):
     small, large = runs["small"], runs["large"]
     for r in (small, large):
         assert r["own"] and r["model"] == r["size"]
-        assert r["load"] - r["model"] < 2 * LARGEST  # reading the whole files would add the model
+        # the tensor read, its file's pages and the kernels' code paged in (46 MB here); reading
+        # the whole files would add the model (107 and 365 MB)
+        assert r["load"] - r["model"] < 3 * LARGEST
         assert r["final"] < 3 * LARGEST
     assert abs((large["load"] - large["model"]) - (small["load"] - small["model"])) < 16 * MB
     assert abs(large["final"] - small["final"]) < 16 * MB
