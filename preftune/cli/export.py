@@ -40,8 +40,8 @@ def export(folder: Path, out: Path, *, trust_remote_code: bool = False) -> Path:
     from preftune.config import load_config
     from preftune.distributed.weights import write_weights
     from preftune.model.core import CausalLM
-    from preftune.model.load import (DTYPES, load_model, load_tokenizer, save_folder_files,
-                                     save_pretrained)
+    from preftune.model.load import (DTYPES, base_module, load_model, load_tokenizer,
+                                     save_folder_files, save_pretrained)
     from preftune.run import shards
     from preftune.run.checkpointer import SHARDS, is_lora, load_weights
     from preftune.run.resume import CONFIG_FILE, STEP_FILES
@@ -67,11 +67,11 @@ def export(folder: Path, out: Path, *, trust_remote_code: bool = False) -> Path:
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = load_tokenizer(str(folder), trust_remote_code)
-    if isinstance(model, CausalLM) and not is_lora(model):  # final/'s writer, one process
+    if isinstance(base_module(model), CausalLM):  # final/'s writer (LoRA merged), one process
         tmp.mkdir()
         write_weights(model, tmp, DTYPES[cfg.model.dtype])
         save_folder_files(model, tokenizer, tmp, dtype=cfg.model.dtype)
-    else:  # LoRA merged, or the Hugging Face module: its own save_pretrained
+    else:  # the Hugging Face module (LoRA merged): its own save_pretrained
         save_pretrained(model, tokenizer, tmp, dtype=cfg.model.dtype)
     ckpt.write_manifest(tmp,
                         ckpt.read_manifest((folder / ckpt.MANIFEST).read_text()).get("step", 0))

@@ -369,23 +369,23 @@ def phases(cfg, s: Shape, j: Job, gpu_gb: float | None) -> list[Phase]:
     return out
 
 
-def _streamed(j: Job, *, final: bool = False) -> bool:
-    """The own module reads its weights one tensor at a time (FSDP2: each rank its rows) and writes
-    final/ one tensor at a time; with LoRA, FSDP2's load and every final/ (merged) hold the whole
-    model instead (on rank 0), as does the Hugging Face module."""
-    return j.own and not (j.lora and (final or j.strategy == "fsdp"))
+def _sliced(j: Job) -> bool:
+    """Under FSDP2 each rank builds the own module on the meta device and reads only its rows of
+    each tensor (with LoRA, PEFT wraps the whole module first: each rank loads it whole)."""
+    return j.own and j.strategy == "fsdp" and not j.lora
 
 
 def _read(p: Phase, s: Shape, j: Job, what: str, held: int, *, built: bool = True) -> None:
-    """Host memory while reading a model: streamed, the largest tensor as stored and cast (the
-    embedding; under FSDP2 each rank's rows of it) and, in one process, the model it fills; else
-    the whole model as stored and the model built from it (under FSDP2 on rank 0 only)."""
-    if _streamed(j):
-        rows = math.ceil(s.vocab / (j.world if j.strategy == "fsdp" else 1)) * s.hidden
-        part = "'s slice" if j.strategy == "fsdp" else ""
+    """Host memory while reading a model: the own module, the largest tensor as stored and cast
+    (the embedding; `_sliced`, each rank's rows of it) and, unless sliced, the whole model it
+    fills; the Hugging Face module, the whole model as stored and the model built from it (under
+    FSDP2 on rank 0 only)."""
+    if j.own:  # one tensor at a time (model/hf_files.py)
+        rows = math.ceil(s.vocab / (j.world if _sliced(j) else 1)) * s.hidden
+        part = "'s slice" if _sliced(j) else ""
         p.add(f"{what}: largest tensor{part} read", rows * (s.file_bytes + held),
               f"{_fmt(rows)} x ({s.file_bytes} + {held}) B", host=True)
-        if built and j.strategy != "fsdp":  # filled in host memory, then moved to its device
+        if built and not _sliced(j):  # filled in host memory, then moved to its device
             p.add("model being built" if what == "weights" else "reference being built",
                   s.params * held, f"{_fmt(s.params)} x {held} B", host=True)
         return
@@ -443,15 +443,15 @@ def _correction(cfg, s: Shape, j: Job, gpu_gb: float | None) -> Phase:
 
 
 def _final(cfg, s: Shape, j: Job) -> Phase:
-    """final/: streamed (`_streamed`), one tensor at a time: in one process each cast to
-    model.dtype as it is written; under FSDP2 every rank all-gathers each on its device and the
-    rank whose file holds it copies it to the host in model.dtype. Otherwise under FSDP the
+    """final/ of the own module, one tensor at a time (LoRA merged into each): in one process each
+    cast to model.dtype as it is written; under FSDP2 every rank all-gathers each on its device
+    and the rank whose file holds it copies it to the host in model.dtype. Otherwise under FSDP the
     whole float32 state gathered to rank 0's host and a model built from it; the saved copy in
     model.dtype when that differs from the weights held."""
     fin = Phase("final")
     _state(fin, s, j, grads=False, adam=True)
     out_bytes = BYTES[cfg.model.dtype]
-    if _streamed(j, final=True):
+    if j.own:
         if j.strategy != "fsdp":
             fin.add(f"largest tensor in {cfg.model.dtype}, to its file", s.embed * out_bytes,
                     f"{_fmt(s.embed)} x {out_bytes} B", host=True)

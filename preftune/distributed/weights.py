@@ -7,16 +7,21 @@ cuts it: ceil(n / world) rows per rank, the last ranks' shorter or empty (`rows`
 Writing (`write_weights`): the tensors are cut into files of contiguous groups, file i written by
 rank i % world; every rank all-gathers each tensor in the same order (a collective), casts it to
 the saved dtype and, when its own file holds it, appends its bytes (model/hf_files.FileWriter),
-then drops it. Peak host memory per rank: about one whole tensor."""
+then drops it; a LoRA-adapted projection is written merged, from its gathered base weight and
+adapter. Peak host memory per rank: about one whole tensor."""
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from preftune.model import hf_files
 from preftune.model.core import CausalLM
-from preftune.model.load import device_of
+from preftune.model.load import base_module, device_of
+from preftune.model.ops import merged
 
 
 def rows(n: int, world: int, rank: int) -> tuple[int, int]:
@@ -61,24 +66,53 @@ def read_shards(model, tensors: dict[str, hf_files.Stored]) -> None:
             local.copy_(hf_files.read_rows(tensors[name], name, start, stop, local.dtype))
 
 
-def saved_tensors(model) -> list[tuple[str, torch.Tensor]]:
-    """What a Hugging Face folder of `model` holds, in state-dict order: every parameter and
-    persistent buffer, a tied head left out (its embedding is it)."""
-    state = model.state_dict()
-    if getattr(model, "tied", False):
-        state.pop("lm_head.weight", None)
-    return list(state.items())
+@dataclass
+class Saved:
+    """One tensor of a Hugging Face folder of the model: its name, shape, the dtype held, and the
+    tensor whole (under FSDP2 a collective every rank runs in the same order)."""
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+    whole: Callable[[], torch.Tensor]
+
+
+def saved_tensors(model) -> list[Saved]:
+    """What a Hugging Face folder of `model` (an own module, LoRA-wrapped or not) holds, in
+    state-dict order: every parameter and persistent buffer, a tied head left out (its embedding
+    is it), and each LoRA-adapted projection under its own name with the adapter merged in
+    (`ops.merged`, as PEFT's merge_and_unload); the adapters themselves are not saved."""
+    own = base_module(model)
+    adapted = {name: m for name, m in own.named_modules() if hasattr(m, "base_layer")}
+    out = []
+    for name, t in own.state_dict(keep_vars=True).items():
+        prefix, _, rest = name.rpartition(".base_layer.")
+        if prefix in adapted:
+            name = f"{prefix}.{rest}"
+            if rest == "weight":
+                whole = functools.partial(_merged_weight, adapted[prefix])
+                out.append(Saved(name, tuple(t.shape), t.dtype, whole))
+                continue
+        elif any(name.startswith(f"{a}.lora_") for a in adapted):
+            continue
+        out.append(Saved(name, tuple(t.shape), t.dtype, functools.partial(full_tensor, t)))
+    if getattr(own, "tied", False):
+        out = [s for s in out if s.name != "lm_head.weight"]
+    return out
+
+
+def _merged_weight(linear) -> torch.Tensor:
+    return merged(linear, full_tensor)[0]
 
 
 def write_weights(model, folder: Path, dtype: torch.dtype, *, rank: int = 0,
                   world: int = 1) -> None:
-    """The weights of `model` (an own `CausalLM`, sharded or whole) as safetensors files in
-    `folder` in `dtype` (floating tensors; others as they are), with model.safetensors.index.json
-    when there is more than one file. A sharded model: every rank calls this (each tensor is
-    all-gathered in turn), each writes its own files; `rank` 0 writes the index."""
+    """The weights of `model` (an own `CausalLM`, sharded or whole, LoRA merged: `saved_tensors`)
+    as safetensors files in `folder` in `dtype` (floating tensors; others as they are), with
+    model.safetensors.index.json when there is more than one file. A sharded model: every rank
+    calls this (each tensor is all-gathered in turn), each writes its own files; `rank` 0 writes
+    the index."""
     tensors = saved_tensors(model)
-    specs = [(name, tuple(t.shape), dtype if t.is_floating_point() else t.dtype)
-             for name, t in tensors]
+    specs = [(t.name, t.shape, dtype if t.dtype.is_floating_point else t.dtype) for t in tensors]
     groups = hf_files.split(specs, world)
     names = hf_files.file_names(len(groups))
     file_of = {i: g for g, members in enumerate(groups) for i in members}
@@ -86,12 +120,12 @@ def write_weights(model, folder: Path, dtype: torch.dtype, *, rank: int = 0,
                for g, members in enumerate(groups) if g % world == rank}
     failed: OSError | None = None
     try:
-        for i, (name, t) in enumerate(tensors):  # the same order on every rank: collectives
-            whole = full_tensor(t)
+        for i, t in enumerate(tensors):  # the same order on every rank: collectives
+            whole = t.whole()
             writer = writers.get(file_of[i])
             if writer is not None and failed is None:
                 try:
-                    writer.write(name, whole.to(specs[i][2]).cpu())  # (shape) in the saved dtype
+                    writer.write(t.name, whole.to(specs[i][2]).cpu())  # (shape) in the saved dtype
                 except OSError as e:  # a full disk: keep gathering, or the other ranks would hang
                     failed = e
             del whole

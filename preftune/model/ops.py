@@ -217,13 +217,18 @@ class KVBuffers:
 
 # ---------------------------------------------------------------- weights for the decode step
 
-def merged(linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A projection's weight and bias, a LoRA adapter merged in (W + scale B A; dropout is off)."""
+def merged(linear, whole=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A projection's weight and bias, a LoRA adapter merged in (W + scale B A; dropout is off), the
+    sum PEFT's merge_and_unload stores. `whole` maps each weight first (an FSDP2 shard gathered)."""
+    def get(t):
+        return t if whole is None else whole(t)
+
     base = getattr(linear, "base_layer", linear)
-    w = base.weight
+    w = get(base.weight)
     for name in getattr(linear, "active_adapters", ()):
         if name in getattr(linear, "lora_A", {}):
-            w = w + linear.scaling[name] * (linear.lora_B[name].weight @ linear.lora_A[name].weight)
+            w = w + linear.scaling[name] * (get(linear.lora_B[name].weight)
+                                            @ get(linear.lora_A[name].weight))
     return w, base.bias
 
 

@@ -37,8 +37,8 @@ from preftune.errors import CheckpointDamaged, Unavailable, UserError, one_line
 from preftune.tensorfile import TensorFileError
 from preftune.model.core import CausalLM
 from preftune.model.hf_files import weight_files
-from preftune.model.load import (DTYPES, load_model, save_folder_files, save_generation_config,
-                                 save_pretrained)
+from preftune.model.load import (DTYPES, base_module, load_model, save_folder_files,
+                                 save_generation_config, save_pretrained)
 from preftune.run import checkpoint_folders as ckpt
 from preftune.run.resume import CONFIG_FILE, checkpoint_config
 from preftune.distributed.group import Parallel
@@ -212,12 +212,13 @@ class Checkpointer:
     # ---------------------------------------------------------------- final
 
     def write_final(self, step: int) -> Path:
-        """final/: a Hugging Face model in model.dtype. The own module without LoRA: sharded
-        safetensors files (with their index when more than one), each written by the rank that
-        gathers its tensors, one tensor at a time; else (LoRA merged, the Hugging Face module) the
-        whole state gathered to rank 0, which writes it. Atomic either way: every file goes into
-        a scratch folder that rank 0 renames to final/ once every rank has written its share."""
-        if not isinstance(self.model, CausalLM) or is_lora(self.model):
+        """final/: a Hugging Face model in model.dtype. The own module (LoRA merged tensor by
+        tensor): sharded safetensors files (with their index when more than one), each written by
+        the rank that gathers its tensors, one tensor at a time; else (the Hugging Face module)
+        the whole state gathered to rank 0, which writes it. Atomic either way: every file goes
+        into a scratch folder that rank 0 renames to final/ once every rank has written its
+        share."""
+        if not isinstance(base_module(self.model), CausalLM):
             return self._write_final_gathered(step)
         dp, tmp = self.dp, self.out / ".tmp-final"
 
@@ -259,8 +260,8 @@ class Checkpointer:
         return str(final)
 
     def _write_final_gathered(self, step: int) -> Path:
-        """final/ from the whole state on rank 0 (LoRA merged once; the Hugging Face module): under
-        FSDP every tensor is gathered to rank 0's host and a model built from it."""
+        """final/ of the Hugging Face module from the whole state on rank 0 (LoRA merged once):
+        under FSDP every tensor is gathered to rank 0's host and a model built from it."""
         full = shards.model_state(self.model, full=True) if self.dp.sharded else None  # collective
 
         def write() -> str:

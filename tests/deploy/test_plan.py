@@ -77,17 +77,20 @@ def test_the_32b_job_term_by_term():
     assert plan["cost"]["compute_usd"] == pytest.approx([24 * hours * 10, 24 * hours * 15], rel=1e-3)
 
 
-def test_under_lora_rank_0_still_reads_and_gathers_the_whole_model():
-    """LoRA (and the Hugging Face module) take the old path: rank 0 reads the whole model, and final/
-    (the adapter merged) is gathered to its host."""
+def test_under_lora_each_rank_builds_the_base_and_final_is_merged_tensor_by_tensor():
+    """LoRA under FSDP2: PEFT wraps the whole module before it is sharded, so every rank fills the
+    whole base one tensor at a time; final/ merges each adapted projection as it is gathered (no
+    merged copy of the model, nothing on rank 0 alone)."""
     cfg = load_config(JOB32, ["model.lora.enabled=true"])
     shape = planner.read_shape(cfg.model.name_or_path)
     target = planner.Target("p5en.48xlarge", 3, 8, INSTANCE_TYPES["p5en.48xlarge"], 2000)
     plan = planner.make_plan(cfg, shape, target)
-    P = shape.params
-    assert _terms(plan, "load")["weights as stored (read)"] == pytest.approx(P * 2 / 1e9, abs=1e-6)
-    assert _terms(plan, "final")["merged copy"] == pytest.approx(P * 2 / 1e9, abs=1e-6)
-    assert "largest tensor gathered" not in _terms(plan, "final")
+    load, final = _terms(plan, "load"), _terms(plan, "final")
+    assert load["model being built"] == pytest.approx(shape.params * 2 / 1e9, abs=1e-6)
+    assert load["weights: largest tensor read"] == pytest.approx(152064 * 5120 * (2 + 2) / 1e9, abs=1e-6)
+    assert "weights as stored (read)" not in load and "merged copy" not in final
+    assert final["largest tensor gathered"] == pytest.approx(152064 * 5120 * 2 / 1e9, abs=1e-6)
+    assert not any(t["rank0"] for p in plan["phases"] for t in p["terms"])
 
 
 def test_sharding_divides_the_state_and_one_process_holds_it_whole():

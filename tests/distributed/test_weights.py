@@ -143,3 +143,34 @@ def test_file_writer_streams_a_safetensors_file_and_the_split_has_no_empty_file(
         assert all(groups) and sum(groups, []) == list(range(len(sizes)))
         assert len(groups) <= max(files, 1)
     assert len(hf_files.split(sizes, 1, max_bytes=3000)) == 2  # 4 KB over 3 KB files
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("targets", ["all-linear", "q_proj,v_proj"])
+def test_lora_is_written_merged_tensor_by_tensor_as_peft_merges(tmp_path, dtype, targets):
+    """final/ of a LoRA run: each adapted projection's base weight and adapter merged as it is
+    written (no merged copy of the model), bit for bit what PEFT's merge_and_unload saves."""
+    from preftune.config import ModelConfig
+    from preftune.distributed.weights import write_weights
+    from preftune.model.load import DTYPES, load_model, load_tokenizer, save_pretrained
+    from tests.conftest import MODEL_DIR
+
+    cfg = ModelConfig(dtype=dtype)
+    cfg.lora.enabled, cfg.lora.r = True, 4
+    cfg.lora.target_modules = targets if targets == "all-linear" else targets.split(",")
+    model = load_model(cfg, str(MODEL_DIR))
+    torch.manual_seed(0)
+    with torch.no_grad():  # adapters away from B = 0, so the merge changes the weights
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    (tmp_path / "new").mkdir()
+    write_weights(model, tmp_path / "new", DTYPES[dtype])
+    save_pretrained(model, load_tokenizer(str(MODEL_DIR)), tmp_path / "peft", dtype=dtype)
+    new, want = load_file(str(tmp_path / "new" / hf_files.SINGLE)), load_file(
+        str(tmp_path / "peft" / hf_files.SINGLE))
+    assert new.keys() == want.keys() and all(new[k].dtype == DTYPES[dtype] for k in new)
+    assert all(torch.equal(new[k], want[k]) for k in want)
+    base = load_file(str(MODEL_DIR / hf_files.SINGLE))
+    changed = {k for k in want if not torch.equal(want[k], base[k].to(DTYPES[dtype]))}
+    assert changed and all(k.endswith("_proj.weight") for k in changed)
