@@ -28,9 +28,10 @@ def load(dp: Parallel, cfg, path: str, *, trainable: bool = True,
     on the meta device and shards it, then reads only its own rows of each parameter from the
     safetensors files (distributed/weights.py) and computes the rotary tables itself: no process
     holds a whole weight beyond the one tensor being read (the 32B sizing in
-    docs/distributed.md). A layout converted on load (Qwen3-MoE's per-expert checkpoints, the
-    Hugging Face module's renames) or `sliced` False takes the whole-model path instead: rank 0
-    reads everything into host memory and sends each rank its shards."""
+    docs/distributed.md), per-expert Qwen3-MoE checkpoints included (each rank stacks its own
+    experts). The Hugging Face module, a checkpoint that does not fit the model, or `sliced` False
+    takes the whole-model path instead: rank 0 reads everything into host memory and sends each
+    rank its shards."""
     # bf16 mixed precision where load_model chose float32 masters under bf16 autocast
     def shard(model):
         return wrap(dp, model, mixed_bf16=loader.compute_dtype(model) is not None,

@@ -60,10 +60,11 @@ def sliceable(model, tensors: dict[str, hf_files.Stored]) -> str | None:
 def read_shards(model, tensors: dict[str, hf_files.Stored]) -> None:
     """Every parameter's local shard filled from the files: only this rank's rows are read, one
     tensor at a time, cast to the parameter's dtype (`sliceable` must have said None)."""
-    for name, p in hf_files.params_as_stored(model, tensors):
+    layout = type(model).stored_layout(tensors)
+    for name, p in hf_files.params_as_stored(model, {**tensors, **layout}):
         local, start, stop = _local(p)
         if local.numel():  # (stop-start, ...)
-            local.copy_(hf_files.read_rows(tensors[name], name, start, stop, local.dtype))
+            local.copy_(type(model).read_stored(tensors, name, start, stop, local.dtype))
 
 
 @dataclass

@@ -346,6 +346,18 @@ class CausalLM(nn.Module):
         return state
 
     @classmethod
+    def stored_layout(cls, tensors: dict) -> dict[str, tuple[tuple, list[str]]]:
+        """Parameters the files hold in another layout, by name: (shape, the stored tensors it is
+        made of). None here; a family whose older checkpoints differ says (`read_stored`)."""
+        return {}
+
+    @classmethod
+    def read_stored(cls, tensors: dict, name: str, start: int, stop: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """Rows start..stop-1 of parameter `name` from the files, in `dtype`."""
+        return hf_files.read_rows(tensors[name], name, start, stop, dtype)
+
+    @classmethod
     def from_pretrained(cls, path: str | Path, config, *, dtype: torch.dtype, autocast_dtype=None,
                         weights: bool = True) -> "CausalLM":
         """The model of a Hugging Face folder (the safetensors files `weight_files` names); without

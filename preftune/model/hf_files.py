@@ -75,7 +75,7 @@ def read_rows(tensor: Stored, name: str, start: int, stop: int,
     return t.to(dtype)
 
 
-def params_as_stored(model, tensors: dict[str, Stored]) -> list[tuple[str | None, torch.Tensor]]:
+def params_as_stored(model, tensors: dict) -> list[tuple[str | None, torch.Tensor]]:
     """Each parameter of `model` once, with the name it is stored under (a tied head and its
     embedding are one parameter under two names, either of which the files may hold), or None
     when none is."""
@@ -88,20 +88,25 @@ def params_as_stored(model, tensors: dict[str, Stored]) -> list[tuple[str | None
 
 
 def stored_as_is(model, tensors: dict[str, Stored]) -> str | None:
-    """None when every parameter of `model` is stored under its own name and shape and nothing
-    else is stored (then it can be read one tensor at a time), else why not (a layout converted
-    on load, such as Qwen3-MoE's per-expert modules stacked into 3-D experts)."""
+    """None when every parameter of `model` can be read one tensor at a time: stored under its own
+    name and shape, or made of stored tensors as the family says (`stored_layout`, e.g. Qwen3-MoE's
+    per-expert modules stacked into 3-D experts), and nothing else stored; else why not."""
     if not tensors:
         return "no safetensors weights (model.safetensors or its index)"
+    shapes = {name: t.shape for name, t in tensors.items()}
+    consumed: set[str] = set()
+    for name, (shape, parts) in type(model).stored_layout(tensors).items():
+        shapes[name] = shape
+        consumed.update(parts)
     names = dict(model.named_parameters(remove_duplicate=False))
-    extra = sorted(set(tensors) - set(names))
+    extra = sorted(set(tensors) - consumed - set(names))
     if extra:
         return f"the files hold {extra[0]}, which is not a parameter as stored"
-    for name, p in params_as_stored(model, tensors):
+    for name, p in params_as_stored(model, shapes):
         if name is None:
             return f"a parameter of shape {tuple(p.shape)} is not stored"
-        if tensors[name].shape != tuple(p.shape):
-            return f"{name} is stored as {tensors[name].shape}, the model has {tuple(p.shape)}"
+        if shapes[name] != tuple(p.shape):
+            return f"{name} is stored as {shapes[name]}, the model has {tuple(p.shape)}"
     return None
 
 
@@ -109,8 +114,9 @@ def stored_as_is(model, tensors: dict[str, Stored]) -> str | None:
 def read_into(model, tensors: dict[str, Stored]) -> None:
     """Every parameter of a whole (unsharded) `model` filled from the files, one tensor at a
     time, cast to the parameter's dtype (`stored_as_is` must have said None)."""
-    for name, p in params_as_stored(model, tensors):
-        p.copy_(read_rows(tensors[name], name, 0, p.shape[0] if p.dim() else 0, p.dtype))
+    for name, p in params_as_stored(model, {**tensors, **type(model).stored_layout(tensors)}):
+        n = p.shape[0] if p.dim() else 0
+        p.copy_(type(model).read_stored(tensors, name, 0, n, p.dtype))
 
 
 def nbytes(shape, dtype: torch.dtype) -> int:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from preftune.model import hf_files
 from preftune.model.core import MLP, Attention, Block, CausalLM
 from preftune.model.ops import cast, merged
 
@@ -236,6 +237,45 @@ class Qwen3Moe(CausalLM):
     def block(self, like, config, index: int) -> Block:
         mlp = SparseMoE(config) if sparse(config, index) else MLP(like.mlp)
         return Block(config, Attention(like.self_attn, config), mlp)
+
+    @classmethod
+    def stored_layout(cls, tensors: dict) -> dict[str, tuple[tuple, list[str]]]:
+        """Per-expert checkpoints: each layer's stacked gate_up_proj (E, 2I, H) and down_proj
+        (E, H, I), made of its experts' modules, when every expert 0..E-1 is stored."""
+        experts: dict[str, dict[int, dict[str, str]]] = {}
+        for name in tensors:
+            m = _PER_EXPERT.fullmatch(name)
+            if m is not None:
+                experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = name
+        out = {}
+        for prefix, per in experts.items():
+            if sorted(per) != list(range(len(per))) or any(len(p) != 3 for p in per.values()):
+                continue  # incomplete: the whole-state path says which expert is missing
+            gate, down = tensors[per[0]["gate_proj"]].shape, tensors[per[0]["down_proj"]].shape
+            gate_up = [per[e][k] for e in per for k in ("gate_proj", "up_proj")]
+            out[f"{prefix}.gate_up_proj"] = ((len(per), 2 * gate[0], gate[1]), gate_up)
+            out[f"{prefix}.down_proj"] = ((len(per), *down), [per[e]["down_proj"] for e in per])
+        return out
+
+    @classmethod
+    def read_stored(cls, tensors: dict, name: str, start: int, stop: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """Experts start..stop-1 of a stacked experts tensor read from their per-expert modules
+        (gate then up, as `hf_state` stacks them); any other tensor as stored."""
+        prefix, _, what = name.rpartition(".")
+        if name in tensors or what not in ("gate_up_proj", "down_proj"):
+            return super().read_stored(tensors, name, start, stop, dtype)
+
+        def whole(e: int, proj: str) -> torch.Tensor:
+            key = f"{prefix}.{e}.{proj}.weight"
+            return hf_files.read_rows(tensors[key], key, 0, tensors[key].shape[0], dtype)
+
+        if what == "gate_up_proj":  # (2I, H) each
+            parts = [torch.cat([whole(e, "gate_proj"), whole(e, "up_proj")])
+                     for e in range(start, stop)]
+        else:  # (H, I) each
+            parts = [whole(e, "down_proj") for e in range(start, stop)]
+        return torch.stack(parts)  # (stop-start, ...)
 
     @classmethod
     def hf_state(cls, state: dict, config) -> dict:

@@ -174,3 +174,19 @@ def test_lora_is_written_merged_tensor_by_tensor_as_peft_merges(tmp_path, dtype,
     base = load_file(str(MODEL_DIR / hf_files.SINGLE))
     changed = {k for k in want if not torch.equal(want[k], base[k].to(DTYPES[dtype]))}
     assert changed and all(k.endswith("_proj.weight") for k in changed)
+
+
+def test_per_expert_qwen3_moe_is_read_in_slices_like_the_broadcast(tmp_path):
+    """A Qwen3-MoE folder as transformers saves it (one module per expert) under 2 ranks: each rank
+    stacks only its own experts (Qwen3Moe.read_stored), bit for bit the shards rank 0's whole
+    load sends, and final/ is the gathered one."""
+    from preftune.model.hf_files import stored
+    from preftune.model.qwen3_moe import Qwen3Moe
+    from tests.model.test_qwen3_moe import _folder
+
+    _, folder = _folder(tmp_path, per_expert=True)
+    assert Qwen3Moe.stored_layout(stored(folder))  # the stacked experts come from their modules
+    ranks = two_ranks(folder, tmp_path)
+    assert all(r["same_shards"] and r["same_buffers"] for r in ranks)
+    new, old = folder_state(tmp_path / "new" / "final"), load_file(str(tmp_path / "old" / "final" / hf_files.SINGLE))
+    assert new.keys() == old.keys() and all(torch.equal(new[k], old[k]) for k in new)
