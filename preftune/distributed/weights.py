@@ -60,8 +60,7 @@ def sliceable(model, tensors: dict[str, hf_files.Stored]) -> str | None:
 def read_shards(model, tensors: dict[str, hf_files.Stored]) -> None:
     """Every parameter's local shard filled from the files: only this rank's rows are read, one
     tensor at a time, cast to the parameter's dtype (`sliceable` must have said None)."""
-    layout = type(model).stored_layout(tensors)
-    for name, p in hf_files.params_as_stored(model, {**tensors, **layout}):
+    for name, p in hf_files.params_to_read(model, tensors):
         local, start, stop = _local(p)
         if local.numel():  # (stop-start, ...)
             local.copy_(type(model).read_stored(tensors, name, start, stop, local.dtype))
@@ -93,7 +92,7 @@ def saved_tensors(model) -> list[Saved]:
                 whole = functools.partial(_merged_weight, adapted[prefix])
                 out.append(Saved(name, tuple(t.shape), t.dtype, whole))
                 continue
-        elif any(name.startswith(f"{a}.lora_") for a in adapted):
+        elif name.partition(".lora_")[0] in adapted:  # the adapter: merged above
             continue
         out.append(Saved(name, tuple(t.shape), t.dtype, functools.partial(full_tensor, t)))
     if getattr(own, "tied", False):

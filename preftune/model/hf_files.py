@@ -110,11 +110,17 @@ def stored_as_is(model, tensors: dict[str, Stored]) -> str | None:
     return None
 
 
+def params_to_read(model, tensors: dict[str, Stored]) -> list[tuple[str, torch.Tensor]]:
+    """Each parameter once with the name `read_stored` reads it by: stored as is, or made of
+    stored tensors as the family says (`stored_as_is` must have said None)."""
+    return params_as_stored(model, {**tensors, **type(model).stored_layout(tensors)})
+
+
 @torch.no_grad()
 def read_into(model, tensors: dict[str, Stored]) -> None:
     """Every parameter of a whole (unsharded) `model` filled from the files, one tensor at a
     time, cast to the parameter's dtype (`stored_as_is` must have said None)."""
-    for name, p in params_as_stored(model, {**tensors, **type(model).stored_layout(tensors)}):
+    for name, p in params_to_read(model, tensors):
         n = p.shape[0] if p.dim() else 0
         p.copy_(type(model).read_stored(tensors, name, 0, n, p.dtype))
 

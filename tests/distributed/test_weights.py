@@ -42,14 +42,16 @@ def random_qwen2(folder, layers: int) -> int:
     return sum(p.numel() * 4 for p in model.parameters())
 
 
+# glibc keeps freed blocks below its (growing) mmap threshold in the heap: a fixed threshold
+# returns each freed tensor to the system, so the peak is what the code holds, not the heap
+MEASURED_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT)}
+
+
 def two_ranks(model, out) -> list[dict]:
     """tests/distributed/weights_ranks.py on 2 gloo ranks; each rank's numbers."""
     port = free_port()
-    # glibc keeps freed blocks below its (growing) mmap threshold in the heap: a fixed threshold
-    # returns each freed tensor to the system, so the peak is what the code holds, not the heap
-    env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-                        "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536",
-                        "PYTHONPATH": str(ROOT)}
+    env = os.environ | MEASURED_ENV | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                       "WORLD_SIZE": "2"}
     procs = [subprocess.Popen([sys.executable, "-m", "tests.distributed.weights_ranks", str(model),
                                str(out)], env=env | {"RANK": str(r), "LOCAL_RANK": str(r)},
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

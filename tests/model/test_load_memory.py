@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from tests.distributed.ranks import ROOT
-from tests.distributed.test_weights import LARGEST, LAYERS, MB, random_qwen2
+from tests.distributed.test_weights import LARGEST, LAYERS, MB, MEASURED_ENV, random_qwen2
 
 
 @pytest.fixture(scope="module")
@@ -22,12 +22,9 @@ def runs(tmp_path_factory):
     for name, layers in LAYERS.items():
         tmp = tmp_path_factory.mktemp(name)
         size = random_qwen2(tmp / "model", layers)
-        # a fixed mmap threshold: each freed tensor goes back to the system (test_weights.py)
-        env = os.environ | {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536",
-                            "PYTHONPATH": str(ROOT)}
         done = subprocess.run([sys.executable, "-m", "tests.model.load_memory", str(tmp / "model"),
-                               str(tmp / "out")], env=env, cwd=ROOT, capture_output=True, text=True,
-                              timeout=300)
+                               str(tmp / "out")], env=os.environ | MEASURED_ENV, cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         out[name] = json.loads((tmp / "out" / "result.json").read_text()) | {
             "size": size, "folder": tmp / "model"}
