@@ -176,6 +176,8 @@ def measure(runs: list[tuple[str, Path]], work: Path, ranks: int = 1,
             if line.startswith("MEASURED "):
                 rec = json.loads(line.removeprefix("MEASURED "))
                 found.setdefault(rec["rank"], []).append(rec["above_gb"])
+    for i in range(len(runs)):  # a run's final/ is as large as its model: not kept once measured
+        shutil.rmtree(work / f"run-{i}", ignore_errors=True)
     return [[found[r][i] for r in range(ranks)] for i in range(len(runs))]
 
 

@@ -96,6 +96,7 @@ def train(config: Any, *, overrides: Sequence[str] | Mapping[str, Any] = (),
 def run(cfg: Config, *, callbacks: Any = ()) -> TrainResult:
     """Run a validated config; functions and tables it names must be registered (see `train`)."""
     from preftune.rewards.functions import check_callables
+    from preftune.model.load import quiet_transformers
     from preftune.run.loop import train as train_loop
 
     # before anything is loaded or written: a run's config.yaml names objects only Python can hand
@@ -107,7 +108,7 @@ def run(cfg: Config, *, callbacks: Any = ()) -> TrainResult:
     check_callables(cfg.grpo.tools, "grpo.tools")
     for key in ("environment_factory", "rollout_func"):
         check_callables([getattr(cfg.grpo, key)] if getattr(cfg.grpo, key) else [], f"grpo.{key}")
-    with _quiet_transformers():
+    with quiet_transformers():
         final = train_loop(cfg, callbacks=callbacks)
     trained, evals = [], []
     for r in read_records(final.parent / "metrics.jsonl"):
@@ -209,18 +210,3 @@ def _scoped(*registries: dict):
                 del registry[key]
 
 
-@contextmanager
-def _quiet_transformers():
-    """transformers' own bars (loading, writing shards) would bury the run's; its settings are put
-    back after."""
-    from transformers.utils import logging as hf_logging
-
-    bars, level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
-        hf_logging.set_verbosity(level)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,29 @@ def flat_grads(model):
     import torch
 
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+FAILED_MODULES: set[str] = set()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        FAILED_MODULES.add(item.module.__name__)
+    return report
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_folders_removed(request, tmp_path_factory):
+    """The folders a module's fixtures made with tmp_path_factory (its models, reference runs) are
+    removed when the module ends, unless one of its tests failed: they are kept to look into."""
+    root = tmp_path_factory.getbasetemp()
+    before = set(root.iterdir())
+    yield
+    if request.module.__name__ not in FAILED_MODULES:
+        for path in set(root.iterdir()) - before:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -29,9 +29,9 @@ LAYER_NAMES = ["base", "losses", "config", "data", "model", "rewards", "distribu
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 # third-party imports a function may defer: heavy or optional (FSDP's import alone takes ~0.7 s)
 DEFERRED = ("transformers", "peft", "safetensors", "torch.distributed.fsdp", "torch.distributed.checkpoint",
-            "torch.distributed.tensor",
+            "torch.distributed.tensor", "torch._dynamo",
             "torch.utils.tensorboard", "wandb", "mlflow", "matplotlib", "fsspec", "jsonschema", "kubernetes_validate",
-            "tqdm", "pyarrow", "yaml", "torch", "vllm")
+            "tqdm", "pyarrow", "yaml", "torch", "vllm", "tokenizers", "jinja2")
 LIGHT_ONLY = ("torch", "yaml", "pyarrow")  # deferred only by a module that does not already import them
 # what the `preftune` process must not import before its signal handler is installed
 HEAVY = ("torch", "transformers", "pyarrow", "numpy", "yaml")
@@ -170,6 +170,23 @@ def test_a_run_imports_only_what_it_uses():
                          cwd=PACKAGE.parent).stdout
     assert out.strip() == "[]"
 
+
+
+def test_a_run_of_the_own_module_imports_no_transformers(tmp_path):
+    """A GRPO run on the embedded model, from the config to final/: its config.json, tokenizer and
+    generation config are read by preftune, so a restart does not pay for transformers (its
+    import pulls in the modeling stack)."""
+    import subprocess
+
+    code = ("import sys; from preftune.api import train; "
+            f"train('examples/grpo.yaml', overrides=['output_dir={tmp_path / 'run'}', 'max_steps=1', "
+            "'log.progress_bar=false']); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'peft')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         cwd=PACKAGE.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert (tmp_path / "run" / "final" / "tokenizer.json").is_file()
 
 # ---------------------------------------------------------------- docs/ARCHITECTURE.md's layer table
 

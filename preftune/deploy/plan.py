@@ -18,6 +18,7 @@ from pathlib import Path
 from preftune.deploy.nodes import InstanceType
 from preftune.deploy.plan_time import run_cost, step_time
 from preftune.errors import UserError
+from preftune.model import hf_config
 
 GB = 1e9
 CHUNK_ELEMENTS = 1 << 25  # model/head.py (torch): restated here, a test holds them equal
@@ -111,6 +112,8 @@ def read_shape(folder: str, where: str = "model.name_or_path") -> Shape:
         c = json.loads(path.read_text())
         c = {**c, **c.get("text_config", {})}
         heads = int(c["num_attention_heads"])
+        mt = str(c.get("model_type"))
+        known = hf_config.layout(hf_config.FolderConfig(hf_config.DEFAULTS.get(mt, {}) | c))
         return Shape(
             layers=int(c["num_hidden_layers"]), hidden=int(c["hidden_size"]),
             intermediate=int(c["intermediate_size"]), heads=heads,
@@ -119,8 +122,9 @@ def read_shape(folder: str, where: str = "model.name_or_path") -> Shape:
             vocab=int(c["vocab_size"]),
             tied=bool(c.get("tie_word_embeddings", False)),
             max_positions=c.get("max_position_embeddings"),
-            qkv_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")),
-            qk_norm=c.get("model_type") == "qwen3",
+            # an unknown model type: sized as a Llama with biases where config.json says so
+            qkv_bias=known.qkv_bias if known else bool(c.get("attention_bias", False)),
+            qk_norm=known.qk_norm if known else False,
             file_bytes=BYTES.get(str(c.get("dtype") or c.get("torch_dtype") or "bfloat16"), 2),
             model_type=str(c.get("model_type")))
     except (OSError, ValueError, KeyError, TypeError) as e:

@@ -20,6 +20,7 @@ from torch import nn
 
 from preftune.model.head import head_logps
 from preftune.model import hf_files
+from preftune.model.hf_config import Layout
 from preftune.model.hf_files import weight_files
 from preftune.model.ops import (KVBuffers, RMSNorm, Rotary, addmm, attend, cast, joined,
                                 merged, rms, rotate_half, rotate_half_step)
@@ -39,19 +40,6 @@ def common_unsupported(config, architectures: tuple[str, ...]) -> str | None:
     if getattr(config, "attention_dropout", 0.0):
         return "attention dropout"
     return None
-
-
-def hf_layout(config):
-    """The Hugging Face module of `config` on the meta device: the shapes and biases this model
-    mirrors (no storage, no weights read)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-
-
-def linear_like(like: nn.Linear) -> nn.Linear:
-    return nn.Linear(like.in_features, like.out_features, bias=like.bias is not None)
 
 
 @dataclass
@@ -77,18 +65,18 @@ class Attention(nn.Module):
     rotate = staticmethod(rotate_half)
     rotate_step = staticmethod(rotate_half_step)
 
-    def __init__(self, like, config):
+    def __init__(self, config, layout: Layout):
         super().__init__()
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            setattr(self, name, linear_like(getattr(like, name)))
-        self.q_norm = (
-            RMSNorm(self.head_dim, config.rms_norm_eps) if hasattr(like, "q_norm") else None
-        )
-        self.k_norm = (
-            RMSNorm(self.head_dim, config.rms_norm_eps) if hasattr(like, "k_norm") else None
-        )
+        H, q, kv = config.hidden_size, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.q_proj = nn.Linear(H, q, bias=layout.qkv_bias)
+        self.k_proj = nn.Linear(H, kv, bias=layout.qkv_bias)
+        self.v_proj = nn.Linear(H, kv, bias=layout.qkv_bias)
+        self.o_proj = nn.Linear(q, H, bias=layout.o_bias)
+        norm = layout.qk_norm
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if norm else None
 
     def forward(self, x, cos, sin, mask, kv=None, layer: int = 0, start: int = 0) -> torch.Tensor:
         """x (B, L, H) -> attention output (B, L, H). With `kv`, keys/values go to columns
@@ -140,10 +128,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU with separate gate/up projections (Llama family, dense Qwen3-MoE layers)."""
 
-    def __init__(self, like):
+    def __init__(self, hidden: int, inner: int, bias: bool):
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = (linear_like(getattr(like, n)) for n in
-                                                        ("gate_proj", "up_proj", "down_proj"))
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -200,7 +189,10 @@ class Decoder(nn.Module):
 
     def __init__(self, config, blocks: list[nn.Module], rotary: nn.Module):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # storage without the random init: every path fills it from weights (its init on the meta
+        # device runs torch's Python reference, which imports sympy and dynamo)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(blocks)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = rotary
@@ -208,8 +200,9 @@ class Decoder(nn.Module):
 
 class CausalLM(nn.Module):
     """A causal LM of the own module. A family defines `ARCHITECTURES`, `PROJECTIONS` (LoRA's
-    "all-linear"), `unsupported(config)` and `block(like, config, index)`; `rotary` is the
-    frequency table class. `autocast_dtype`: bf16 compute over float32 master weights."""
+    "all-linear"), `unsupported(config)` and `block(config, index)` (its projections' biases and
+    norms from `hf_config.layout`); `rotary` is the frequency table class. `autocast_dtype`:
+    bf16 compute over float32 master weights."""
 
     ARCHITECTURES: tuple[str, ...] = ()
     PROJECTIONS: tuple[str, ...] = ()
@@ -221,11 +214,10 @@ class CausalLM(nn.Module):
 
     def __init__(self, config, *, autocast_dtype: torch.dtype | None = None):
         super().__init__()
-        like = hf_layout(config)
         self.config, self.autocast_dtype, self.checkpointing = config, autocast_dtype, False
-        blocks = [self.block(layer, config, i) for i, layer in enumerate(like.model.layers)]
+        blocks = [self.block(config, i) for i in range(config.num_hidden_layers)]
         self.model = Decoder(config, blocks, self.rotary(config))
-        self.lm_head = linear_like(like.lm_head)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -237,7 +229,7 @@ class CausalLM(nn.Module):
     def unsupported(cls, config) -> str | None:
         return common_unsupported(config, cls.ARCHITECTURES)
 
-    def block(self, like, config, index: int) -> nn.Module:
+    def block(self, config, index: int) -> nn.Module:
         raise NotImplementedError
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

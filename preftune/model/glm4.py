@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from preftune.model.core import Attention, Block, CausalLM, Step, linear_like
+from preftune.model import hf_config
+from preftune.model.core import Attention, Block, CausalLM, Step
 from preftune.model.ops import RMSNorm, addmm, cast, merged, rms, rotate_pairs
 
 
@@ -24,12 +25,10 @@ class PairAttention(Attention):
 class FusedMLP(nn.Module):
     """SwiGLU from one `gate_up_proj` (gate first, then up) and `down_proj`."""
 
-    def __init__(self, like):
+    def __init__(self, hidden: int, inner: int):
         super().__init__()
-        self.gate_up_proj, self.down_proj = (
-            linear_like(like.gate_up_proj),
-            linear_like(like.down_proj),
-        )
+        self.gate_up_proj = nn.Linear(hidden, 2 * inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -79,5 +78,6 @@ class Glm4(CausalLM):
     # every linear but the head
     PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
 
-    def block(self, like, config, index: int) -> Block:
-        return PostNormBlock(config, PairAttention(like.self_attn, config), FusedMLP(like.mlp))
+    def block(self, config, index: int) -> Block:
+        return PostNormBlock(config, PairAttention(config, hf_config.layout(config)),
+                             FusedMLP(config.hidden_size, config.intermediate_size))

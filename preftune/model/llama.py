@@ -4,6 +4,7 @@ whole head (q/k norms for Qwen3), SwiGLU with separate gate/up projections. Ever
 `core.CausalLM`'s: the passes, the decode loop, Hugging Face folders."""
 from __future__ import annotations
 
+from preftune.model import hf_config
 from preftune.model.core import MLP, Attention, Block, CausalLM
 
 
@@ -25,8 +26,10 @@ class Llama(CausalLM):
             return "sliding-window attention"
         return why
 
-    def block(self, like, config, index: int) -> Block:
-        return Block(config, Attention(like.self_attn, config), MLP(like.mlp))
+    def block(self, config, index: int) -> Block:
+        layout = hf_config.layout(config)
+        return Block(config, Attention(config, layout),
+                     MLP(config.hidden_size, config.intermediate_size, layout.mlp_bias))
 
 
 ARCHITECTURES, PROJECTIONS, unsupported = Llama.ARCHITECTURES, Llama.PROJECTIONS, Llama.unsupported

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import pickle
+import sys
 import weakref
 from pathlib import Path
 
@@ -16,8 +17,10 @@ import torch
 from preftune.atomic import atomic_write
 from preftune.config import ModelConfig
 from preftune.errors import UserError, one_line
+from preftune.model import hf_config
 from preftune.model.core import CausalLM
 from preftune.model.families import own_class, unsupported
+from preftune.model.tokenizer import Tokenizer
 
 # the names of CHOICES["model.dtype"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -68,13 +71,56 @@ def weights_signature(path: str) -> str:
     return ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
 
 
+_QUIET: dict = {"runs": 0}  # while runs go on: transformers' settings before they quieted it
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """While a run goes on, transformers' own bars (loading, writing shards) and warnings stay
+    off: they would bury the run's. Its settings are put back after. A run that never imports
+    transformers leaves it alone: it is quieted when the loaders import it (`hf_quiet`)."""
+    _QUIET["runs"] += 1
+    if "transformers" in sys.modules:
+        hf_quiet()
+    try:
+        yield
+    finally:
+        _QUIET["runs"] -= 1
+        saved = _QUIET.pop("saved", None) if not _QUIET["runs"] else None
+        if saved is not None:
+            from transformers.utils import logging as hf_logging
+
+            if saved[0]:
+                hf_logging.enable_progress_bar()
+            hf_logging.set_verbosity(saved[1])
+
+
+def hf_quiet() -> None:
+    """Quiet transformers (imported now) if a run goes on and it is not quiet yet."""
+    if not _QUIET["runs"] or "saved" in _QUIET:
+        return
+    from transformers.utils import logging as hf_logging
+
+    _QUIET["saved"] = (hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity())
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def import_model_libraries(cfg: ModelConfig) -> None:
-    """Import transformers and the model's own modeling module now (seconds: most of a restart on
-    a small model), so start-up time shows as `startup/imports` and a signal then still finds the
-    process in its start-up phase. Best effort: load_model reports any problem with the folder."""
+    """Import the model's libraries now (most of a restart on a small model), so start-up time
+    shows as `startup/imports` and a signal then still finds the process in its start-up phase:
+    for a folder the own module reads itself (`own_folder`), only the tokenizer's; else
+    transformers and the model's own modeling module. Best effort: load_model reports any problem
+    with the folder."""
+    if own_folder(cfg, cfg.name_or_path):
+        # torch's own lazy imports, here rather than inside the first step: the optimizer's
+        # construction imports dynamo (and with it sympy), whatever the model
+        import torch._dynamo  # noqa: F401
+        return
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    hf_quiet()
     if cfg.trust_remote_code:
         return
     # the flag, always: without it transformers may ask on a terminal whether to run a folder's code
@@ -85,6 +131,19 @@ def import_model_libraries(cfg: ModelConfig) -> None:
         pass
 
 
+def own_folder(cfg: ModelConfig, path: str) -> bool:
+    """Whether the own module and the own tokenizer serve this folder with no transformers
+    import: its config.json is one `hf_config` reads, and its tokenizer one `Tokenizer` does."""
+    if not cfg.lean_forward or cfg.trust_remote_code:
+        return False
+    try:
+        config = hf_config.read(path)
+    except (OSError, ValueError):
+        return False
+    return config is not None and own_class(config) is not None \
+        and Tokenizer.from_folder(path) is not None
+
+
 def _refuse_remote_code(e: BaseException, path: str, what: str) -> None:
     if "contains custom code" in str(e):
         raise UserError(f"the {what} in {path} maps to its own code (auto_map), which runs only "
@@ -92,16 +151,22 @@ def _refuse_remote_code(e: BaseException, path: str, what: str) -> None:
                         "model.trust_remote_code: true", where="model.trust_remote_code") from None
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    """`trust_remote_code` is passed as a bool on every load (config, tokenizer, model): None would
-    let transformers prompt on a terminal and run a folder's `auto_map` code on a "y"."""
-    from transformers import AutoTokenizer
+def load_tokenizer(path: str, trust_remote_code: bool = False, *, own: bool = True):
+    """The folder's tokenizer: preftune's own (`model/tokenizer.py`, no transformers import) for
+    a folder it reads exactly, unless `own` is off (a caller that needs transformers' batching),
+    else transformers'. `trust_remote_code` is passed as a bool on every load (config, tokenizer,
+    model): None would let transformers prompt on a terminal and run a folder's `auto_map` code
+    on a "y"."""
+    tok = Tokenizer.from_folder(path) if own and not trust_remote_code else None
+    if tok is None:
+        from transformers import AutoTokenizer
 
-    try:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=bool(trust_remote_code))
-    except _load_errors() as e:
-        _refuse_remote_code(e, path, "tokenizer")
-        raise UserError(f"cannot load tokenizer: {one_line(e)}", where=path) from None
+        hf_quiet()
+        try:
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=bool(trust_remote_code))
+        except _load_errors() as e:
+            _refuse_remote_code(e, path, "tokenizer")
+            raise UserError(f"cannot load tokenizer: {one_line(e)}", where=path) from None
     if tok.pad_token_id is None:
         if tok.eos_token_id is None:
             raise UserError("tokenizer has neither a pad nor an eos token", where=path)
@@ -115,23 +180,25 @@ def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True, weights: 
     module (also with `model.lean_forward: false`). Without `weights`, the same module on the meta
     device, from config.json alone (shapes, no storage: the FSDP2 ranks that receive their shards
     from rank 0)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     # Full fine-tuning in bfloat16 keeps float32 master weights and computes under autocast: AdamW
     # steps on bf16 weights round most updates away. Frozen models and LoRA bases load as bf16.
     mixed = trainable and cfg.dtype == "bfloat16" and not cfg.lora.enabled
     dtype, remote = torch.float32 if mixed else DTYPES[cfg.dtype], bool(cfg.trust_remote_code)
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
+        config = _model_config(cfg, path)
         own = own_class(config) if cfg.lean_forward else None
         _say_path(config, own, cfg.lean_forward)
         if own is not None:
             model = own.from_pretrained(path, config, dtype=dtype, weights=weights,
                                         autocast_dtype=torch.bfloat16 if mixed else None)
         elif weights:
+            from transformers import AutoModelForCausalLM
+
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
                                                          trust_remote_code=remote)
         else:
+            from transformers import AutoModelForCausalLM
+
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                          trust_remote_code=remote)
@@ -140,7 +207,7 @@ def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True, weights: 
         raise UserError(f"cannot load model: {one_line(e, with_type=True)}", where=path) from None
     if mixed and not isinstance(model, CausalLM):
         _MIXED[model] = torch.bfloat16
-    generation = _generation_config(path)
+    generation = _generation_config(path, own=isinstance(model, CausalLM))
     if generation is not None:  # its stop ids and sampling defaults travel into every folder saved
         model.generation_config = generation
     if not trainable:
@@ -158,13 +225,41 @@ def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True, weights: 
     return model
 
 
-def _generation_config(path: str):
-    """The folder's generation_config.json (a `GenerationConfig`), or None without one."""
-    from transformers import GenerationConfig
+def _model_config(cfg: ModelConfig, path: str):
+    """config.json read by `hf_config` when the own module runs it, else by transformers."""
+    config = hf_config.read(path) if cfg.lean_forward and not cfg.trust_remote_code else None
+    if config is not None and own_class(config) is not None:
+        return config
+    from transformers import AutoConfig
 
-    if not os.path.isfile(os.path.join(path, "generation_config.json")):
+    hf_quiet()
+    return AutoConfig.from_pretrained(path, trust_remote_code=bool(cfg.trust_remote_code))
+
+
+class GenerationFile:
+    """generation_config.json as the folder holds it, written back unchanged (the own module's:
+    transformers' `GenerationConfig` would import transformers for a file it only carries)."""
+
+    def __init__(self, text: str):
+        json.loads(text)  # a broken file stops the load, as GenerationConfig would
+        self.text = text
+
+    def save_pretrained(self, out: str | Path) -> None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "generation_config.json").write_text(self.text)
+
+
+def _generation_config(path: str, *, own: bool):
+    """The folder's generation_config.json (a `GenerationConfig`, or for the own module a
+    `GenerationFile`), or None without one."""
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
         return None
     try:
+        if own:
+            return GenerationFile(Path(file).read_text())
+        from transformers import GenerationConfig
+
         return GenerationConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read generation_config.json: {one_line(e)}", where=path) from None
@@ -254,6 +349,7 @@ def to_device(host, device, dtype: torch.dtype | None = None) -> torch.Tensor:
 def _wrap_lora(model, cfg: ModelConfig, path: str):
     try:
         from peft import LoraConfig, get_peft_model
+        hf_quiet()
     except ImportError:
         raise UserError("model.lora.enabled needs peft: pip install 'preftune[lora]'",
                         where="model.lora") from None

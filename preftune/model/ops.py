@@ -84,10 +84,12 @@ class Rotary(nn.Module):
         if kind == "default":
             dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
             base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            inv_freq, self.attention_scaling = (
-                1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)),
-                1.0,
-            )
+            # computed on the CPU, as the HF modules compute it, whatever device the module is
+            # built on: on the meta device arange runs torch's Python reference, whose first call
+            # imports sympy and dynamo (a second of a restart)
+            steps = torch.arange(0, dim, 2, dtype=torch.float, device="cpu")
+            inv_freq = (1.0 / (base ** (steps / dim))).to(torch.empty(0).device)
+            self.attention_scaling = 1.0
         else:  # yarn, llama3, linear, ...: transformers' published table for that type
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

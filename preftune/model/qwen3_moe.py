@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from preftune.model import hf_files
+from preftune.model import hf_config
 from preftune.model.core import MLP, Attention, Block, CausalLM
 from preftune.model.ops import cast, merged
 
@@ -234,9 +235,10 @@ class Qwen3Moe(CausalLM):
             return "sliding-window attention"
         return why
 
-    def block(self, like, config, index: int) -> Block:
-        mlp = SparseMoE(config) if sparse(config, index) else MLP(like.mlp)
-        return Block(config, Attention(like.self_attn, config), mlp)
+    def block(self, config, index: int) -> Block:
+        mlp = (SparseMoE(config) if sparse(config, index)
+               else MLP(config.hidden_size, config.intermediate_size, False))
+        return Block(config, Attention(config, hf_config.layout(config)), mlp)
 
     @classmethod
     def stored_layout(cls, tensors: dict) -> dict[str, tuple[tuple, list[str]]]:

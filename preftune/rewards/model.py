@@ -18,7 +18,7 @@ import torch
 
 from preftune.data.messages import is_messages
 from preftune.errors import UserError, one_line
-from preftune.model.load import load_tokenizer, weights_signature
+from preftune.model.load import hf_quiet, load_tokenizer, weights_signature
 
 # (folder, device, weights) -> loaded model: one load per process
 _LOADED: dict[tuple, "RewardModel"] = {}
@@ -68,9 +68,10 @@ class RewardModel:
     def __init__(self, folder: Path, *, device, batch_size: int, where: str):
         from transformers import AutoModelForSequenceClassification
 
+        hf_quiet()
         _check_folder(folder, where)
         try:
-            self.tokenizer = load_tokenizer(str(folder))
+            self.tokenizer = load_tokenizer(str(folder), own=False)  # batches with padding
         except UserError as e:
             raise UserError(f"{folder}: {e.message}", where=where) from None
         try:

@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 
 import torch
+import torch._dynamo  # noqa: F401 - torch's lazy imports, made by any run, are not the load's memory
 
+from preftune.cli.command import finish
 from preftune.config import Config
 from preftune.distributed import fsdp
 from preftune.distributed.group import Parallel
@@ -73,3 +75,4 @@ def main(model_dir: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:3])
+    finish(0)  # as the CLI exits: a gloo group freed in the teardown's last collection aborts it

@@ -33,3 +33,22 @@ def test_a_model_without_weights_is_the_same_module_on_the_meta_device():
         assert meta.autocast_dtype == real.autocast_dtype
         tied = real.config.tie_word_embeddings
         assert (meta.lm_head.weight is meta.model.embed_tokens.weight) == tied
+
+
+def test_transformers_is_quiet_while_a_run_loads_and_as_before_after():
+    """Its bars and warnings would bury the run's; a user's settings come back when the run ends."""
+    from transformers.utils import logging as hf_logging
+
+    from preftune.config import ModelConfig
+    from preftune.model.load import load_model, quiet_transformers
+    from tests.conftest import MODEL_DIR
+
+    hf_logging.set_verbosity_info()
+    hf_logging.enable_progress_bar()
+    try:
+        with quiet_transformers():
+            load_model(ModelConfig(lean_forward=False), str(MODEL_DIR))
+            assert hf_logging.get_verbosity() == hf_logging.ERROR and not hf_logging.is_progress_bar_enabled()
+        assert hf_logging.get_verbosity() == hf_logging.INFO and hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.set_verbosity_warning()
