@@ -189,10 +189,12 @@ class Decoder(nn.Module):
 
     def __init__(self, config, blocks: list[nn.Module], rotary: nn.Module):
         super().__init__()
-        # storage without the random init: every path fills it from weights (its init on the meta
-        # device runs torch's Python reference, which imports sympy and dynamo)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
+        # nn.Embedding's own init, skipped on the meta device: there normal_ runs torch's Python
+        # reference, which imports sympy and dynamo (a second of a restart)
+        weight = torch.empty(config.vocab_size, config.hidden_size)  # (V, H)
+        if not weight.is_meta:
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(blocks)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = rotary

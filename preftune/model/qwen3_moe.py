@@ -94,6 +94,9 @@ class Experts(nn.Module):
         E, H, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, inter))
+        if not self.down_proj.is_meta:  # as transformers inits them; meta: filled from weights
+            for p in (self.gate_up_proj, self.down_proj):
+                nn.init.normal_(p, std=getattr(config, "initializer_range", 0.02))
 
 
 class SparseMoE(nn.Module):
