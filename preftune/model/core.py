@@ -290,7 +290,9 @@ class CausalLM(nn.Module):
         a = self.model.layers[0].self_attn
         shape = (len(self.model.layers), rows, a.kv_heads, capacity, a.head_dim)
         w = self.model.embed_tokens.weight
-        return KVBuffers(w.new_empty(shape, dtype=dtype), w.new_empty(shape, dtype=dtype))
+        # zeros, not empty: a conversation's later turn leaves the columns before a shorter kept
+        # prefix unwritten, and a masked column still adds 0 x its value (NaN from an old heap)
+        return KVBuffers(w.new_zeros(shape, dtype=dtype), w.new_zeros(shape, dtype=dtype))
 
     def decoding(self, dtype: torch.dtype) -> list[dict]:
         """Each block's weights for `step` (`Block.fused`), read once per rollout."""
