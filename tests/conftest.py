@@ -111,6 +111,25 @@ def hf_model():
 
 
 @pytest.fixture
+def nan_memory(monkeypatch):
+    """Call it to make every float buffer allocated without a fill (`torch.empty`, `empty_like`,
+    `Tensor.new_empty`) NaN until the test ends, as an old heap can leave it: code that reads
+    memory it did not write then gives NaN, not a result that depends on the heap."""
+    import torch
+
+    def nan_filled(allocate):
+        def wrapped(*args, **kwargs):
+            out = allocate(*args, **kwargs)
+            return out.fill_(float("nan")) if out.is_floating_point() else out
+        return wrapped
+
+    def poison() -> None:
+        for owner, name in ((torch, "empty"), (torch, "empty_like"), (torch.Tensor, "new_empty")):
+            monkeypatch.setattr(owner, name, nan_filled(getattr(owner, name)))
+    return poison
+
+
+@pytest.fixture
 def traces_file(tmp_path) -> Path:
     return write_parquet(tmp_path / "traces.parquet", arith_traces())
 

@@ -69,11 +69,10 @@ def test_outside_a_conversation_nothing_is_kept(tokenizer):
     assert widths == [max(len(r) for r in second)]
 
 
-def test_memory_the_sampler_did_not_write_is_never_read(tokenizer, monkeypatch):
-    """Every float buffer allocated without a fill (`torch.empty`, `new_empty`, `empty_like`) is
-    NaN here, as an old heap can leave it: a conversation's two turns sample the same tokens and
-    log-probs as with clean memory. (A later turn's shorter kept prefixes leave cache columns
-    unwritten: masked, they still add 0 x their value.)"""
+def test_memory_the_sampler_did_not_write_is_never_read(tokenizer, nan_memory):
+    """With unfilled allocations NaN (`nan_memory`), a conversation's two turns sample the same
+    tokens and log-probs as with clean memory. (A later turn's shorter kept prefixes leave cache
+    columns unwritten: masked, they still add 0 x their value.)"""
     model, tok = _own64(), tokenizer
 
     def two_turns():
@@ -85,15 +84,7 @@ def test_memory_the_sampler_did_not_write_is_never_read(tokenizer, monkeypatch):
             return first, _turn(engine, model, tok, second, G=1, seed=2)
 
     want = two_turns()
-
-    def nan_filled(allocate):
-        def wrapped(*args, **kwargs):
-            out = allocate(*args, **kwargs)
-            return out.fill_(float("nan")) if out.is_floating_point() else out
-        return wrapped
-
-    for owner, name in ((torch, "empty"), (torch, "empty_like"), (torch.Tensor, "new_empty")):
-        monkeypatch.setattr(owner, name, nan_filled(getattr(owner, name)))
+    nan_memory()
     got = two_turns()
     for a, b in zip(want, got):
         assert torch.equal(a.completion_ids, b.completion_ids)
