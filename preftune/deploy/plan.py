@@ -112,8 +112,7 @@ def read_shape(folder: str, where: str = "model.name_or_path") -> Shape:
         c = json.loads(path.read_text())
         c = {**c, **c.get("text_config", {})}
         heads = int(c["num_attention_heads"])
-        mt = str(c.get("model_type"))
-        known = hf_config.layout(hf_config.FolderConfig(hf_config.DEFAULTS.get(mt, {}) | c))
+        known = hf_config.layout(hf_config.FolderConfig(c))
         return Shape(
             layers=int(c["num_hidden_layers"]), hidden=int(c["hidden_size"]),
             intermediate=int(c["intermediate_size"]), heads=heads,

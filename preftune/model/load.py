@@ -134,14 +134,19 @@ def import_model_libraries(cfg: ModelConfig) -> None:
 def own_folder(cfg: ModelConfig, path: str) -> bool:
     """Whether the own module and the own tokenizer serve this folder with no transformers
     import: its config.json is one `hf_config` reads, and its tokenizer one `Tokenizer` does."""
-    if not cfg.lean_forward or cfg.trust_remote_code:
-        return False
     try:
-        config = hf_config.read(path)
+        config = _own_config(cfg, path)
     except (OSError, ValueError):
         return False
-    return config is not None and own_class(config) is not None \
-        and Tokenizer.from_folder(path) is not None
+    return config is not None and Tokenizer.from_folder(path) is not None
+
+
+def _own_config(cfg: ModelConfig, path: str):
+    """config.json read by `hf_config` when the own module runs this folder, else None."""
+    if not cfg.lean_forward or cfg.trust_remote_code:
+        return None
+    config = hf_config.read(path)
+    return config if config is not None and own_class(config) is not None else None
 
 
 def _refuse_remote_code(e: BaseException, path: str, what: str) -> None:
@@ -227,8 +232,8 @@ def load_model(cfg: ModelConfig, path: str, *, trainable: bool = True, weights: 
 
 def _model_config(cfg: ModelConfig, path: str):
     """config.json read by `hf_config` when the own module runs it, else by transformers."""
-    config = hf_config.read(path) if cfg.lean_forward and not cfg.trust_remote_code else None
-    if config is not None and own_class(config) is not None:
+    config = _own_config(cfg, path)
+    if config is not None:
         return config
     from transformers import AutoConfig
 
